@@ -4,7 +4,8 @@ leaves its linearization, as the proximal strength grows (seeds/001, Table 1: on
 
 Set-up: the packaged MiniLM-L6 (``TextClassifier("minilm-l6", lora=True, lora_r=8)``: LoRA on the
 attention query/value projections plus the classification head trainable), AdamW at the
-paper's lr 4e-3, batch 16, on a generated binary sentiment task written as CSV files and read by
+paper's lr 4e-3, batch 16, on a generated binary sentiment task
+(``lalr_lightning.data.text.sentiment_corpus``) written as CSV files and read by
 ``TextDataModule("files")`` (nothing downloaded): template sentences whose label is the polarity
 of an adjective, with negations that flip it. For each lambda of the paper's grid
 ``0, 0.1, 0.5, 1, 2, 5, 10, 50`` the same seed, data and initialization are fine-tuned with
@@ -26,7 +27,6 @@ import csv
 import logging
 import math
 import os
-import random
 import tempfile
 import time
 import warnings
@@ -40,27 +40,10 @@ import torch  # noqa: E402
 from lalr_lightning.callbacks import ProximalRegularizer  # noqa: E402
 from lalr_lightning.core import ntk  # noqa: E402
 from lalr_lightning.core.probe import probe_inputs  # noqa: E402
-from lalr_lightning.data.text import TextDataModule  # noqa: E402
+from lalr_lightning.data.text import TextDataModule, sentiment_corpus  # noqa: E402
 from lalr_lightning.models.text import TextClassifier  # noqa: E402
 
 GRID = (0.0, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 50.0)
-POS = ("good", "great", "wonderful", "delightful", "moving", "superb", "charming", "brilliant")
-NEG = ("bad", "awful", "boring", "dreadful", "dull", "terrible", "clumsy", "tedious")
-SUBJ = ("the movie", "this film", "the plot", "the acting", "the ending", "the soundtrack", "the story", "the cast")
-FILL = ("", "honestly ", "really ", "quite ", "at times ", "overall ")
-
-
-def sentences(n: int, seed: int) -> list[tuple[str, int]]:
-    """``n`` labeled sentences; label 1 = positive (a negation flips the adjective's polarity)."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        pos = rng.random() < 0.5
-        adj = rng.choice(POS if pos else NEG)
-        neg = rng.random() < 0.3
-        text = f"{rng.choice(SUBJ)} was {rng.choice(FILL)}{'not ' if neg else ''}{adj}"
-        out.append((text, int(pos != neg)))
-    return out
 
 
 def write_csv(path: Path, rows: list[tuple[str, int]]) -> str:
@@ -107,8 +90,8 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     tmp = Path(tempfile.mkdtemp(prefix="proximal_lambda_"))
-    files = {"train": write_csv(tmp / "train.csv", sentences(args.train_n, 1)),
-             "validation": write_csv(tmp / "val.csv", sentences(256, 2))}
+    files = {"train": write_csv(tmp / "train.csv", sentiment_corpus(args.train_n, 1)),
+             "validation": write_csv(tmp / "val.csv", sentiment_corpus(256, 2))}
     rows = []
     for selective in (True, False):
         for lam in GRID:

@@ -28,7 +28,8 @@ batch 16 of ``--step-length`` tokens) without the callback, with
 ``ProximalRegularizer(selective=False)`` (plain L2-SP: one ``torch._foreach_lerp_`` per device)
 and with ``selective=True`` at each granularity (``tensor``, ``layer``, ``global``: one
 ``theta - theta_0``, one inner product per tensor and one host transfer per step, then the
-lerp). Printed per variant: the median training-step time (forward + backward + optimizer step +
+lerp), then plain again (the spread of the two plain runs is the ratios' noise floor). Printed per
+variant: the median training-step time (forward + backward + optimizer step +
 transforms, measured between ``on_train_batch_start`` and ``on_train_batch_end``), the median
 time of the proximal step alone (the transform, timed inside the optimizer step) and the ratio
 of the training-step time to the plain one. The first ``--warmup`` steps are left out.
@@ -191,14 +192,16 @@ def time_steps(make, variant, steps: int, warmup: int) -> tuple[float, float]:
 
 
 def step_report(name: str, make, steps: int, warmup: int) -> None:
-    variants = [None, (False, "tensor"), (True, "tensor"), (True, "layer"), (True, "global")]
+    # plain runs first and again last: the spread of the two is the noise floor of the ratios
+    variants = [None, (False, "tensor"), (True, "tensor"), (True, "layer"), (True, "global"), None]
     print(f"\n{name}: {steps} optimizer steps per variant (medians of the last {steps - warmup})")
     print(f"  {'variant':22s} {'train step ms':>13s} {'proximal ms':>12s} {'ratio':>6s}")
     base = None
-    for v in variants:
+    for k, v in enumerate(variants):
         step_s, prox_s = time_steps(make, v, steps, warmup)
-        base = step_s if v is None else base
-        label = "plain (no callback)" if v is None else ("L2-SP" if not v[0] else f"selective {v[1]}")
+        base = step_s if k == 0 else base
+        label = ("plain (no callback)" if k == 0 else "plain (again)") if v is None else (
+            "L2-SP" if not v[0] else f"selective {v[1]}")
         prox_ms = "-" if v is None else f"{1e3 * prox_s:.2f}"
         print(f"  {label:22s} {1e3 * step_s:13.1f} {prox_ms:>12s} {step_s / base:6.3f}", flush=True)
 

@@ -474,8 +474,11 @@ def test_offline_tinyllama_configs_run(tmp_path, config, prefix):
     assert df["val/ppl"].dropna().gt(1).all()
 
 
-@pytest.mark.parametrize("config", ["configs/lisa_llama2_7b.yaml", "configs/lalr_llama.yaml"])
-def test_gpu_configs_parse(config, capsys):
+@pytest.mark.parametrize("config,model_name", [("configs/lisa_llama2_7b.yaml", "meta-llama/Llama-2-7b-hf"),
+                                               ("configs/lalr_llama.yaml", "meta-llama/Llama-2-7b-hf"),
+                                               ("configs/spectrum_llama3_8b.yaml", "meta-llama/Llama-3.1-8B"),
+                                               ("configs/alphapruning_llama_7b.yaml", "pinkmanlove/llama-7b-hf")])
+def test_gpu_configs_parse(config, model_name, capsys):
     """The paper-setting configs name real classes and arguments (checked without building a 7B model)."""
     from lalr_lightning.cli import main
 
@@ -483,4 +486,4 @@ def test_gpu_configs_parse(config, capsys):
         main(["fit", "--config", config, "--print_config"])
     assert exit_info.value.code in (0, None)
     out = capsys.readouterr().out
-    assert "lalr_lightning.models.causal_lm.CausalLMModule" in out and "model_name: meta-llama/Llama-2-7b-hf" in out
+    assert "lalr_lightning.models.causal_lm.CausalLMModule" in out and f"model_name: {model_name}" in out

@@ -281,3 +281,82 @@ def test_learns_the_rule(tmp_path, files):
     trainer.fit(model, datamodule=dm)
     (res,) = _trainer(limit_val_batches=None).validate(model, datamodule=dm, verbose=False)
     assert res["val/acc"] >= 0.9
+
+
+# --------------------------------------------------------------------------- generated corpus
+
+
+def test_sentiment_corpus_follows_its_rule_and_loads_offline(tmp_path):
+    from lalr_lightning.data.text import sentiment_corpus
+
+    rows = sentiment_corpus(400, seed=3)
+    assert rows == sentiment_corpus(400, seed=3) and rows != sentiment_corpus(400, seed=4)
+    pos = {"good", "great", "wonderful", "delightful", "moving", "superb", "charming", "brilliant"}
+    for text, label in rows:  # the label is the adjective's polarity, flipped by "not"
+        *_, before, adjective = text.split()
+        assert label == int((adjective in pos) != (before == "not")), text
+    assert 0.4 < sum(y for _, y in rows) / len(rows) < 0.6
+    assert 0.2 < sum(" not " in t for t, _ in rows) / len(rows) < 0.4
+
+    dm = TextDataModule("sentiment", corpus_size=100, max_length=16, batch_size=8, cache_dir=str(tmp_path))
+    dm.prepare_data()
+    dm.setup()
+    assert (len(dm.train_set), len(dm.val_set)) == (100, 64) and dm.test_set is dm.val_set
+    written = sorted(p.name for p in tmp_path.rglob("*.jsonl"))
+    assert written == ["train.jsonl", "validation.jsonl"]  # read back through the local-files path
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["input_ids"].shape[0] == 8 and set(batch["labels"].tolist()) <= {0, 1}
+    with pytest.raises(ValueError, match="dataset='files'"):
+        TextDataModule("sentiment", data_files={"train": "x.csv"})
+    with pytest.raises(ValueError, match="corpus_size must be >= 8"):
+        TextDataModule("sentiment", corpus_size=2)
+
+
+def test_proximal_offline_config_runs(tmp_path):
+    """configs/proximal_minilm_offline.yaml end to end through the CLI, nothing downloaded."""
+    import pandas as pd
+
+    from lalr_lightning.cli import main
+
+    main(["fit", "--config", "configs/proximal_minilm_offline.yaml", "--trainer.max_epochs", "1",
+          "--trainer.limit_train_batches", "8", "--trainer.limit_val_batches", "2", "--trainer.log_every_n_steps", "1",
+          "--data.init_args.corpus_size", "128", "--data.init_args.cache_dir", str(tmp_path / "cache"),
+          "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.default_root_dir", str(tmp_path)])
+    df = pd.read_csv(next(tmp_path.rglob("metrics.csv")))
+    cols = set(df.columns)
+    for per_layer in ("proximal/distance/", "proximal/regularized_fraction/"):  # a LoRA pair is one layer
+        assert f"{per_layer}model.base_model.model.bert.encoder.layer.5.attention.self.value" in cols, sorted(cols)
+    assert {"proximal/total_distance", "proximal/lambda_o", "ntk/kappa", "ntk/gap", "ntk/kl", "val/acc"} <= cols
+    assert df["proximal/total_distance"].dropna().gt(0).all()
+    assert df["ntk/kappa"].dropna().ge(1).all()
+
+
+@pytest.mark.parametrize("config", ["configs/proximal_roberta_lora_sst2.yaml", "configs/proximal_roberta_lora_cola.yaml"])
+def test_paper_roberta_configs_run_on_a_tiny_roberta(tmp_path, config):
+    """The paper-setting configs, unchanged but for the model size and the data: a tiny random
+    RoBERTa of the same architecture (LoRA on query/value, fresh head) on the generated task."""
+    import pandas as pd
+    import yaml
+    from transformers import AutoTokenizer, RobertaConfig, RobertaModel
+
+    from lalr_lightning.cli import main
+
+    d = tmp_path / "tiny_roberta"
+    RobertaModel(RobertaConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                               intermediate_size=64, max_position_embeddings=130, pad_token_id=0)).save_pretrained(d)
+    AutoTokenizer.from_pretrained(minilm_path()).save_pretrained(d)
+    main(["fit", "--config", config, "--model.init_args.model_name", str(d), "--data.init_args.tokenizer", str(d),
+          "--data.init_args.dataset", "sentiment", "--data.init_args.corpus_size", "64",
+          "--data.init_args.max_length", "32", "--data.init_args.num_workers", "0",
+          "--data.init_args.cache_dir", str(tmp_path / "cache"), "--trainer.accelerator", "cpu",
+          "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "4", "--trainer.limit_val_batches", "1",
+          "--trainer.log_every_n_steps", "1", "--trainer.logger.init_args.save_dir", str(tmp_path),
+          "--trainer.logger.init_args.version", "lam_5", "--trainer.default_root_dir", str(tmp_path),
+          "--trainer.callbacks.init_args.lam", "5"])  # the lambda-grid override the configs' comments show
+    run = next(tmp_path.rglob("lam_5"))
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    prox = [c for c in saved["trainer"]["callbacks"] if c["class_path"].endswith("ProximalRegularizer")]
+    assert [c["init_args"]["lam"] for c in prox] == [5.0]
+    df = pd.read_csv(run / "metrics.csv")
+    assert "proximal/distance/model.base_model.model.roberta.encoder.layer.1.attention.self.query" in df.columns
+    assert {"proximal/total_distance", "ntk/kappa", "ntk/gap", "val/acc"} <= set(df.columns)

@@ -41,11 +41,9 @@ vocabulary (the default ``tokenizer``).
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import random
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -56,6 +54,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
+from lalr_lightning.data._files import default_cache_dir, expand, split_map, write_lines_atomic
 from lalr_lightning.text_assets import is_local, resolve_model_name
 
 __all__ = [
@@ -77,8 +76,6 @@ IGNORE_INDEX = -100
 DEFAULT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
 DEFAULT_TEMPLATE_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 _EXTENSIONS = (".txt", ".json", ".jsonl", ".ndjson")
-_SPLITS = {"train": "train", "validation": "validation", "val": "validation", "valid": "validation",
-           "dev": "validation", "test": "test"}
 _CORPUS_VERSION = 1
 #: ``tokenizer`` names meaning the word-level tokenizer of the offline grammar (:func:`word_tokenizer`)
 OFFLINE_TOKENIZER = ("offline-words", "offline_words")
@@ -144,22 +141,6 @@ def word_tokenizer(words: Sequence[str] = GRAMMAR_WORDS):
                                    eos_token="</s>")
 
 
-def default_cache_dir() -> str:
-    """``$LALR_LIGHTNING_CACHE``, else ``$XDG_CACHE_HOME/lalr_lightning`` (``~/.cache/lalr_lightning``)."""
-    env = os.environ.get("LALR_LIGHTNING_CACHE")
-    if env:
-        return os.path.expanduser(env)
-    return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "lalr_lightning")
-
-
-def _write_atomic(path: Path, lines: Sequence[str]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.writelines(line + "\n" for line in lines)
-    os.replace(tmp, path)  # atomic: concurrent ranks never read a half-written file
-
-
 def write_offline_corpus(cache_dir: str | os.PathLike, n_train: int = 2000, n_val: int = 200,
                          seed: int = 0) -> dict[str, str]:
     """Write (once) the offline corpus as ``{"text": ...}`` JSONL; returns ``{split: path}``.
@@ -171,7 +152,7 @@ def write_offline_corpus(cache_dir: str | os.PathLike, n_train: int = 2000, n_va
     for split, n, s in (("train", n_train, seed), ("validation", n_val, seed + 1_000_003)):
         path = root / f"{split}.jsonl"
         if not path.is_file():
-            _write_atomic(path, [json.dumps({"text": t}) for t in offline_corpus(n, s)])
+            write_lines_atomic(path, [json.dumps({"text": t}) for t in offline_corpus(n, s)])
         out[split] = str(path)
     return out
 
@@ -179,49 +160,15 @@ def write_offline_corpus(cache_dir: str | os.PathLike, n_train: int = 2000, n_va
 # ---------------------------------------------------------------------------- reading files
 
 
-def _as_split_map(data_files: Any) -> dict[str, list[str]]:
-    if isinstance(data_files, (str, os.PathLike)):
-        return {"train": [os.fspath(data_files)]}
-    if not isinstance(data_files, Mapping):
-        paths = [os.fspath(p) for p in data_files]
-        if not paths:
-            raise ValueError("data_files is empty; give a file, a list of files or {'train': ..., 'validation': ...}")
-        return {"train": paths}
-    out: dict[str, list[str]] = {}
-    for key, val in data_files.items():
-        split = _SPLITS.get(str(key).lower())
-        if split is None:
-            raise ValueError(f"unknown split name {key!r} in data_files; use train, validation (or val/dev) and test")
-        if split in out:
-            raise ValueError(f"data_files gives the {split} split twice (as {key!r} and an alias of it)")
-        out[split] = [os.fspath(val)] if isinstance(val, (str, os.PathLike)) else [os.fspath(p) for p in val]
-    if "train" not in out:
-        raise ValueError(f"data_files needs a 'train' entry; got splits {sorted(out)}")
-    return out
-
-
 def _expand(split: str, paths: list[str]) -> list[str]:
-    """Check every file exists and has a known format; glob patterns are expanded (sorted)."""
-    if not paths:
-        raise ValueError(f"data_files[{split!r}] is empty")
-    out = []
-    for p in paths:
-        p = os.path.expanduser(p)
-        if glob.has_magic(p):
-            hits = sorted(glob.glob(p))
-            if not hits:
-                raise FileNotFoundError(f"data_files[{split!r}]: the pattern {p!r} matches no file")
-        elif not os.path.isfile(p):
-            raise FileNotFoundError(f"data_files[{split!r}]: file not found: {p!r}")
-        else:
-            hits = [p]
-        for h in hits:
-            if os.path.splitext(h)[1].lower() not in _EXTENSIONS:
-                raise ValueError(
-                    f"data_files[{split!r}]: cannot read {h!r}: supported extensions are {', '.join(_EXTENSIONS)} "
-                    "(.txt: one example per line; .jsonl: one JSON object per line; .json: a list of objects)"
-                )
-        out.extend(hits)
+    """The files of one split (globs expanded), each of a readable format."""
+    out = expand(split, paths)
+    for h in out:
+        if os.path.splitext(h)[1].lower() not in _EXTENSIONS:
+            raise ValueError(
+                f"data_files[{split!r}]: cannot read {h!r}: supported extensions are {', '.join(_EXTENSIONS)} "
+                "(.txt: one example per line; .jsonl: one JSON object per line; .json: a list of objects)"
+            )
     return out
 
 
@@ -377,7 +324,7 @@ class CausalLMDataModule(L.LightningDataModule):
             if "{instruction}" not in tpl:
                 raise ValueError(f"{name} {tpl!r} must contain {{instruction}}")
         self.save_hyperparameters()
-        self._files = _as_split_map(data_files) if data_files is not None else None
+        self._files = split_map(data_files) if data_files is not None else None
         if self._files is not None:
             self._files = {split: _expand(split, paths) for split, paths in self._files.items()}
         self.tokenizer_name = tokenizer

@@ -1,4 +1,5 @@
-"""Text classification data: SST-2, CoLA, IMDb, Yelp-polarity, or your own files.
+"""Text classification data: SST-2, CoLA, IMDb, Yelp-polarity, your own files, or a generated
+offline sentiment corpus.
 
 Everything goes through Hugging Face ``datasets`` so that one code path serves the Hub, the
 local HF cache (``HF_HUB_OFFLINE=1`` after one online run) and plain local CSV / JSON /
@@ -15,22 +16,27 @@ Split conventions:
 * ``dataset="files"``: ``data_files`` maps split names (``train``, ``validation``/``val``/
   ``dev``, ``test``) to files; a single path is the train split. Missing validation is carved
   from train; missing test reuses validation.
+* ``dataset="sentiment"``: a generated binary sentiment task (:func:`sentiment_corpus`) written
+  once as JSON lines to ``cache_dir`` and read back like any file, so offline configs and tests
+  need nothing downloaded; train and validation come from different seeds.
 """
 
 from __future__ import annotations
 
-import glob
+import json
 import os
-from collections.abc import Mapping, Sequence
+import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 from torch.utils.data import DataLoader
 
+from lalr_lightning.data._files import default_cache_dir, expand, split_map, write_lines_atomic
 from lalr_lightning.text_assets import is_local, resolve_model_name
 
-__all__ = ["TextDataModule", "DATASETS"]
+__all__ = ["TextDataModule", "DATASETS", "sentiment_corpus"]
 
 
 @dataclass(frozen=True)
@@ -50,19 +56,41 @@ DATASETS: dict[str, _Named] = {
     "imdb": _Named((("stanfordnlp/imdb", None), ("imdb", None)), "text", "label", 2),
     "yelp_polarity": _Named((("fancyzhx/yelp_polarity", None), ("yelp_polarity", None)), "text", "label", 2),
 }
-_VALID = (*DATASETS, "files")
+_VALID = (*DATASETS, "files", "sentiment")
 
-_SPLIT_ALIASES = {
-    "train": "train",
-    "training": "train",
-    "validation": "validation",
-    "val": "validation",
-    "valid": "validation",
-    "dev": "validation",
-    "eval": "validation",
-    "test": "test",
-    "testing": "test",
-}
+# The generated sentiment task: every word is in the packaged MiniLM tokenizer's vocabulary.
+_POS = ("good", "great", "wonderful", "delightful", "moving", "superb", "charming", "brilliant")
+_NEG = ("bad", "awful", "boring", "dreadful", "dull", "terrible", "clumsy", "tedious")
+_SUBJECTS = ("the movie", "this film", "the plot", "the acting", "the ending", "the soundtrack", "the story",
+             "the cast")
+_FILLERS = ("", "honestly ", "really ", "quite ", "at times ", "overall ")
+_CORPUS_VERSION = 1
+
+
+def sentiment_corpus(n: int, seed: int = 0) -> list[tuple[str, int]]:
+    """``n`` generated ``(sentence, label)`` pairs, the same for the same ``(n, seed)``: a subject,
+    an optional filler and an adjective whose polarity is the label (1 = positive); a "not"
+    (30% of sentences) flips it, so a bag of words cannot solve the task alone."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        positive = rng.random() < 0.5
+        adjective = rng.choice(_POS if positive else _NEG)
+        negated = rng.random() < 0.3
+        text = f"{rng.choice(_SUBJECTS)} was {rng.choice(_FILLERS)}{'not ' if negated else ''}{adjective}"
+        out.append((text, int(positive != negated)))
+    return out
+
+
+def _write_sentiment(cache_dir: str, n_train: int, n_val: int, seed: int) -> dict[str, list[str]]:
+    root = Path(cache_dir) / f"sentiment_v{_CORPUS_VERSION}_n{n_train}_{n_val}_s{seed}"
+    out = {}
+    for split, n, s in (("train", n_train, seed), ("validation", n_val, seed + 1_000_003)):
+        path = root / f"{split}.jsonl"
+        if not path.is_file():
+            write_lines_atomic(path, [json.dumps({"text": t, "label": y}) for t, y in sentiment_corpus(n, s)])
+        out[split] = [str(path)]
+    return out
 
 # extension -> (datasets builder, extra builder kwargs)
 _FORMATS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -95,39 +123,6 @@ def _file_format(path: str) -> tuple[str, dict[str, Any]]:
     return _FORMATS[ext]
 
 
-def _as_split_map(data_files: Mapping[str, str | Sequence[str]] | str | Sequence[str]) -> dict[str, list[str]]:
-    if isinstance(data_files, (str, os.PathLike)):
-        return {"train": [os.fspath(data_files)]}
-    if not isinstance(data_files, Mapping):
-        return {"train": [os.fspath(p) for p in data_files]}
-    out: dict[str, list[str]] = {}
-    for key, val in data_files.items():
-        split = _SPLIT_ALIASES.get(str(key).lower())
-        if split is None:
-            raise ValueError(
-                f"unknown split name {key!r} in data_files; use train, validation (or val/dev) and test"
-            )
-        if split in out:
-            raise ValueError(f"data_files gives the {split} split twice (as {key!r} and an alias of it)")
-        paths = [os.fspath(val)] if isinstance(val, (str, os.PathLike)) else [os.fspath(p) for p in val]
-        out[split] = [os.path.expanduser(p) for p in paths]
-    if "train" not in out:
-        raise ValueError(f"data_files needs a 'train' entry; got splits {sorted(out)}")
-    return out
-
-
-def _check_files(files: dict[str, list[str]]) -> None:
-    for split, paths in files.items():
-        if not paths:
-            raise ValueError(f"data_files[{split!r}] is empty")
-        for p in paths:
-            if glob.has_magic(p):
-                if not glob.glob(p):
-                    raise FileNotFoundError(f"data_files[{split!r}]: the pattern {p!r} matches no file")
-            elif not os.path.isfile(p):
-                raise FileNotFoundError(f"data_files[{split!r}]: file not found: {p!r}")
-
-
 def _tokenize(batch: dict[str, list], *, tokenizer: Any, text_field: str, max_length: int) -> dict[str, list]:
     texts = ["" if t is None else str(t) for t in batch[text_field]]
     return tokenizer(texts, truncation=True, max_length=max_length)
@@ -145,10 +140,10 @@ class TextDataModule(L.LightningDataModule):
     ``...ForSequenceClassification``).
 
     Args:
-        dataset: ``"sst2"``, ``"cola"``, ``"imdb"``, ``"yelp_polarity"`` or ``"files"``. Named
-            datasets load through ``datasets.load_dataset`` (Hub or local cache); with
-            ``data_files`` they load from those local files instead, keeping the dataset's
-            column names and number of classes.
+        dataset: ``"sst2"``, ``"cola"``, ``"imdb"``, ``"yelp_polarity"``, ``"files"`` or
+            ``"sentiment"`` (generated offline). Named datasets load through
+            ``datasets.load_dataset`` (Hub or local cache); with ``data_files`` they load from
+            those local files instead, keeping the dataset's column names and number of classes.
         data_files: local files, ``{"train": ..., "validation": ..., "test": ...}`` or one
             path (= train). CSV, TSV, JSON / JSON lines, Parquet; the format comes from the
             extension. Required for ``dataset="files"``.
@@ -163,7 +158,10 @@ class TextDataModule(L.LightningDataModule):
         max_train_samples, max_eval_samples: random subsets (seeded) for quick runs; the eval
             limit applies to validation and test.
         num_classes: only for ``"files"`` (default 2); the named datasets have 2.
-        cache_dir: ``datasets`` cache directory (default: the HF datasets cache).
+        corpus_size: ``"sentiment"`` only: training sentences (validation: a quarter, at least 64).
+        cache_dir: ``datasets`` cache directory (default: the HF datasets cache); the generated
+            corpus is written under it (default: ``$LALR_LIGHTNING_CACHE`` or
+            ``~/.cache/lalr_lightning``).
         seed: for the validation hold-out and the subsets.
     """
 
@@ -181,6 +179,7 @@ class TextDataModule(L.LightningDataModule):
         max_train_samples: int | None = None,
         max_eval_samples: int | None = None,
         num_classes: int | None = None,
+        corpus_size: int = 2048,
         cache_dir: str | None = None,
         seed: int = 42,
     ) -> None:
@@ -195,6 +194,10 @@ class TextDataModule(L.LightningDataModule):
                 "dataset='files' needs data_files, e.g. data_files={'train': 'train.csv', 'validation': 'dev.csv'} "
                 "(CSV/TSV/JSON/JSON lines/Parquet with a text and a label column)"
             )
+        if key == "sentiment" and data_files is not None:
+            raise ValueError("dataset='sentiment' is generated; to read your own files use dataset='files'")
+        if corpus_size < 8:
+            raise ValueError(f"corpus_size must be >= 8 sentences, got {corpus_size}")
         if named is not None:
             if num_classes is not None and num_classes != named.num_classes:
                 raise ValueError(f"{key} has {named.num_classes} classes; got num_classes={num_classes}")
@@ -212,12 +215,14 @@ class TextDataModule(L.LightningDataModule):
         for n, v in (("max_train_samples", max_train_samples), ("max_eval_samples", max_eval_samples)):
             if v is not None and v < 1:
                 raise ValueError(f"{n} must be >= 1 or None, got {v}")
-        self.save_hyperparameters()
+        # num_classes is logged by the model (LightningCLI links it from here); the argument given
+        # (often None) would clash with the resolved count in the logger's merge of the two
+        self.save_hyperparameters(ignore=["num_classes"])
         self.dataset_name = key
         self._named = named
-        self._files = _as_split_map(data_files) if data_files is not None else None
+        self._files = split_map(data_files) if data_files is not None else None
         if self._files is not None:
-            _check_files(self._files)
+            self._files = {split: expand(split, paths) for split, paths in self._files.items()}
         self.text_field = text_field or (named.text_field if named else "text")
         self.label_field = label_field or (named.label_field if named else "label")
         self.tokenizer_name = tokenizer
@@ -228,6 +233,7 @@ class TextDataModule(L.LightningDataModule):
         self.max_train_samples = max_train_samples
         self.max_eval_samples = max_eval_samples
         self.num_classes = int(num_classes)
+        self.corpus_size = int(corpus_size)
         self.cache_dir = cache_dir
         self.seed = int(seed)
         self.label_names: list[str] | None = None
@@ -259,6 +265,9 @@ class TextDataModule(L.LightningDataModule):
         """The raw splits (``{name: Dataset}``) from local files or the Hub / HF cache."""
         import datasets
 
+        if self.dataset_name == "sentiment" and self._files is None:
+            self._files = _write_sentiment(self.cache_dir or default_cache_dir(), self.corpus_size,
+                                           max(64, self.corpus_size // 4), self.seed)
         if self._files is not None:
             # one load per split, so that splits may differ in format (train.csv + dev.jsonl)
             out = {}
