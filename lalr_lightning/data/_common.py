@@ -197,7 +197,39 @@ def require_path(path: str, what: str, hint: str) -> str:
     return path
 
 
-class ImageDataModule(pl.LightningDataModule):
+def check_loader_args(batch_size: int, num_workers: int, val_split: float | None = None,
+                      **max_samples: int | None) -> None:
+    """The arguments every datamodule shares: batch size, workers, the validation hold-out
+    (a fraction in (0, 1) or a number of examples) and ``max_*_samples`` limits."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    if val_split is not None and not (0 < val_split < 1 or (val_split >= 1 and float(val_split).is_integer())):
+        raise ValueError(f"val_split must be a fraction in (0, 1) or a number of examples >= 1, got {val_split}")
+    for name, v in max_samples.items():
+        if v is not None and v < 1:
+            raise ValueError(f"{name} must be >= 1 or None, got {v}")
+
+
+class SplitLoaders:
+    """The four dataloader hooks over ``train_set`` / ``val_set`` / ``test_set`` (predict = test),
+    through the subclass's ``_loader(dataset, shuffle)``."""
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set, shuffle=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set, shuffle=False)
+
+
+class ImageDataModule(SplitLoaders, pl.LightningDataModule):
     """Common loader plumbing; subclasses fill ``train_set``, ``val_set``, ``test_set`` in ``setup``.
 
     ``num_classes``, ``in_channels`` and ``image_size`` are plain attributes set in ``__init__``
@@ -210,10 +242,7 @@ class ImageDataModule(pl.LightningDataModule):
 
     def __init__(self, batch_size: int, num_workers: int, seed: int):
         super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if num_workers < 0:
-            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        check_loader_args(batch_size, num_workers)
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.seed = seed
@@ -232,15 +261,3 @@ class ImageDataModule(pl.LightningDataModule):
             persistent_workers=self.num_workers > 0,
             pin_memory=torch.cuda.is_available(),
         )
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, shuffle=False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader(self.test_set, shuffle=False)
-
-    def predict_dataloader(self) -> DataLoader:
-        return self._loader(self.test_set, shuffle=False)

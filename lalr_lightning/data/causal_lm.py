@@ -54,6 +54,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
+from lalr_lightning.data._common import SplitLoaders, check_loader_args
 from lalr_lightning.data._files import default_cache_dir, expand, split_map, write_lines_atomic
 from lalr_lightning.text_assets import is_local, resolve_model_name
 
@@ -246,7 +247,7 @@ class _Collate:
         return collate_lm(items, self.pad_id)
 
 
-class CausalLMDataModule(L.LightningDataModule):
+class CausalLMDataModule(SplitLoaders, L.LightningDataModule):
     """Tokenized causal LM batches from local JSON / JSONL / text files or the offline corpus.
 
     Args:
@@ -301,15 +302,8 @@ class CausalLMDataModule(L.LightningDataModule):
         super().__init__()
         if block_size < 2:
             raise ValueError(f"block_size must be >= 2 tokens (an input and a next token), got {block_size}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if num_workers < 0:
-            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-        if not (0 < val_split < 1 or (val_split >= 1 and float(val_split).is_integer())):
-            raise ValueError(f"val_split must be a fraction in (0, 1) or a number of examples >= 1, got {val_split}")
-        for name, v in (("max_train_samples", max_train_samples), ("max_eval_samples", max_eval_samples)):
-            if v is not None and v < 1:
-                raise ValueError(f"{name} must be >= 1 or None, got {v}")
+        check_loader_args(batch_size, num_workers, val_split, max_train_samples=max_train_samples,
+                          max_eval_samples=max_eval_samples)
         if corpus_size < 10:
             raise ValueError(f"corpus_size must be >= 10 sentences, got {corpus_size}")
         for name, tpl, keys in (("template", template, {"instruction"}),
@@ -516,15 +510,3 @@ class CausalLMDataModule(L.LightningDataModule):
             raise RuntimeError("call setup() (or let the Trainer do it) before asking for dataloaders")
         return DataLoader(ds, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
                           collate_fn=_Collate(self.pad_id), persistent_workers=self.num_workers > 0)
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, shuffle=False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader(self.test_set, shuffle=False)
-
-    def predict_dataloader(self) -> DataLoader:
-        return self._loader(self.test_set, shuffle=False)

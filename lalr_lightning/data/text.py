@@ -33,6 +33,7 @@ from typing import Any
 import lightning as L
 from torch.utils.data import DataLoader
 
+from lalr_lightning.data._common import SplitLoaders, check_loader_args
 from lalr_lightning.data._files import default_cache_dir, expand, split_map, write_lines_atomic
 from lalr_lightning.text_assets import is_local, resolve_model_name
 
@@ -132,7 +133,7 @@ def _index_labels(batch: dict[str, list], *, index: dict[str, int], field: str) 
     return {"labels": [index[str(v)] for v in batch[field]]}
 
 
-class TextDataModule(L.LightningDataModule):
+class TextDataModule(SplitLoaders, L.LightningDataModule):
     """Tokenized, dynamically padded text classification batches.
 
     Batches are dicts with ``input_ids``, ``attention_mask`` (plus ``token_type_ids`` for BERT
@@ -208,13 +209,8 @@ class TextDataModule(L.LightningDataModule):
             raise ValueError(f"num_classes must be >= 2, got {num_classes}")
         if max_length < 2:
             raise ValueError(f"max_length must be >= 2 tokens, got {max_length}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if not (0 < val_split < 1 or (val_split >= 1 and float(val_split).is_integer())):
-            raise ValueError(f"val_split must be a fraction in (0, 1) or a number of examples >= 1, got {val_split}")
-        for n, v in (("max_train_samples", max_train_samples), ("max_eval_samples", max_eval_samples)):
-            if v is not None and v < 1:
-                raise ValueError(f"{n} must be >= 1 or None, got {v}")
+        check_loader_args(batch_size, num_workers, val_split, max_train_samples=max_train_samples,
+                          max_eval_samples=max_eval_samples)
         # num_classes is logged by the model (LightningCLI links it from here); the argument given
         # (often None) would clash with the resolved count in the logger's merge of the two
         self.save_hyperparameters(ignore=["num_classes"])
@@ -418,18 +414,6 @@ class TextDataModule(L.LightningDataModule):
             collate_fn=self.collator,
             persistent_workers=self.num_workers > 0,
         )
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, shuffle=False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader(self.test_set, shuffle=False)
-
-    def predict_dataloader(self) -> DataLoader:
-        return self._loader(self.test_set, shuffle=False)
 
 
 def _is_int(v: Any) -> bool:
