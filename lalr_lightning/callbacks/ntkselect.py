@@ -8,6 +8,7 @@ bound; the others are frozen for the whole fit. The greedy rule is
 from __future__ import annotations
 
 import math
+import warnings
 
 import lightning.pytorch as pl
 import torch
@@ -16,7 +17,7 @@ from lalr_lightning.callbacks.base import Decision
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.core import ntk
 from lalr_lightning.core.anchor import trainable
-from lalr_lightning.core.layers import Layer
+from lalr_lightning.core.layers import Layer, output_layer
 from lalr_lightning.core.probe import probe_inputs
 
 __all__ = ["NTKSelect"]
@@ -51,7 +52,11 @@ class NTKSelect(LayerSelection):
             (Theorem 7's hypothesis).
         sigma: the ridge, as a fraction of the full kernel's mean eigenvalue ``trace(K) / M``
             (> 0: the first round compares with ``K_sel = 0``).
-        max_layers: choose at most this many layers (``None``: no limit).
+        max_layers: choose at most this many layers (``None``: no limit), the head not counted.
+        head: the model's output layer always trains (a freshly initialized classifier must):
+            it is not ranked, and the greedy rounds start from its kernel, ``K_sel = S_head``
+            (Theorem 7's bound then holds for the head plus the chosen layers). ``False`` (the
+            default): the head is a candidate like any other layer.
         probe_size: samples of the fixed probe batch (the same on every rank).
         kernel: ``"trace"``, ``"full"`` or ``"sum"`` (:func:`~lalr_lightning.core.ntk.empirical_ntk`).
         norm_eval: ``frozen``, ``all`` or ``none`` (:mod:`lalr_lightning.core.norms`).
@@ -60,7 +65,8 @@ class NTKSelect(LayerSelection):
 
     Readable: ``selected`` (layers, model order), ``scores`` (layer -> ``eta_l`` in the first
     round, against ``K_sel = 0``), ``chosen_eta`` (layer -> ``eta`` when it was added),
-    ``kappa`` (of the chosen layers' kernel), ``history``. Logged once:
+    ``kappa`` (of the chosen layers' kernel, the head's included), ``head_layer`` (with ``head=True``),
+    ``history``. Logged once:
     ``<prefix>/eta/<layer>``, ``<prefix>/chosen_eta/<layer>``, ``<prefix>/selected/<layer>``,
     ``<prefix>/kappa``, ``<prefix>/num_selected``; at every logging step
     ``<prefix>/selected/<layer>``.
@@ -71,11 +77,11 @@ class NTKSelect(LayerSelection):
     score_key = "eta"
     switches = True  # chosen after setup: requires_grad follows on a single device
     heatmap_min_entries = 1
-    readable = LayerSelection.readable + ("chosen_eta", "kappa")
+    readable = LayerSelection.readable + ("chosen_eta", "kappa", "head_layer")
 
     def __init__(self, kappa_max: float = 1e3, sigma: float = 0.1, max_layers: int | None = None,
-                 probe_size: int = 16, kernel: str = "trace", norm_eval: str = "frozen", save_compute: bool = True,
-                 name: str | None = None, strict_resume: bool = True):
+                 probe_size: int = 16, kernel: str = "trace", head: bool = False, norm_eval: str = "frozen",
+                 save_compute: bool = True, name: str | None = None, strict_resume: bool = True):
         super().__init__(norm_eval=norm_eval, save_compute=save_compute, name=name, strict_resume=strict_resume)
         if not (kappa_max >= 1) or not math.isfinite(kappa_max):
             raise ValueError(f"kappa_max must be a finite number >= 1 (a condition number is at least 1), got {kappa_max}")
@@ -91,6 +97,8 @@ class NTKSelect(LayerSelection):
         self.max_layers = max_layers
         self.probe_size = int(probe_size)
         self.kernel = kernel
+        self.head = bool(head)
+        self.head_layer: str | None = None
         self.chosen_eta: dict[str, float] = {}
         self.kappa = math.nan
         self._params: dict[str, torch.nn.Parameter] = {}
@@ -102,9 +110,25 @@ class NTKSelect(LayerSelection):
         if len(self._groups) < 2:
             raise ValueError(f"{type(pl_module).__name__} has one trainable layer ({list(self._groups)}); there is "
                              "nothing to select between")
+        self.head_layer = self._head_group(pl_module) if self.head else None
+        if self.head and self.head_layer is None:
+            raise ValueError(f"NTKSelect(head=True): no trainable output layer found in {type(pl_module).__name__} "
+                             "(its classifier is frozen or not recognised); use head=False to rank every layer")
+        if self.head and len(self._groups) < 3:
+            raise ValueError(f"{type(pl_module).__name__} has one trainable layer besides the head; there is nothing "
+                             "to select between (head=False ranks the head too)")
         self.layers = [Layer(name=g, kind="layer", module=None, params={n: self._params[n] for n in members})
                        for g, members in self._groups.items()]
         self.block_list = self.layers  # the units label the per-step log and own their norm layers
+
+    def _head_group(self, pl_module: pl.LightningModule) -> str | None:
+        """The group holding the trainable output weight (peft's ``modules_to_save`` copy included)."""
+        out = output_layer(pl_module)
+        if out is None:
+            return None
+        ids = {id(p) for p in out.params.values()}
+        names = {n for n, p in pl_module.named_parameters(remove_duplicate=False) if id(p) in ids}
+        return next((g for g, members in self._groups.items() if names & set(members)), None)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.restored:
@@ -120,12 +144,20 @@ class NTKSelect(LayerSelection):
         return {"S": {g: s.cpu() for g, s in k.S.items()}, "sigma": self.sigma * float(torch.trace(k.K)) / k.K.shape[0]}
 
     def decide(self, measured: dict) -> Decision:
-        sel = ntk.greedy_ntk_selection(measured["S"], self.kappa_max, measured["sigma"], max_layers=self.max_layers)
+        S = dict(measured["S"])
+        base = S.pop(self.head_layer) if self.head_layer is not None else None
+        sel = ntk.greedy_ntk_selection(S, self.kappa_max, measured["sigma"], base=base, max_layers=self.max_layers)
+        if not sel.layers and (base is None or sel.kappa[0] > self.kappa_max):
+            start = "" if base is None else f" with the head {self.head_layer!r} (alone: {sel.kappa[0]:.4g})"
+            raise ValueError(f"NTKSelect: no layer keeps kappa(K + sigma I) <= kappa_max={self.kappa_max:g}{start} "
+                             f"(the best, {sel.rejected!r}, gives {sel.rejected_kappa:.4g}); raise kappa_max or sigma")
         if not sel.layers:
-            raise ValueError(f"NTKSelect: no layer keeps kappa(K + sigma I) <= kappa_max={self.kappa_max:g} (the best, "
-                             f"{sel.rejected!r}, gives {sel.rejected_kappa:.4g}); raise kappa_max or sigma")
-        summary = {"kappa": sel.kappa[-1], "num_selected": float(len(sel.layers)), "sigma": measured["sigma"]}
-        return Decision(values={g: float(g in sel.layers) for g in self._groups}, scores=dict(sel.eta_rounds[0]),
+            warnings.warn(f"NTKSelect: only the head {self.head_layer!r} trains: adding the best layer, "
+                          f"{sel.rejected!r}, gives kappa {sel.rejected_kappa:.4g} > kappa_max={self.kappa_max:g}",
+                          stacklevel=2)
+        chosen = set(sel.layers) | ({self.head_layer} if self.head_layer is not None else set())
+        summary = {"kappa": sel.kappa[-1], "num_selected": float(len(chosen)), "sigma": measured["sigma"]}
+        return Decision(values={g: float(g in chosen) for g in self._groups}, scores=dict(sel.eta_rounds[0]),
                         measurements={"chosen_eta": dict(sel.eta)},
                         record={**summary, "stopped": sel.stopped, "order": list(sel.layers)}, summary=summary)
 
