@@ -85,3 +85,27 @@ def save_tiny_lm(path: str | Path, family: str = "llama", tied: bool = False, *,
     model.save_pretrained(path, **extra)
     tiny_tokenizer().save_pretrained(path)
     return path
+
+
+def lm_module(family: str = "llama", tied: bool = False, *, lr: float = 0.1, samples: int = 8, length: int = 8,
+              **kw):
+    """A LightningModule training ``tiny_lm(family, tied, **kw)`` with SGD(``lr``) on ``samples``
+    fixed random sequences of ``length`` tokens, batches of 4 (``lr=0``: the weights stay put)."""
+    import lightning.pytorch as pl
+
+    class TinyLMModule(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = tiny_lm(family, tied, **kw)
+
+        def training_step(self, batch, _):
+            return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=lr)
+
+        def train_dataloader(self):
+            ids = torch.randint(4, 60, (samples, length), generator=torch.Generator().manual_seed(0))
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
+
+    return TinyLMModule()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lalr_lightning.callbacks import HTSRPruning
-from tests._lm import tiny_lm
+from tests._lm import lm_module
 from tests._toys import make_trainer
 
 pytest.importorskip("transformers")
@@ -68,24 +68,7 @@ def _hand_ratios(family, model, target, eps):
 class _LM:
     @staticmethod
     def module(family, tied):
-        import lightning.pytorch as pl
-
-        class Module(pl.LightningModule):
-            def __init__(self):
-                super().__init__()
-                self.model = tiny_lm(family, tied, hidden=64, layers=4)
-
-            def training_step(self, batch, _):
-                return self.model(input_ids=batch[0], labels=batch[0]).loss
-
-            def configure_optimizers(self):
-                return torch.optim.SGD(self.parameters(), lr=0.0)
-
-            def train_dataloader(self):
-                ids = torch.randint(4, 60, (4, 8), generator=torch.Generator().manual_seed(0))
-                return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
-
-        return Module()
+        return lm_module(family, tied, lr=0.0, samples=4, hidden=64, layers=4)
 
 
 @pytest.mark.parametrize("family, tied", [("llama", False), ("opt", True)])

@@ -4,13 +4,12 @@ matrix, so TempBalance balances and AlphaPruning prunes the last block's matrice
 from __future__ import annotations
 
 import pytest
-import torch
 
 from lalr_lightning.callbacks import HTSRPruning, TempBalanceCallback
 from lalr_lightning.core.layers import matrix_layers
 from lalr_lightning.core.pruning import prunable_layers
 from lalr_lightning.core.tempbalance import eligible_layers
-from tests._lm import FAMILIES, tiny_lm
+from tests._lm import FAMILIES, lm_module, tiny_lm
 
 pytest.importorskip("transformers")
 
@@ -48,27 +47,10 @@ def test_last_block_is_balanced_and_pruned_and_the_head_is_not(family, tied):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_callbacks_act_on_the_last_block_of_a_tied_model(family):
-    import lightning.pytorch as pl
-
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.model = tiny_lm(family, True, hidden=64)
-
-        def training_step(self, batch, _):
-            return self.model(input_ids=batch[0], labels=batch[0]).loss
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=1e-3)
-
-        def train_dataloader(self):
-            ids = torch.randint(4, 60, (8, 12), generator=torch.Generator().manual_seed(0))
-            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
-
     tb = TempBalanceCallback(min_evals=2, layer_types=("linear", "hf_conv1d"))
     pruner = HTSRPruning(target_sparsity=0.3, min_numel=1, min_evals=2, layer_types=("linear", "hf_conv1d"))
     from tests._toys import make_trainer
 
-    make_trainer([tb, pruner], max_steps=2).fit(Module())
+    make_trainer([tb, pruner], max_steps=2).fit(lm_module(family, True, lr=1e-3, length=12, hidden=64))
     last = f"model.{LAST_BLOCK[family][-1]}"
     assert last in tb.multipliers and last in pruner.ratios and pruner.sparsity[last] > 0.1

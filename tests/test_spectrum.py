@@ -13,7 +13,7 @@ import torch
 from lalr_lightning.callbacks import SpectrumSelect, SurgicalLayerSelect
 from lalr_lightning.cli import analyze_main
 from lalr_lightning.core.spectrum import module_type, read_unfrozen_yaml, top_by_type, unfrozen_yaml
-from tests._lm import save_tiny_lm, tiny_lm
+from tests._lm import lm_module, save_tiny_lm, tiny_lm
 from tests._toys import make_trainer
 
 pytest.importorskip("transformers")
@@ -57,24 +57,7 @@ def test_module_types_follow_spectrum_and_a_mapping():
 
 
 def _module():
-    import lightning.pytorch as pl
-
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.model = tiny_lm("llama", False, hidden=64, layers=4)
-
-        def training_step(self, batch, _):
-            return self.model(input_ids=batch[0], labels=batch[0]).loss
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-        def train_dataloader(self):
-            ids = torch.randint(4, 60, (8, 8), generator=torch.Generator().manual_seed(0))
-            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
-
-    return Module()
+    return lm_module("llama", False, lr=0.1, hidden=64, layers=4)
 
 
 def test_trained_set_is_the_top_percent_per_type_by_snr_on_a_tiny_llama():
