@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import lightning.pytorch as pl
 import numpy as np
@@ -18,7 +18,9 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback
 from lalr_lightning.core import spectral
+from lalr_lightning.core.criterion_pruning import criterion_prune, load_weights, sample_count, take_samples
 from lalr_lightning.core.layers import DEFAULT_KINDS, check_kinds
+from lalr_lightning.core.llm_pruning import CRITERIA, check_nm, needs_stats
 from lalr_lightning.core.pruning import (
     DIRECTIONS,
     OVERFLOW,
@@ -31,7 +33,7 @@ from lalr_lightning.core.pruning import (
     pruning_ratios,
 )
 
-__all__ = ["HTSRPruning", "PRESETS", "PRUNING_METRICS", "DIRECTIONS", "pruning_ratios"]
+__all__ = ["HTSRPruning", "PRESETS", "PRUNING_METRICS", "DIRECTIONS", "CRITERIA", "pruning_ratios"]
 
 #: metrics that come from a power-law fit (``fit`` and ``filter_zeros`` apply to them)
 _FITTED = ("alpha", "alpha_weighted", "log_alpha_norm")
@@ -142,7 +144,7 @@ class HTSRPruning(LayerwiseCallback):
     score_key = "metric"
     logs_lr = False
     deprecated = {"exclude_head": "head"}
-    volatile_settings = ("make_permanent",)
+    volatile_settings = ("make_permanent", "calibration")  # a resumed run does not calibrate again
     readable = LayerwiseCallback.readable + ("ratios", "sparsity", "channels", "masks", "excluded")
     heatmap = ("ratios", "HT-SR pruning ({self.metric}, {self.direction})", "fraction pruned")
     heatmap_min_entries = 1
@@ -150,7 +152,7 @@ class HTSRPruning(LayerwiseCallback):
     def __init__(
         self,
         metric: str | None = None,
-        target_sparsity: float = 0.5,
+        target_sparsity: float | None = None,
         epsilon: float | None = None,
         direction: str = "more_for_larger",
         structured: bool = False,
@@ -172,6 +174,13 @@ class HTSRPruning(LayerwiseCallback):
         name: str | None = None,
         strict_resume: bool = True,
         *,
+        criterion: str = "magnitude",
+        n: int = 0,
+        m: int = 0,
+        n_calibration: int | None = None,
+        calibration: Iterable | None = None,
+        blocksize: int | None = None,
+        percdamp: float | None = None,
         exclude_head: bool | None = None,
     ):
         super().__init__(name=name, strict_resume=strict_resume)
@@ -179,6 +188,35 @@ class HTSRPruning(LayerwiseCallback):
             raise ValueError(f"unknown preset {preset!r}; valid: {', '.join(repr(p) for p in PRESETS)}")
         given_fit = {"fit": fit, "filter_zeros": filter_zeros}
         fill = PRESETS[preset]
+        if criterion not in CRITERIA:
+            raise ValueError(f"unknown criterion {criterion!r}; valid: {', '.join(CRITERIA)}")
+        n, m = check_nm(n, m)
+        self.reject("criterion", criterion,
+                    {"n_calibration": n_calibration, "calibration": calibration, "blocksize": blocksize,
+                     "percdamp": percdamp},
+                    {"magnitude": (), "wanda": ("n_calibration", "calibration"),
+                     "sparsegpt": ("n_calibration", "calibration", "blocksize", "percdamp")})
+        if m:
+            # N:M prunes n of every m weights of every row: one ratio, n/m, for every layer. AlphaPruning's
+            # own code does the same (its N:M branches never read the per-layer ratios).
+            if target_sparsity is not None and abs(float(target_sparsity) - n / m) > 1e-9:
+                raise ValueError(
+                    f"n={n}, m={m} prunes {n / m:g} of every layer, but target_sparsity={target_sparsity}; "
+                    f"drop target_sparsity (or set it to {n / m:g})"
+                )
+            if epsilon is not None and epsilon > 0:
+                raise ValueError(
+                    f"N:M sparsity (n={n}, m={m}) prunes every layer at n/m, so HT-SR's per-layer ratios "
+                    f"(epsilon={epsilon}) cannot apply; drop epsilon (or n/m for per-layer ratios)"
+                )
+            if preset is not None and epsilon is None:
+                warnings.warn(
+                    f"HTSRPruning(preset={preset!r}, n={n}, m={m}): N:M sparsity prunes every layer at n/m = "
+                    f"{n / m:g}; the preset chooses the layers, its per-layer ratios (epsilon) are not used",
+                    UserWarning, stacklevel=3,
+                )
+            target_sparsity, epsilon = n / m, 0.0
+        target_sparsity = 0.5 if target_sparsity is None else target_sparsity
         metric = fill["metric"] if metric is None else metric
         epsilon = fill["epsilon"] if epsilon is None else epsilon
         block_average = fill["block_average"] if block_average is None else block_average
@@ -213,6 +251,24 @@ class HTSRPruning(LayerwiseCallback):
             )
         if isinstance(when, bool) or not (when in ("fit_start", "gradual") or (isinstance(when, int) and when >= 0)):
             raise ValueError(f"when must be 'fit_start', 'gradual' or an epoch number >= 0, got {when!r}")
+        if structured and (criterion != "magnitude" or m):
+            raise ValueError(
+                f"structured=True prunes whole output channels by their L2 norm; criterion={criterion!r}"
+                + (f" with n={n}, m={m}" if m else "") + " prunes single weights: drop structured=True"
+            )
+        if when == "gradual" and (criterion != "magnitude" or m):
+            raise ValueError(
+                f"when='gradual' grows magnitude masks over epochs; criterion={criterion!r}"
+                + (f" with n={n}, m={m}" if m else "") + " prunes once: use when='fit_start' or an epoch number"
+            )
+        if n_calibration is not None and (isinstance(n_calibration, bool) or int(n_calibration) < 1):
+            raise ValueError(f"n_calibration must be >= 1 (calibration sequences), got {n_calibration}")
+        if blocksize is not None and int(blocksize) < 1:
+            raise ValueError(f"blocksize must be >= 1, got {blocksize}")
+        if blocksize is not None and m and int(blocksize) % m:
+            raise ValueError(f"blocksize ({blocksize}) must be a multiple of m={m}")
+        if percdamp is not None and not float(percdamp) >= 0:
+            raise ValueError(f"percdamp must be >= 0 (SparseGPT's dampening, 0.01), got {percdamp}")
         if when == "gradual":
             if gradual_epochs is None or int(gradual_epochs) < 1:
                 raise ValueError("when='gradual' needs gradual_epochs >= 1 (the number of pruning epochs)")
@@ -249,6 +305,13 @@ class HTSRPruning(LayerwiseCallback):
         self.max_ratio = float(max_ratio)
         self.channel_step = float(channel_step)
         self.make_permanent = bool(make_permanent)
+        self.criterion = criterion
+        self.n, self.m = n, m
+        calibrated = needs_stats(criterion)
+        self.n_calibration = (128 if n_calibration is None else int(n_calibration)) if calibrated else None
+        self.calibration = calibration
+        self.blocksize = (128 if blocksize is None else int(blocksize)) if criterion == "sparsegpt" else None
+        self.percdamp = (0.01 if percdamp is None else float(percdamp)) if criterion == "sparsegpt" else None
 
         self.ratios: dict[str, float] = {}
         self.sparsity: dict[str, float] = {}
@@ -256,9 +319,11 @@ class HTSRPruning(LayerwiseCallback):
         self.masks: dict[str, torch.Tensor] = {}
         self.excluded: dict[str, str] = {}
         self._model: torch.nn.Module | None = None
+        self._trainer: pl.Trainer | None = None
         self._params: dict[str, torch.nn.Parameter] = {}
         self._level = 1.0
         self._fresh = False
+        self._weights: dict[str, torch.Tensor] = {}  # SparseGPT's updated weights, from rank zero
 
     @property
     def metric_values(self) -> dict[str, float]:
@@ -322,7 +387,11 @@ class HTSRPruning(LayerwiseCallback):
     def prune(self, trainer: pl.Trainer, level: float = 1.0) -> None:
         """One pruning event: ratios (first time only), masks at ``level`` x ratio, applied."""
         self._level = float(level)
-        self.update(trainer, self._model)
+        self._trainer = trainer  # for the calibration data; only during the event
+        try:
+            self.update(trainer, self._model)
+        finally:
+            self._trainer = None
 
     def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float] | None:
         """The metric of every pruned layer on the current weights (block-averaged if asked);
@@ -363,20 +432,79 @@ class HTSRPruning(LayerwiseCallback):
             r = pruning_ratios(values, numels, self.target_sparsity, self.epsilon, self.direction,
                                overflow=self.overflow, max_ratio=self.max_ratio)
             ratios = dict(zip(names, r.tolist()))
-        masks, channels = layer_masks(self.layers, ratios, self._level, structured=self.structured,
-                                      channel_step=self.channel_step, previous=self.masks)
-        return Decision(values=ratios, scores=metric, record={"level": self._level}, payload=(masks, channels))
+        record: dict = {"level": self._level}
+        weights: dict[str, torch.Tensor] = {}
+        if self.criterion == "magnitude" and not self.m:
+            masks, channels = layer_masks(self.layers, ratios, self._level, structured=self.structured,
+                                          channel_step=self.channel_step, previous=self.masks)
+        else:
+            masks, channels = self._criterion_masks(ratios, record), {}
+            if self.criterion == "sparsegpt":  # it moved the kept weights too: the other ranks copy them
+                weights = {k: self._params[k].detach().cpu().clone() for k in masks}
+        return Decision(values=ratios, scores=metric, record=record, payload=(masks, channels, weights))
+
+    def _criterion_masks(self, ratios: dict[str, float], record: dict) -> dict[str, torch.Tensor]:
+        """Rank zero: Wanda / SparseGPT / N:M masks. Calibrating block by block needs each block
+        pruned before the next is measured, so this prunes rank zero's weights in place as it
+        goes; the other ranks get the masks (and SparseGPT's weights) in the broadcast decision."""
+        batches = None
+        if needs_stats(self.criterion):
+            batches = take_samples(self._calibration_source(), self.n_calibration)
+            got = sample_count(batches)
+            if got < self.n_calibration:
+                rank_zero_warn(f"HTSRPruning(criterion={self.criterion!r}) calibrates on {got} samples, all the "
+                               f"calibration data has; n_calibration={self.n_calibration} asked for more",
+                               category=UserWarning)
+            record["calibration_samples"] = got
+        self.check_finite(self._trainer, {la.name: la.weight for la in self.layers}, "the weights")
+        return criterion_prune(self._model, self.layers, ratios, self.criterion, batches, n=self.n, m=self.m,
+                               blocksize=self.blocksize or 128, percdamp=0.01 if self.percdamp is None else
+                               self.percdamp, forward=self._forward)
+
+    def _calibration_source(self):
+        if self.calibration is not None:
+            return self.calibration
+        # the training loader as the user gave it (datamodule, module or fit() argument), without the
+        # DistributedSampler a DDP run adds: rank zero calibrates on the same data at any world size
+        source = getattr(self._trainer.fit_loop, "_data_source", None)
+        loader = source.dataloader() if source is not None and source.instance is not None and source.is_defined() else None
+        if loader is None:
+            raise ValueError(f"HTSRPruning(criterion={self.criterion!r}) needs calibration data: the fit has no "
+                             "training loader; pass calibration=<a DataLoader>")
+        return loader
+
+    def _forward(self, batch) -> None:
+        """Run a model without transformer blocks on one calibration batch: ``x`` of a
+        ``(x, ...)`` batch, a tensor batch, or a dict's entries as keyword arguments."""
+        from lightning.fabric.utilities.apply_func import move_data_to_device
+
+        batch = move_data_to_device(batch, self._model.device)
+        try:
+            if isinstance(batch, dict):
+                self._model(**batch)
+            else:
+                self._model(batch[0] if isinstance(batch, (tuple, list)) else batch)
+        except Exception as err:  # noqa: BLE001 -- any failure means the batches do not fit the model
+            raise ValueError(
+                f"HTSRPruning(criterion={self.criterion!r}) could not run {type(self._model).__name__} on a "
+                f"calibration batch ({type(err).__name__}: {err}); pass calibration=<a loader whose batches are "
+                "(x, ...) tuples of the model's input>"
+            ) from err
 
     def receive(self, decision: Decision) -> None:
         super().receive(decision)
-        masks, channels = decision.payload
+        masks, channels, *rest = decision.payload
         self.masks = {k: v.cpu().bool() for k, v in masks.items()}
         self.channels = dict(channels)
+        self._weights = dict(rest[0]) if rest else {}
         self._fresh = True
 
     def apply(self, trainer: pl.Trainer) -> dict:
         """Hand the masks to the layer control (which zeroes the weights now and after every
         step); at a new pruning event the optimizer state of the pruned entries is zeroed too."""
+        if self._weights:  # SparseGPT's updated weights (rank zero already holds them)
+            load_weights(self._params, self._weights)
+            self._weights = {}
         masks = {self._params[k]: v for k, v in self.masks.items()}
         names = {self._params[k]: k for k in self.masks}
         for ctl in self.controls(trainer):

@@ -1,0 +1,215 @@
+"""Prune a model's chosen layers by a criterion at given per-layer ratios (pure PyTorch).
+
+The glue between the per-layer ratios of :mod:`lalr_lightning.core.pruning` (what
+``HTSRPruning`` decides) and the criteria of :mod:`lalr_lightning.core.llm_pruning`:
+
+* ``magnitude`` needs no data (``criterion_prune`` is only used for it with N:M; unstructured
+  magnitude stays :func:`lalr_lightning.core.pruning.layer_masks`).
+* ``wanda`` and ``sparsegpt`` need each layer's calibration inputs. In a Hugging Face causal LM
+  (:func:`find_causal_lm`) they are taken block by block in the order the model runs its blocks
+  (:func:`lalr_lightning.core.calibration.run_blocks`): each block is calibrated on what the
+  already-pruned blocks before it produce, as Wanda's and SparseGPT's own code. In any other
+  model (no transformer blocks) every pruned layer must be a ``Linear``; the inputs are recorded
+  in one pass of ``forward`` over the calibration batches on the dense model, then every layer
+  is pruned -- there is no block order to follow.
+
+The layers are pruned in place (weights set to zero; SparseGPT also updates the kept weights),
+and the keep-masks are returned in the parameters' own layout, keyed by parameter name, ready for
+``LayerControl.set_masks``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from lalr_lightning.core.calibration import (
+    capture_block_inputs,
+    decoder_blocks,
+    run_blocks,
+    set_weight_matrix,
+    weight_matrix,
+)
+from lalr_lightning.core.layers import Layer
+from lalr_lightning.core.llm_pruning import InputStats, check_nm, needs_stats, prune_weight
+
+__all__ = ["LINEAR_KINDS", "take_samples", "sample_count", "find_causal_lm", "weight_name", "criterion_prune", "load_weights"]
+
+#: layer kinds the row-wise criteria (Wanda, SparseGPT, N:M) prune: ``(out, in)`` matrices
+LINEAR_KINDS = ("linear", "hf_conv1d")
+
+
+def _rows(batch) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    if isinstance(batch, Mapping):
+        return _rows(next(v for v in batch.values() if isinstance(v, torch.Tensor)))
+    if isinstance(batch, (tuple, list)):
+        return _rows(batch[0])
+    raise ValueError(f"calibration batches must be tensors, tuples/lists or dicts of tensors, got {type(batch).__name__}")
+
+
+def _head(batch, k: int):
+    if isinstance(batch, torch.Tensor):
+        return batch[:k]
+    if isinstance(batch, Mapping):
+        return {key: _head(v, k) for key, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_head(v, k) for v in batch) if isinstance(batch, tuple) else [_head(v, k) for v in batch]
+    return batch
+
+
+def take_samples(batches: Iterable, n: int) -> list:
+    """The first ``n`` samples (sequences) of ``batches``, as batches (the last one cut short)."""
+    if int(n) < 1:
+        raise ValueError(f"the number of calibration samples must be >= 1, got {n}")
+    out, have = [], 0
+    for batch in batches:
+        rows = _rows(batch)
+        if have + rows > n:
+            batch, rows = _head(batch, n - have), n - have
+        out.append(batch)
+        have += rows
+        if have >= n:
+            break
+    return out
+
+
+def sample_count(batches: Iterable) -> int:
+    """The number of samples (rows) in ``batches``."""
+    return sum(_rows(b) for b in batches)
+
+
+def find_causal_lm(model: nn.Module) -> nn.Module | None:
+    """The outermost module of ``model`` (itself included) that is a Hugging Face model with
+    transformer blocks (:func:`~lalr_lightning.core.calibration.decoder_blocks`), or None."""
+    for mod in model.modules():
+        if getattr(mod, "config", None) is None:
+            continue
+        try:
+            decoder_blocks(mod)
+        except ValueError:
+            continue
+        return mod
+    return None
+
+
+def weight_name(layer: Layer) -> str:
+    """The name of the layer's weight among its parameters (the key of its mask)."""
+    return next(n for n, p in layer.params.items() if p is layer.weight)
+
+
+def _check_layers(layers: Sequence[Layer], criterion: str, m: int) -> None:
+    bad = [f"{la.name} ({la.kind})" for la in layers if la.kind not in LINEAR_KINDS]
+    if bad:
+        what = f"criterion={criterion!r}" if not m else "N:M sparsity"
+        raise ValueError(
+            f"{what} prunes the rows of Linear layers; these prunable layers are not Linear: {', '.join(bad[:5])}; "
+            "use criterion='magnitude' without n/m, or layer_types=('linear',)"
+        )
+
+
+def _prune_one(layer: Layer, ratio: float, criterion: str, stats: InputStats | None, n: int, m: int,
+               blocksize: int, percdamp: float) -> torch.Tensor:
+    """Prune one layer in place; its keep-mask in the weight's own layout."""
+    mod = layer.module
+    w = weight_matrix(mod)
+    try:
+        new, keep = prune_weight(w, criterion, ratio, stats, n=n, m=m, blocksize=blocksize, percdamp=percdamp)
+    except ValueError as err:
+        raise ValueError(f"layer {layer.name}: {err}") from None
+    set_weight_matrix(mod, new)
+    return (keep.T if w is not mod.weight else keep).cpu()
+
+
+@torch.no_grad()
+def criterion_prune(
+    model: nn.Module,
+    layers: Sequence[Layer],
+    ratios: Mapping[str, float],
+    criterion: str,
+    batches: Sequence | None = None,
+    *,
+    n: int = 0,
+    m: int = 0,
+    blocksize: int = 128,
+    percdamp: float = 0.01,
+    forward: Callable[[object], object] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Prune ``layers`` of ``model`` in place by ``criterion`` at ``ratios[layer.name]`` (unused
+    with N:M); returns ``{weight parameter name: keep-mask}`` (CPU, bool, the weight's shape).
+
+    ``batches``: the calibration batches (``wanda`` / ``sparsegpt``): ``input_ids`` tensors,
+    ``(input_ids, ...)`` tuples or dicts with ``input_ids`` for a causal LM; for a model without
+    transformer blocks, whatever ``forward(batch)`` runs the model on (module docstring).
+    The model is run in eval mode (no dropout) and put back in its previous mode.
+    """
+    n, m = check_nm(n, m)
+    if criterion != "magnitude" or m:
+        _check_layers(layers, criterion, m)
+    if not needs_stats(criterion):
+        return {weight_name(la): _prune_one(la, ratios[la.name], criterion, None, n, m, blocksize, percdamp)
+                for la in layers}
+    if not batches:
+        raise ValueError(f"criterion={criterion!r} needs calibration batches; none were given")
+    hessian = criterion == "sparsegpt"
+    by_module = {id(la.module): la for la in layers}
+    masks: dict[str, torch.Tensor] = {}
+    lm = find_causal_lm(model)
+    was_training = model.training
+    model.eval()
+    try:
+        if lm is not None:
+            _, blocks = decoder_blocks(lm)
+            inside = {id(mod) for block in blocks for mod in block.modules()}
+            outside = [la.name for la in layers if id(la.module) not in inside]
+            if outside:
+                raise ValueError(
+                    f"criterion={criterion!r} calibrates the transformer blocks one after another; these pruned "
+                    f"layers lie outside them: {', '.join(outside[:5])}; leave them dense (head=False, or "
+                    "min_numel above their size) or prune by magnitude"
+                )
+
+            def prune_block(_index, block, stats):
+                for rel, mod in block.named_modules():
+                    la = by_module.get(id(mod))
+                    if la is not None:
+                        masks[weight_name(la)] = _prune_one(la, ratios[la.name], criterion, stats[rel], n, m,
+                                                            blocksize, percdamp)
+
+            run_blocks(blocks, capture_block_inputs(lm, batches), prune_block, stats=True, hessian=hessian)
+        else:
+            if forward is None:
+                raise ValueError(
+                    f"{type(model).__name__} has no transformer blocks and no forward function was given to run "
+                    "it on the calibration batches"
+                )
+            stats = {la.name: InputStats(weight_matrix(la.module).shape[1], hessian=hessian,
+                                         device=la.weight.device) for la in layers}
+
+            def hook(name):
+                return lambda _mod, args: stats[name].add(args[0])
+
+            handles = [la.module.register_forward_pre_hook(hook(la.name)) for la in layers]
+            try:
+                for batch in batches:
+                    forward(batch)
+            finally:
+                for h in handles:
+                    h.remove()
+            for la in layers:
+                masks[weight_name(la)] = _prune_one(la, ratios[la.name], criterion, stats[la.name], n, m,
+                                                    blocksize, percdamp)
+    finally:
+        model.train(was_training)
+    return {weight_name(la): masks[weight_name(la)] for la in layers}
+
+
+@torch.no_grad()
+def load_weights(params: Mapping[str, torch.Tensor], values: Mapping[str, torch.Tensor]) -> None:
+    """Copy ``values[name]`` into ``params[name]`` in place (their dtype and device): the weights
+    another rank computed (SparseGPT updates the kept weights, not only the mask)."""
+    for name, value in values.items():
+        params[name].copy_(value.to(params[name].device, params[name].dtype))
