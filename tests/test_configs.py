@@ -29,3 +29,28 @@ def test_config_callbacks_build(path):
             if key in cb.settings():
                 got = cb.settings()[key]
                 assert got == value or (isinstance(value, list) and got == list(value)), (key, got, value)
+
+
+@pytest.mark.parametrize("config, sparsity", [("alphapruning_tinyllama_offline.yaml", 0.7),
+                                              ("wanda_tinyllama_offline.yaml", 0.5)])
+def test_offline_wanda_configs_prune_and_fine_tune(tmp_path, config, sparsity):
+    """The tiny Wanda configs end to end through the CLI: calibrated at fit start, then trained with
+    the masks kept (a few steps; nothing downloaded)."""
+    import pandas as pd
+
+    from lalr_lightning.cli import main
+
+    main(["fit", "--config", str(CONFIGS[0].parent / config), "--trainer.max_steps", "3",
+          "--trainer.limit_val_batches", "1", "--trainer.val_check_interval", "3", "--trainer.log_every_n_steps", "1",
+          "--data.init_args.cache_dir", str(tmp_path / "cache"), "--data.init_args.corpus_size", "100",
+          "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.default_root_dir", str(tmp_path)])
+    df = pd.read_csv(next(tmp_path.rglob("metrics.csv")))
+    overall = df["pruning/overall_sparsity"].dropna()
+    assert len(overall) >= 2  # at the pruning event and at fit end, after training: still pruned
+    # Wanda prunes int(ratio * columns) weights of every row: short of the ratio by < 1 / columns (64 here)
+    assert overall.le(sparsity + 1e-9).all() and overall.gt(sparsity - 1 / 64).all()
+    per_layer = [c for c in df.columns if c.startswith("pruning/sparsity/model.model.layers.")]
+    assert len(per_layer) == 4 * 7
+    if config.startswith("wanda"):
+        assert df[per_layer].dropna().eq(0.5).all().all()  # 2:4: exactly half of every matrix
+    assert df["val/ppl"].dropna().gt(1).all()
