@@ -460,12 +460,11 @@ def _resolve_dtype(dtype: str, device: torch.device, stored: torch.dtype | None)
     return DTYPES[dtype]
 
 
-def _prepare_out(model_dir: Path, out_dir: Path) -> None:
+def _check_out(model_dir: Path, out_dir: Path) -> None:
     if out_dir.resolve() == model_dir.resolve():
         raise ValueError("--out must be a new directory, not the model directory itself")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ValueError(f"--out {out_dir} exists and is not an empty directory; choose a new one")
-    out_dir.mkdir(parents=True, exist_ok=True)
 
 
 def _copy_side_files(model_dir: Path, out_dir: Path) -> None:
@@ -509,6 +508,7 @@ def prune_checkpoint(
     settings = _ratio_settings(preset, metric, epsilon)
     dev = _resolve_device(device)
     config = _load_config(model_dir)
+    _check_out(model_dir, out_dir)
     needs = llm_pruning.needs_stats(criterion)
     if needs and calibration is None:
         raise ValueError(f"criterion {criterion!r} needs --calibration FILE (text or JSON lines, e.g. a C4 shard)")
@@ -523,7 +523,8 @@ def prune_checkpoint(
         tokenizer = _load_tokenizer(model_dir)
         samples = calibration_samples(tokenizer, calibration, n_samples, seq_len, seed, text_field)
         say(f"calibration: {samples.shape[0]} windows of {samples.shape[1]} tokens from {calibration}")
-    _prepare_out(model_dir, out_dir)
+    _check_out(model_dir, out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     if in_memory:
         from transformers import AutoModelForCausalLM
