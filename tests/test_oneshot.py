@@ -38,6 +38,7 @@ def files(tmp_path_factory):
         "llama": save_tiny_lm(root / "llama", "llama", False),
         "llama_tied": save_tiny_lm(root / "llama_tied", "llama", True, max_shard_size="40KB"),
         "opt": save_tiny_lm(root / "opt", "opt", True),
+        "gpt2": save_tiny_lm(root / "gpt2", "gpt2", True),
     }
     return root, models
 
@@ -87,6 +88,7 @@ def _linear_weights(model):
     ("llama", "wanda", ["--preset", "alphapruning"]),
     ("llama_tied", "sparsegpt", []),
     ("opt", "wanda", ["--n", "2", "--m", "4"]),
+    ("gpt2", "magnitude", ["--metric", "stable_rank", "--epsilon", "0.2"]),
 ])
 def test_prune_command_writes_a_loadable_pruned_model(files, tmp_path, capsys, family, criterion, extra):
     from transformers import AutoModelForCausalLM
@@ -105,7 +107,7 @@ def test_prune_command_writes_a_loadable_pruned_model(files, tmp_path, capsys, f
     assert set(after) == set(report["ratios"])
     numel = {k: w.numel() for k, w in after.items()}
     for k, w in after.items():
-        zeros = float((w == 0).float().mean())
+        zeros = int((w == 0).sum()) / w.numel()
         assert zeros == pytest.approx(report["achieved"][k], abs=1e-12)
         if criterion == "wanda" and "--m" not in extra:  # int(ratio * columns) in every row
             per_row = (w == 0).sum(1)
@@ -113,6 +115,9 @@ def test_prune_command_writes_a_loadable_pruned_model(files, tmp_path, capsys, f
             assert abs(zeros - report["ratios"][k]) < 1 / w.shape[1]
         if criterion == "sparsegpt":  # int(ratio * numel) over the matrix
             assert int((w == 0).sum()) == int(report["ratios"][k] * w.numel())
+        if criterion == "magnitude":  # round(ratio * numel) smallest |w| over the matrix
+            assert int((w == 0).sum()) == round(report["ratios"][k] * w.numel())
+            assert w.abs()[w != 0].min() >= before[k].abs()[w == 0].max()
         if "--m" in extra:
             assert ((w == 0).reshape(w.shape[0], -1, 4).sum(-1) == 2).all()
         if criterion == "wanda":  # kept weights are the dense ones (no update)
