@@ -607,12 +607,16 @@ def _copy_side_files_missing(model_dir: Path, out_dir: Path) -> None:
 
 
 @torch.no_grad()
-def perplexity(model: nn.Module, ids: torch.Tensor, seq_len: int, batch_size: int = 1) -> tuple[float, int]:
+def perplexity(model: nn.Module, ids: torch.Tensor, seq_len: int, batch_size: int = 1,
+               max_windows: int | None = None) -> tuple[float, int]:
     """(perplexity, windows) of a causal LM on the token sequence ``ids`` (1-D or ``(1, N)``):
     ``N // seq_len`` non-overlapping windows, the remainder dropped; each window's mean next-token
-    NLL (over its ``seq_len - 1`` predictions) weighted by ``seq_len``, as ``lib/eval.py``."""
+    NLL (over its ``seq_len - 1`` predictions) weighted by ``seq_len``, as ``lib/eval.py``.
+    ``max_windows``: only the first ones (the reference's C4 evaluation keeps 256)."""
     ids = ids.reshape(-1)
     windows = ids.numel() // seq_len
+    if max_windows is not None:
+        windows = min(windows, int(max_windows))
     if windows < 1:
         raise ValueError(f"the text has {ids.numel()} tokens, fewer than one window of --seq-len {seq_len}; "
                          "lower --seq-len or use a longer file")
@@ -719,14 +723,17 @@ def perplexity_main(argv: Sequence[str] | None = None, prog: str = "python -m la
     p.add_argument("--text-field", default="text", help="JSON field holding the text (default: text)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per window (default 2048)")
     p.add_argument("--batch-size", type=int, default=1, help="windows per forward (default 1)")
+    p.add_argument("--max-windows", type=int, default=None,
+                   help="evaluate only the first N windows (the reference's C4 evaluation: 256)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 (default cpu)")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="compute dtype (auto: the checkpoint's on CUDA, float32 on CPU)")
     args = p.parse_args(argv)
     _quiet_transformers()
     try:
-        if args.batch_size < 1 or args.seq_len < 2:
-            raise ValueError(f"--batch-size must be >= 1 and --seq-len >= 2, got {args.batch_size} and {args.seq_len}")
+        if args.batch_size < 1 or args.seq_len < 2 or (args.max_windows is not None and args.max_windows < 1):
+            raise ValueError(f"--batch-size and --max-windows must be >= 1 and --seq-len >= 2, got {args.batch_size}, "
+                             f"{args.max_windows} and {args.seq_len}")
         model_dir = Path(args.model)
         config = _load_config(model_dir)
         dev = _resolve_device(args.device)
@@ -743,7 +750,7 @@ def perplexity_main(argv: Sequence[str] | None = None, prog: str = "python -m la
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True,
                                                      dtype=_resolve_dtype(args.dtype, dev, stored)).to(dev)
         t0 = time.perf_counter()
-        ppl, windows = perplexity(model, ids, args.seq_len, args.batch_size)
+        ppl, windows = perplexity(model, ids, args.seq_len, args.batch_size, args.max_windows)
         dt = time.perf_counter() - t0
     except (FileNotFoundError, ValueError, ImportError, RuntimeError, OSError) as e:
         return _fail(prog, e)

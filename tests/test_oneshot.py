@@ -179,6 +179,8 @@ def test_perplexity_is_the_exp_of_the_mean_window_nll_by_hand(files, capsys):
     assert printed == pytest.approx(want, rel=1e-4)
     got, n = perplexity(model, ids, 20, batch_size=3)
     assert n == windows and got == pytest.approx(want, rel=1e-6)
+    got, n = perplexity(model, ids, 20, max_windows=2)
+    assert n == 2 and got == pytest.approx(math.exp(float(torch.stack(nll[:2]).mean())), rel=1e-6)
 
 
 # ---------------------------------------------------------------------------- bad inputs
