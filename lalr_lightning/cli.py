@@ -378,6 +378,11 @@ def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "analyze":
         raise SystemExit(analyze_main(args[1:]))
+    if args and args[0] in ("prune", "perplexity"):
+        from lalr_lightning import oneshot
+
+        run = oneshot.prune_main if args[0] == "prune" else oneshot.perplexity_main
+        raise SystemExit(run(args[1:], prog=f"{_prog()} {args[0]}"))
     if args and args[0] == "report":
         from lalr_lightning.report import report_main
 

@@ -229,18 +229,20 @@ def run_blocks(
 
             def hook(name):
                 def record(_module, args):
-                    x = args[0]
-                    tokens = state["tokens"]
-                    if tokens is not None:
-                        collected[name].add(x[tokens], samples=x.shape[0])
-                    else:
-                        collected[name].add(x)
+                    # samples = the batch's sequences, whatever shape the layer sees (OPT flattens
+                    # the tokens before its MLP)
+                    x, tokens, b = args[0], state["tokens"], state["samples"]
+                    if tokens is not None and x.shape[:-1] == tokens.shape:
+                        x = x[tokens]
+                    elif tokens is not None:
+                        x = x.reshape(-1, x.shape[-1])[tokens.reshape(-1)]
+                    collected[name].add(x, samples=b)
                 return record
 
             handles = [mod.register_forward_pre_hook(hook(name)) for name, mod in layers.items()]
             try:
                 for batch in current:
-                    state["tokens"] = batch.tokens
+                    state["tokens"], state["samples"] = batch.tokens, batch.hidden.shape[0]
                     _run(block, batch)
             finally:
                 for h in handles:

@@ -263,7 +263,7 @@ def sparsegpt_prune(
         Err1 = torch.zeros_like(W1)
         mask1 = torch.zeros(rows, i2 - i1, dtype=torch.bool, device=dev)
         if not m:
-            k = int(ratio * rows * i2) - done
+            k = int(ratio * (rows * i2)) - done
             if k > 0:
                 score = (W1.square() / d1.square().unsqueeze(0)).flatten()
                 mask1.view(-1)[torch.argsort(score, stable=True)[:k]] = True

@@ -1,0 +1,141 @@
+"""One-shot pruning of a LLaMA-shaped checkpoint: streamed block by block against the whole model in memory.
+
+It generates the ~0.54 B LLaMA-shaped checkpoint of ``benchmarks/llm_analysis.py`` (random init,
+hidden 2048, 8 layers, MLP 5632, vocabulary 32000, untied head, bf16 on disk) with the package's
+offline word tokenizer, writes a calibration text of the offline grammar, and for each criterion
+(Wanda, SparseGPT) runs in a child process each:
+
+* ``streamed``: ``oneshot.prune_checkpoint(DIR, OUT, ...)``, what ``python -m lalr_lightning
+  prune`` does: one block's weights in memory at a time;
+* ``in-memory``: the same call with ``in_memory=True``: ``from_pretrained`` of the whole model,
+  then the same block-by-block criterion;
+
+with 16 calibration windows of 512 tokens, float32 compute on the CPU, and reports wall time and
+peak resident memory (``VmHWM`` of the child), next to the checkpoint's float32 size and a bare
+``import torch`` process. Then the perplexity command's throughput (tokens per second) on the
+pruned model. Usage::
+
+    python benchmarks/llm_pruning.py                       # a few minutes per run on 2 cores
+    python benchmarks/llm_pruning.py --layers 2 --hidden 512 --intermediate 1376 --vocab 8000   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from llm_analysis import _HWM, _generate, _run  # noqa: E402
+
+_CHILD_PRUNE = _HWM + r"""
+import json, sys, time
+import torch
+from lalr_lightning.oneshot import prune_checkpoint
+model, out, calib, crit, n, seq, mem = sys.argv[1:8]
+base = hwm_kb()
+t = time.perf_counter()
+r = prune_checkpoint(model, out, sparsity=0.5, criterion=crit, calibration=calib, n_samples=int(n), seq_len=int(seq),
+                     device="cpu", dtype="float32", batch_size=8, in_memory=mem == "1")
+wall = time.perf_counter() - t
+print(json.dumps({"wall": wall, "overall": r.overall, "base_kb": base, "peak_kb": hwm_kb()}))
+"""
+
+_CHILD_PPL = _HWM + r"""
+import json, sys, time
+import torch
+from transformers import AutoModelForCausalLM
+from lalr_lightning.oneshot import _encode, _load_tokenizer, perplexity
+from pathlib import Path
+model_dir, data, seq, windows = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+ids = _encode(_load_tokenizer(Path(model_dir)), Path(data).read_text())
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+t = time.perf_counter()
+ppl, n = perplexity(model, ids, seq, batch_size=1, max_windows=windows)
+wall = time.perf_counter() - t
+print(json.dumps({"wall": wall, "tokens": n * seq, "ppl": ppl, "peak_kb": hwm_kb()}))
+"""
+
+_CHILD_BASE = _HWM + r"""
+import json
+import torch
+print(json.dumps({"peak_kb": hwm_kb()}))
+"""
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=5632)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="dtype on disk (default bf16)")
+    p.add_argument("--shard-size", default="500MB")
+    p.add_argument("--samples", type=int, default=16, help="calibration windows (default 16)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
+    p.add_argument("--ppl-windows", type=int, default=8, help="perplexity windows (default 8)")
+    p.add_argument("--criteria", default="wanda,sparsegpt")
+    p.add_argument("--dir", default=None, help="work directory (default: a new temporary one)")
+    p.add_argument("--keep", action="store_true")
+    args = p.parse_args(argv)
+
+    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="llm_pruning_"))
+    ckpt = root / "model"
+    try:
+        if not (ckpt / "config.json").exists():
+            params, size = _generate(ckpt, args)
+            from lalr_lightning.data.causal_lm import word_tokenizer
+
+            word_tokenizer().save_pretrained(ckpt)
+        else:
+            params = None
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(ckpt)
+        n_params = params or 0
+        calib = root / "calib.txt"
+        from lalr_lightning.data.causal_lm import offline_corpus
+
+        calib.write_text(" ".join(offline_corpus(20000, seed=1)))
+        base = _run(_CHILD_BASE)["peak_kb"] / 2**20
+        fp32 = sum(f.stat().st_size for f in ckpt.glob("*.safetensors")) * (2 if args.dtype == "bf16" else 1) / 2**30
+        block = 4 * (4 * cfg.hidden_size**2 + 3 * cfg.hidden_size * cfg.intermediate_size) / 2**30
+        embed = 4 * cfg.vocab_size * cfg.hidden_size / 2**30
+        acts = 4 * args.samples * args.seq_len * cfg.hidden_size / 2**30
+        print(f"checkpoint {ckpt}: {n_params / 1e9:.3f} B parameters, {fp32:.2f} GiB in float32; one block "
+              f"{block:.3f} GiB, embedding {embed:.3f} GiB, activations {acts:.3f} GiB (x2 for in/out); "
+              f"bare torch {base:.2f} GiB; calibration {args.samples} x {args.seq_len} tokens", flush=True)
+        rows = []
+        for crit in args.criteria.split(","):
+            for mem in ("0", "1"):
+                out = root / f"out_{crit}_{mem}"
+                shutil.rmtree(out, ignore_errors=True)
+                r = _run(_CHILD_PRUNE, str(ckpt), str(out), str(calib), crit, str(args.samples), str(args.seq_len), mem)
+                label = "in-memory" if mem == "1" else "streamed"
+                rows.append((crit, label, r["wall"], r["peak_kb"] / 2**20))
+                print(f"{crit:9s} {label:9s}: {r['wall']:7.1f} s, peak RSS {r['peak_kb'] / 2**20:.2f} GiB "
+                      f"(overall sparsity {r['overall']:.4f})", flush=True)
+            (s, ps), (m, pm) = [(w, pk) for c, _, w, pk in rows if c == crit]
+            print(f"{crit:9s} in-memory / streamed: time x{m / s:.2f}, peak RSS x{pm / ps:.2f}", flush=True)
+        out = root / f"out_{args.criteria.split(',')[0]}_0"
+        r = _run(_CHILD_PPL, str(out), str(calib), str(args.seq_len), str(args.ppl_windows))
+        print(f"perplexity: {r['tokens']} tokens in {r['wall']:.1f} s = {r['tokens'] / r['wall']:.0f} tokens/s "
+              f"(ppl {r['ppl']:.1f}, peak RSS {r['peak_kb'] / 2**20:.2f} GiB)", flush=True)
+        print(json.dumps({"rows": rows}))
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    t0 = time.perf_counter()
+    main()
+    print(f"total {time.perf_counter() - t0:.0f} s")
