@@ -100,8 +100,8 @@ CASES = [("llama", False, "wanda", 0, 0), ("llama", False, "sparsegpt", 0, 0), (
 
 @pytest.mark.parametrize("family, tied, criterion, n, m", CASES)
 def test_callback_equals_the_criterion_run_by_hand_block_by_block(family, tied, criterion, n, m):
-    nm = dict(n=n, m=m) if m else dict(target_sparsity=0.6)
-    pruner = HTSRPruning(preset="alphapruning", criterion=criterion, n_calibration=N_CAL, **nm)
+    nm = dict(n=n, m=m, min_numel=1, min_evals=1) if m else dict(preset="alphapruning", target_sparsity=0.6)
+    pruner = HTSRPruning(criterion=criterion, n_calibration=N_CAL, **nm)
     module = LM(family, tied)
     _fit(pruner, module)  # lr 0: the weights stay as pruning left them
     assert pruner.history[0]["calibration_samples"] == N_CAL
@@ -283,6 +283,7 @@ def test_ddp_spawn_ranks_hold_identical_masks_and_sparsegpt_weights():
         (dict(criterion="wanda", n=3, m=0), "0 < n < m"),
         (dict(n=2, m=4, target_sparsity=0.7), "drop target_sparsity"),
         (dict(n=2, m=4, epsilon=0.3), "drop epsilon"),
+        (dict(preset="alphapruning", criterion="wanda", n=2, m=4), "drop preset"),
         (dict(criterion="wanda", structured=True), "drop structured"),
         (dict(n=2, m=4, structured=True), "drop structured"),
         (dict(criterion="sparsegpt", when="gradual", gradual_epochs=3), "prunes once"),
@@ -297,10 +298,10 @@ def test_bad_arguments(kwargs, match):
         HTSRPruning(**kwargs)
 
 
-def test_preset_with_n_m_prunes_its_layers_uniformly_and_says_so():
-    with pytest.warns(UserWarning, match="per-layer ratios"):
-        pruner = HTSRPruning(preset="alphapruning", criterion="wanda", n=2, m=4)
-    assert (pruner.target_sparsity, pruner.epsilon, pruner.min_numel) == (0.5, 0.0, 1)
+def test_n_m_prunes_every_layer_at_n_over_m():
+    pruner = HTSRPruning(criterion="wanda", n=1, m=4)
+    assert (pruner.target_sparsity, pruner.epsilon) == (0.25, 0.0)
+    assert HTSRPruning(n=2, m=4, target_sparsity=0.5, epsilon=0).target_sparsity == 0.5  # consistent: accepted
 
 
 def test_convolutions_are_refused_by_the_row_wise_criteria():

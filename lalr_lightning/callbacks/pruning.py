@@ -209,11 +209,10 @@ class HTSRPruning(LayerwiseCallback):
                     f"N:M sparsity (n={n}, m={m}) prunes every layer at n/m, so HT-SR's per-layer ratios "
                     f"(epsilon={epsilon}) cannot apply; drop epsilon (or n/m for per-layer ratios)"
                 )
-            if preset is not None and epsilon is None:
-                warnings.warn(
-                    f"HTSRPruning(preset={preset!r}, n={n}, m={m}): N:M sparsity prunes every layer at n/m = "
-                    f"{n / m:g}; the preset chooses the layers, its per-layer ratios (epsilon) are not used",
-                    UserWarning, stacklevel=3,
+            if preset is not None:  # as the prune command: a preset is per-layer ratios
+                raise ValueError(
+                    f"N:M sparsity (n={n}, m={m}) prunes every layer at n/m, so preset={preset!r}'s per-layer "
+                    "ratios cannot apply; drop preset (min_numel=1, min_evals=1 prune every matrix as it does)"
                 )
             target_sparsity, epsilon = n / m, 0.0
         target_sparsity = 0.5 if target_sparsity is None else target_sparsity
