@@ -67,8 +67,9 @@ class HTSRPruning(LayerwiseCallback):
         >>> round(pruner.overall_sparsity(), 2)  # parameter-weighted over the pruned layers
         0.5
 
-    AlphaPruning's LLM recipe is ``HTSRPruning(preset="alphapruning", target_sparsity=0.7)``
-    (``docs/alphapruning.md``: what it sets, and what still differs from the reference code).
+    AlphaPruning's LLM recipe is ``HTSRPruning(preset="alphapruning", target_sparsity=0.7,
+    epsilon=0.2, criterion="wanda")`` (``docs/alphapruning.md``: what it sets, how the criteria
+    are calibrated, and what still differs from the reference code).
 
     Args:
         preset: ``"alphapruning"`` fills in the arguments left out (``None``) with AlphaPruning's
@@ -79,13 +80,13 @@ class HTSRPruning(LayerwiseCallback):
             ``log_alpha_norm``, ``stable_rank``, ``entropy``, ``spectral_norm``,
             ``log_spectral_norm``, ``norm``, ``log_norm``, ``rand_distance``, ``snr``).
         target_sparsity: the parameter-weighted mean of the ratios over the pruned layers'
-            weights, in ``[0, 1)``.
+            weights, in ``[0, 1)``; default 0.5 (with N:M: ``n / m``, the only value accepted).
         epsilon: half-width of the ``[1 - eps, 1 + eps]`` map (AlphaPruning: 0.3).
             ``epsilon=0`` is uniform pruning (the metric is then not even computed).
         direction: ``more_for_larger`` (AlphaPruning: higher alpha, less trained, prunes more;
             the thesis' table 3.1 settings 1/3) or ``more_for_smaller`` (settings 2/4).
-        structured: ``False``: per-layer magnitude pruning (the smallest-|w|
-            ``round(ratio_l * numel)`` weights of each layer). ``True``: output-channel pruning by
+        structured: ``False``: per-layer pruning of single weights by ``criterion`` (magnitude:
+            the smallest-|w| ``round(ratio_l * numel)`` weights of each layer). ``True``: output-channel pruning by
             channel L2 norm under the thesis' incremental budget (see
             :func:`incremental_channel_budgets`: a layer prunes
             ``floor(floor(ratio_l / channel_step) * channel_step * C_l)`` channels). A pruned
@@ -120,7 +121,38 @@ class HTSRPruning(LayerwiseCallback):
             the masks stay and are enforced in any later ``fit`` with this callback.
         name: distinguishes several instances (checkpoint state and log prefix).
         strict_resume: refuse a checkpoint written with other settings (default).
+        criterion: which weights of a layer go (keyword-only, as the arguments below):
+            ``"magnitude"`` (default; the smallest |w|, no data), ``"wanda"`` (|w| times the norm
+            of its input feature over calibration tokens, the ``int(ratio * in)`` lowest of every
+            output row) or ``"sparsegpt"`` (one-shot OBS: the mask from ``w^2 / [H^-1]_jj`` and the
+            kept weights of the row updated to compensate, ``H`` from the calibration inputs).
+            Wanda and SparseGPT prune the rows of Linear layers (``layer_types=("linear",)`` for a
+            model with convolutions), once (not ``when="gradual"``), unstructured or N:M.
+        n, m: N:M semi-structured sparsity: ``n`` of every ``m`` consecutive input weights of each
+            row pruned (2:4, 4:8), any criterion. Every layer is then pruned at ``n / m``: the HT-SR
+            per-layer ratios do not apply (AlphaPruning's code ignores them under N:M too), so a
+            ``preset``, ``epsilon > 0`` or another ``target_sparsity`` is an error. ``n = m = 0``
+            (default): unstructured.
+        n_calibration: ``wanda`` / ``sparsegpt``: the number of sequences (samples) calibrated on,
+            the first ones of the calibration loader (default 128, as Wanda and AlphaPruning); fewer
+            available: all of them, with a warning.
+        calibration: ``wanda`` / ``sparsegpt``: an iterable of batches to calibrate on (default:
+            the fit's training loader, as given to the trainer -- without the DDP sampler). Causal
+            LM batches: ``input_ids`` tensors, ``(input_ids, ...)`` tuples or dicts with
+            ``input_ids`` (and ``attention_mask``: padding is left out of the statistics).
+            A Hugging Face causal LM (LLaMA, OPT, GPT-2, GPT-NeoX layouts) is calibrated block by
+            block in the order it runs them: each block's inputs are the outputs of the blocks
+            before it, already pruned. A model without such blocks runs its ``forward`` on ``x``
+            of each ``(x, ...)`` batch (or a tensor batch, or a dict as keyword arguments), once,
+            dense, and every layer is pruned from those inputs.
+        blocksize, percdamp: ``sparsegpt`` only: the columns per lazy-update block (128) and the
+            Hessian dampening as a fraction of its mean diagonal (0.01), SparseGPT's defaults.
         exclude_head: deprecated: ``head = not exclude_head``.
+
+    Calibrated pruning happens on rank zero (the block-by-block pass needs each block pruned
+    before the next is measured, so it prunes rank zero's weights as it goes); the masks -- and
+    SparseGPT's updated weights -- are broadcast, so every rank holds the same bits. A resumed run
+    takes the masks (and the weights) from the checkpoint and does not calibrate again.
 
     Enforcement (by :class:`~lalr_lightning.core.control.LayerControl`): the gradients of
     pruned entries are zeroed in ``on_before_optimizer_step`` (after DDP's all-reduce and
