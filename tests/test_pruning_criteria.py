@@ -318,3 +318,25 @@ def test_layers_outside_the_blocks_and_unrunnable_batches_are_clear_errors():
     bad = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 3)), batch_size=2)
     with pytest.raises(ValueError, match="could not run ToyMLP on a calibration batch"):
         _fit(HTSRPruning(criterion="wanda", calibration=bad, min_numel=1, min_evals=2), ToyMLP())
+
+
+def test_take_samples_cuts_the_last_batch_of_any_batch_shape():
+    ids = torch.arange(30).reshape(10, 3)
+    dicts = [{"input_ids": ids[i:i + 4], "attention_mask": torch.ones(len(ids[i:i + 4]), 3)} for i in (0, 4, 8)]
+    got = take_samples(dicts, 6)
+    assert [len(b["input_ids"]) for b in got] == [4, 2] and torch.equal(got[1]["attention_mask"], torch.ones(2, 3))
+    assert torch.equal(torch.cat([b["input_ids"] for b in got]), ids[:6])
+    tuples = take_samples([(ids[:4], ids[:4]), (ids[4:8], ids[4:8])], 5)
+    assert isinstance(tuples[1], tuple) and [len(t[0]) for t in tuples] == [4, 1]
+    assert [len(t) for t in take_samples([ids[:4], ids[4:]], 100)] == [4, 6]  # all there is
+
+
+def test_pruning_at_a_later_epoch_calibrates_the_trained_weights():
+    pruner = HTSRPruning(target_sparsity=0.5, epsilon=0.0, criterion="wanda", when=1, n_calibration=N_CAL,
+                         min_numel=1, min_evals=3)
+    module = LM(lr=0.05)
+    make_trainer([pruner], max_epochs=2).fit(module)
+    assert [h["epoch"] for h in pruner.history] == [1] and pruner.history[0]["calibration_samples"] == N_CAL
+    for name, keep in pruner.masks.items():
+        w = _params(module)[name]
+        assert torch.all(w[~keep] == 0) and int((~keep).sum()) == w.shape[0] * int(0.5 * w.shape[1])

@@ -470,7 +470,8 @@ class HTSRPruning(LayerwiseCallback):
                                           channel_step=self.channel_step, previous=self.masks)
         else:
             masks, channels = self._criterion_masks(ratios, record), {}
-            if self.criterion == "sparsegpt":  # it moved the kept weights too: the other ranks copy them
+            if self.criterion == "sparsegpt" and self._trainer.world_size > 1:
+                # it moved the kept weights too: the other ranks copy them
                 weights = {k: self._params[k].detach().cpu().clone() for k in masks}
         return Decision(values=ratios, scores=metric, record=record, payload=(masks, channels, weights))
 

@@ -144,7 +144,7 @@ def criterion_prune(
     ``batches``: the calibration batches (``wanda`` / ``sparsegpt``): ``input_ids`` tensors,
     ``(input_ids, ...)`` tuples or dicts with ``input_ids`` for a causal LM; for a model without
     transformer blocks, whatever ``forward(batch)`` runs the model on (module docstring).
-    The model is run in eval mode (no dropout) and put back in its previous mode.
+    The model is run in eval mode (no dropout); every module's mode is put back afterwards.
     """
     n, m = check_nm(n, m)
     if criterion != "magnitude" or m:
@@ -158,7 +158,7 @@ def criterion_prune(
     by_module = {id(la.module): la for la in layers}
     masks: dict[str, torch.Tensor] = {}
     lm = find_causal_lm(model)
-    was_training = model.training
+    modes = {mod: mod.training for mod in model.modules()}  # put back as they were (some may be in eval)
     model.eval()
     try:
         if lm is not None:
@@ -203,7 +203,8 @@ def criterion_prune(
                 masks[weight_name(la)] = _prune_one(la, ratios[la.name], criterion, stats[la.name], n, m,
                                                     blocksize, percdamp)
     finally:
-        model.train(was_training)
+        for mod, training in modes.items():
+            mod.training = training
     return {weight_name(la): masks[weight_name(la)] for la in layers}
 
 
