@@ -43,22 +43,35 @@ class LM(pl.LightningModule):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
 
 
+def _block_path(hf):
+    if hasattr(hf, "transformer"):
+        return "transformer.h"
+    return "model.decoder.layers" if hasattr(hf.model, "decoder") else "model.layers"
+
+
 def _blocks(hf):
-    return hf.model.decoder.layers if hasattr(hf.model, "decoder") else hf.model.layers
+    path = _block_path(hf).split(".")
+    out = hf
+    for part in path:
+        out = getattr(out, part)
+    return out
 
 
 def _linears(block):
-    return [(name, mod) for name, mod in block.named_modules() if isinstance(mod, nn.Linear)]
+    """(name, module, its weight as (out, in)): GPT-2's Conv1D stores (in, out)."""
+    return [(name, mod, mod.weight if isinstance(mod, nn.Linear) else mod.weight.T)
+            for name, mod in block.named_modules() if isinstance(mod, nn.Linear) or type(mod).__name__ == "Conv1D"]
 
 
 @torch.no_grad()
 def _block_stats(hf, block, batches, hessian):
     """InputStats of every Linear of ``block`` from full-model forwards (the blocks before it as
     the model now holds them), batch by batch as the callback's calibration batches."""
-    stats = {name: InputStats(mod.in_features, hessian=hessian) for name, mod in _linears(block)}
-    handles = [mod.register_forward_pre_hook(lambda _m, a, s=stats[name]: s.add(a[0])) for name, mod in _linears(block)]
+    stats = {name: InputStats(w.shape[1], hessian=hessian) for name, _, w in _linears(block)}
+    handles = [mod.register_forward_pre_hook(lambda _m, a, s=stats[name]: s.add(a[0], samples=len(ids)))
+               for name, mod, _ in _linears(block)]
     hf.eval()
-    for (ids,) in batches:
+    for (ids,) in batches:  # the hooks read ``ids``: a batch's sequences are its samples, whatever a layer sees
         hf(input_ids=ids)
     for h in handles:
         h.remove()
@@ -72,11 +85,11 @@ def hand_prune(hf, ratios, criterion, batches, n=0, m=0, prefix="model."):
     keeps = {}
     for b, block in enumerate(_blocks(hf)):
         stats = _block_stats(hf, block, batches, criterion == "sparsegpt")
-        for name, mod in _linears(block):
-            full = f"{prefix}{'model.decoder.layers' if hasattr(hf.model, 'decoder') else 'model.layers'}.{b}.{name}"
-            new, keep = prune_weight(mod.weight, criterion, ratios.get(full, 0.0), stats[name], n=n, m=m)
-            mod.weight.copy_(new)
-            keeps[full + ".weight"] = keep
+        for name, mod, w in _linears(block):
+            full = f"{prefix}{_block_path(hf)}.{b}.{name}"
+            new, keep = prune_weight(w, criterion, ratios.get(full, 0.0), stats[name], n=n, m=m)
+            w.copy_(new)
+            keeps[full + ".weight"] = keep if w is mod.weight else keep.T
     return keeps
 
 
@@ -95,7 +108,7 @@ def _params(module):
 
 CASES = [("llama", False, "wanda", 0, 0), ("llama", False, "sparsegpt", 0, 0), ("llama", False, "wanda", 2, 4),
          ("llama", False, "sparsegpt", 2, 4), ("llama", True, "wanda", 0, 0), ("llama", True, "sparsegpt", 0, 0),
-         ("opt", True, "wanda", 0, 0), ("opt", True, "sparsegpt", 4, 8)]
+         ("opt", True, "wanda", 0, 0), ("opt", True, "sparsegpt", 4, 8), ("gpt2", True, "sparsegpt", 0, 0)]
 
 
 @pytest.mark.parametrize("family, tied, criterion, n, m", CASES)
@@ -107,7 +120,7 @@ def test_callback_equals_the_criterion_run_by_hand_block_by_block(family, tied, 
     assert pruner.history[0]["calibration_samples"] == N_CAL
     ref = LM(family, tied)
     keeps = hand_prune(ref.model, pruner.ratios, criterion, _calibration(ref), n, m)
-    assert set(pruner.masks) == set(keeps) and len(keeps) == 2 * (6 if family == "opt" else 7)
+    assert set(pruner.masks) == set(keeps) and len(keeps) == 2 * {"opt": 6, "llama": 7, "gpt2": 4}[family]
     got = _params(module)
     for name, keep in keeps.items():
         assert torch.equal(pruner.masks[name], keep), name
@@ -126,8 +139,8 @@ def test_block_two_is_calibrated_on_the_pruned_block_one():
     # block 1's statistics from the *dense* block 0 give other masks than the callback's ...
     stats = _block_stats(hf, _blocks(hf)[1], batches, False)
     wrong = {f"model.model.layers.1.{name}.weight":
-             prune_weight(mod.weight, "wanda", pruner.ratios[f"model.model.layers.1.{name}"], stats[name])[1]
-             for name, mod in _linears(_blocks(hf)[1])}
+             prune_weight(w, "wanda", pruner.ratios[f"model.model.layers.1.{name}"], stats[name])[1]
+             for name, _, w in _linears(_blocks(hf)[1])}
     assert any(not torch.equal(pruner.masks[k], v) for k, v in wrong.items())
     # ... and from the pruned block 0 the same masks
     keeps = hand_prune(LM().model, pruner.ratios, "wanda", batches)
