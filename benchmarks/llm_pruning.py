@@ -122,7 +122,8 @@ def main(argv=None) -> None:
                 label = "in-memory" if mem == "1" else "streamed"
                 rows.append((crit, label, r["wall"], r["peak_kb"] / 2**20))
                 print(f"{crit:9s} {label:9s}: {r['wall']:7.1f} s, peak RSS {r['peak_kb'] / 2**20:.2f} GiB "
-                      f"(overall sparsity {r['overall']:.4f})", flush=True)
+                      f"({r['base_kb'] / 2**20:.2f} GiB after the imports; overall sparsity {r['overall']:.4f})",
+                      flush=True)
             (s, ps), (m, pm) = [(w, pk) for c, _, w, pk in rows if c == crit]
             print(f"{crit:9s} in-memory / streamed: time x{m / s:.2f}, peak RSS x{pm / ps:.2f}", flush=True)
         out = root / f"out_{args.criteria.split(',')[0]}_0"

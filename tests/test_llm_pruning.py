@@ -52,7 +52,7 @@ def test_input_stats_match_the_reference_running_averages():
 def test_input_stats_bad_inputs():
     st = InputStats(4, hessian=False)
     with pytest.raises(ValueError, match="no calibration inputs"):
-        st.scaler_row
+        _ = st.scaler_row
     with pytest.raises(ValueError, match="features"):
         st.add(torch.ones(2, 3))
     st.add(torch.ones(2, 4))

@@ -187,6 +187,23 @@ def _run(block: nn.Module, batch: BlockBatch) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+def _recorder(stats: InputStats, state: dict):
+    """A forward pre-hook adding a layer's inputs to ``stats``; ``state`` holds the current batch's
+    token mask and sequence count."""
+
+    def record(_module, args):
+        # samples = the batch's sequences, whatever shape the layer sees (OPT flattens the
+        # tokens before its MLP)
+        x, tokens = args[0], state["tokens"]
+        if tokens is not None and x.shape[:-1] == tokens.shape:
+            x = x[tokens]
+        elif tokens is not None:
+            x = x.reshape(-1, x.shape[-1])[tokens.reshape(-1)]
+        stats.add(x, samples=state["samples"])
+
+    return record
+
+
 @torch.no_grad()
 def run_blocks(
     blocks: Sequence[nn.Module] | int,
@@ -226,20 +243,7 @@ def run_blocks(
                 for name, mod in layers.items()
             }
             state: dict = {}
-
-            def hook(name):
-                def record(_module, args):
-                    # samples = the batch's sequences, whatever shape the layer sees (OPT flattens
-                    # the tokens before its MLP)
-                    x, tokens, b = args[0], state["tokens"], state["samples"]
-                    if tokens is not None and x.shape[:-1] == tokens.shape:
-                        x = x[tokens]
-                    elif tokens is not None:
-                        x = x.reshape(-1, x.shape[-1])[tokens.reshape(-1)]
-                    collected[name].add(x, samples=b)
-                return record
-
-            handles = [mod.register_forward_pre_hook(hook(name)) for name, mod in layers.items()]
+            handles = [mod.register_forward_pre_hook(_recorder(collected[name], state)) for name, mod in layers.items()]
             try:
                 for batch in current:
                     state["tokens"], state["samples"] = batch.tokens, batch.hidden.shape[0]
