@@ -353,3 +353,15 @@ def test_pruning_at_a_later_epoch_calibrates_the_trained_weights():
     for name, keep in pruner.masks.items():
         w = _params(module)[name]
         assert torch.all(w[~keep] == 0) and int((~keep).sum()) == w.shape[0] * int(0.5 * w.shape[1])
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
+def test_low_precision_weights_are_calibrated_and_pruned(precision):
+    """Statistics are float32 whatever the weights; SparseGPT writes back in the weights' dtype."""
+    pruner = HTSRPruning(criterion="sparsegpt", n=2, m=4, min_numel=1, min_evals=1, n_calibration=N_CAL)
+    module = LM(lr=0.01)
+    make_trainer([pruner], max_steps=2, precision=precision).fit(module)
+    for name, keep in pruner.masks.items():
+        w = _params(module)[name]
+        assert w.dtype == (torch.bfloat16 if precision == "bf16-true" else torch.float32)
+        assert torch.all((w == 0).reshape(w.shape[0], -1, 4).sum(-1) == 2) and torch.equal(w != 0, keep)
