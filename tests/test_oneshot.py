@@ -216,3 +216,21 @@ def test_bad_inputs_give_one_line_errors(files, tmp_path, capsys):
         code, _, err = _run(argv, capsys)
         _one_line_error(code, err, phrase)
     assert not (tmp_path / "o3").exists()  # nothing written on a refused run
+
+
+def test_streaming_holds_one_block_at_a_time(files, tmp_path, monkeypatch):
+    from lalr_lightning import oneshot
+
+    root, models = files
+    seen = []
+    load = oneshot._Streamed.block
+
+    def block(self, i):  # before each block is loaded, no other block (nor the head) holds weights
+        seen.append([j for j, b in enumerate(self.blocks) if any(p.device.type != "meta" for p in b.parameters())])
+        assert self.model.get_output_embeddings().weight.device.type == "meta"
+        return load(self, i)
+
+    monkeypatch.setattr(oneshot._Streamed, "block", block)
+    prune_checkpoint(models["llama"], tmp_path / "o", criterion="sparsegpt", preset="alphapruning",
+                     calibration=root / "calib.txt", n_samples=2, seq_len=16)
+    assert len(seen) == 4 and all(s == [] for s in seen)  # 2 blocks x (metric pass, pruning pass)
