@@ -265,6 +265,12 @@ def test_ddp_is_configured_for_switching_and_refuses_what_cannot_follow():
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(static_graph=True), logger=False)
     with pytest.raises(ValueError, match="static_graph=True forbids; drop static_graph or pass save_compute=False"):
         BlockSchedule("lisa", gamma=1).setup(trainer, module, "fit")
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_find_unused_parameters_false", logger=False)
+    with pytest.raises(ValueError, match="needs DDP's find_unused_parameters=True; drop find_unused_parameters=False"):
+        BlockSchedule("lisa", gamma=1).setup(trainer, module, "fit")
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False)
+    SpectrumSelect(top_percent=25).setup(trainer, module, "fit")  # static: decided before the wrap, DDP as it was
+    assert "find_unused_parameters" not in trainer.strategy._ddp_kwargs
     with pytest.raises(ValueError, match="unknown optimizer_state 'drop'; valid: release, keep"):
         BlockSchedule("lisa", optimizer_state="drop")
 
