@@ -283,6 +283,8 @@ class NoGradientForFrozen(Callback):
     gradient and the trained ones have one; the optimizer holds state only for trained
     parameters; after the step both ranks' weights are equal."""
 
+    grads = 0
+
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         cbs = [c for c in trainer.callbacks if isinstance(c, LayerSelection)]
         off = {id(p) for c in cbs for u in c.layers if u.name not in c.selected for p in u.params.values()}
@@ -301,14 +303,15 @@ class NoGradientForFrozen(Callback):
 
 
 def test_ddp_frozen_matrices_get_no_gradient_and_ranks_stay_equal():
-    """One ddp_spawn fit (spawning is the slow part), both kinds composed: SpectrumSelect freezes
-    in setup, before DDP wraps the model; LISA switches a block every step after it. A
-    parameter either freezes gets no gradient (so no all-reduce), the others all get one."""
+    """One ddp_spawn fit (spawning is the slow part), both kinds composed, with gradient
+    accumulation (DDP's no_sync between steps): SpectrumSelect freezes in setup, before DDP
+    wraps the model; LISA switches a block every step after it. A parameter either freezes gets
+    no gradient (so no all-reduce), the others all get one."""
     spectrum = SpectrumSelect(top_percent=25)
     lisa = BlockSchedule("lisa", gamma=1, every_n_steps=1, seed=21)  # blocks 1, 2, 3 in three steps
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=3, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[spectrum, lisa, NoGradientForFrozen()])
+                         accumulate_grad_batches=2, callbacks=[spectrum, lisa, NoGradientForFrozen()])
     trainer.fit(LM())
     assert trainer.callback_metrics["ddp_checked"] == 1.0
     # the gradients of the last step, counted on rank 0, against the two selections handed back
