@@ -13,7 +13,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lalr_lightning.callbacks import BlockSchedule, LayerSelection, NTKSelect, SpectrumSelect
-from lalr_lightning.core.control import LayerControl
 from lalr_lightning.core.layers import block_layers, matrix_layers
 from lalr_lightning.core.selection import lift_block, lisa_sample
 from tests._lm import tiny_lm
