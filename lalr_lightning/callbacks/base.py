@@ -246,6 +246,13 @@ class LayerwiseCallback(Callback):
     def conclude(self, trainer: pl.Trainer, measured: Any) -> Decision:
         """Decide on rank zero from ``measured``, broadcast, record, apply and log. An error on
         rank zero is raised on every rank."""
+        decision = self.decide_everywhere(trainer, measured)
+        self.commit(trainer, decision)
+        return decision
+
+    def decide_everywhere(self, trainer: pl.Trainer, measured: Any) -> Decision:
+        """Decide on rank zero from ``measured`` and broadcast: the same decision on every rank
+        (not yet stored or applied). An error on rank zero is raised on every rank."""
         result: tuple[str, Any] | None = None
         if trainer.is_global_zero:
             try:
@@ -255,7 +262,6 @@ class LayerwiseCallback(Callback):
         status, payload = trainer.strategy.broadcast(result, src=0)
         if status == "error":
             raise payload
-        self.commit(trainer, payload)
         return payload
 
     def commit(self, trainer: pl.Trainer, decision: Decision) -> None:

@@ -107,6 +107,10 @@ class LMSAStepper(LayerSelection):
             Lightning sets them (:mod:`lalr_lightning.core.norms`).
         seed: seeds the probes' random state (dropout masks); the training's random stream is
             not touched.
+        optimizer_state: ``"release"`` (default): the module optimizer's state of blocks that
+            stop training (``update="optimizer"``, at a re-selection) is freed, so it covers only
+            the selected blocks and what trains outside the blocks; ``"keep"``: kept, and
+            resumed when a block is selected again.
         name, strict_resume: as every callback of the package.
         selection_batches, reselect_every_n_epochs: deprecated names of ``n_batches`` and
             ``every_n_epochs``.
@@ -161,14 +165,15 @@ class LMSAStepper(LayerSelection):
         loss_fn: Callable[[pl.LightningModule, Any], torch.Tensor] | None = None,
         norm_eval: str = "frozen",
         seed: int = 0,
+        optimizer_state: str = "release",
         name: str | None = None,
         strict_resume: bool = True,
         *,
         selection_batches: int | None = None,
         reselect_every_n_epochs: int | None = None,
     ):
-        super().__init__(blocks=blocks, join_stem=join_stem, norm_eval=norm_eval, save_compute=False, name=name,
-                         strict_resume=strict_resume)
+        super().__init__(blocks=blocks, join_stem=join_stem, norm_eval=norm_eval, save_compute=False,
+                         optimizer_state=optimizer_state, name=name, strict_resume=strict_resume)
         if select not in SELECT:
             raise ValueError(f"unknown select {select!r}; valid: {', '.join(SELECT)}")
         if update not in UPDATE:
@@ -310,6 +315,7 @@ class LMSAStepper(LayerSelection):
         selected ones); optimizer: the others frozen. Nothing trains before a selection."""
         on = set() if self.update == "msa" else set(self.selected)
         self.apply_frozen(trainer, [n for n in self.block_names if n not in on])
+        self.release_state(trainer, [b for b in self.layers if b.name not in on])
         self._selected_params = {id(p) for b in self.layers if b.name in self.selected for p in b.params.values()}
         if self.update == "msa" and self.selected and (self._inner is None or self._inner_for != self.selected):
             self._build_inner()

@@ -50,8 +50,16 @@ class BlockSchedule(LayerSelection):
         seed: seeds LIFT ``random`` and LISA draws.
         blocks, join_stem: how blocks are found (default ``join_stem``: yes for LIFT, no for
             LISA, whose stem is always trainable).
-        norm_eval, save_compute: norm layers of frozen blocks keep their statistics; on a single
-            device ``requires_grad`` follows the schedule (saves the backward of frozen blocks).
+        norm_eval: norm layers of frozen blocks keep their statistics.
+        save_compute: ``requires_grad`` follows the schedule, so the blocks that do not train
+            get no weight gradient; under DDP ``setup`` sets ``find_unused_parameters=True`` for
+            it (``static_graph=True`` and other multi-process strategies are refused: pass
+            ``False`` there, then frozen blocks' gradients are computed and dropped).
+        optimizer_state: ``"release"`` (default): the optimizer state (AdamW's two moments and
+            step count) of a block that stops training is freed, so the state never exceeds
+            what trains now, and the block starts afresh when drawn again -- the paper's
+            restart per interval, for the switched blocks; ``"keep"``: the state of every block
+            ever trained is kept and resumed (LMFlow's LISA callback, step for step).
         name, strict_resume: as every callback of the package.
         switch_every: deprecated name of ``every_n_steps``.
 
@@ -76,6 +84,7 @@ class BlockSchedule(LayerSelection):
         join_stem: bool | None = None,
         norm_eval: str = "frozen",
         save_compute: bool = True,
+        optimizer_state: str = "release",
         name: str | None = None,
         strict_resume: bool = True,
         *,
@@ -84,7 +93,8 @@ class BlockSchedule(LayerSelection):
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
         super().__init__(blocks=blocks, join_stem=(schedule != "lisa") if join_stem is None else join_stem,
-                         norm_eval=norm_eval, save_compute=save_compute, name=name, strict_resume=strict_resume)
+                         norm_eval=norm_eval, save_compute=save_compute, optimizer_state=optimizer_state, name=name,
+                         strict_resume=strict_resume)
         self.reject("schedule", schedule, {"order": order, "gamma": gamma}, {"lift": ("order",), "lisa": ("gamma",)})
         every_n_steps = self._alias(every_n_steps, switch_every, "switch_every", "every_n_steps")
         every_n_steps = 20 if every_n_steps is None else every_n_steps

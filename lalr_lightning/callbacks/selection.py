@@ -3,11 +3,20 @@ one name that builds any of them by ``mode``.
 
 A selection callback decides ``selected`` -- the units (blocks; tensors for Auto-RGN) that
 train -- and this base turns that into control: the others are frozen through
-:class:`~lalr_lightning.core.control.LayerControl` (DDP-safe), their ``requires_grad`` is
-turned off where that saves compute safely (``save_compute``: in ``setup`` before the model
-is wrapped, or at every switch on a single device; given back at teardown), and norm layers
-that cannot change keep their running statistics (:mod:`lalr_lightning.core.norms`).
-Logged at every logging step: ``<prefix>/selected/<block>`` (1 when the block trains).
+:class:`~lalr_lightning.core.control.LayerControl` (DDP-safe), and norm layers that cannot
+change keep their running statistics (:mod:`lalr_lightning.core.norms`). Training less then
+costs less (``save_compute``, ``optimizer_state``):
+
+* a *static* selection (Spectrum, NTK, fixed blocks) decides in ``setup``, before the strategy
+  wraps the model, and turns ``requires_grad`` off there: the frozen matrices get no gradient,
+  no DDP all-reduce and no optimizer state. A checkpoint's selection, restored after ``setup``
+  but still before the wrap (single device, DDP), replaces it at no cost;
+* a *switching* selection (LIFT, LISA) turns ``requires_grad`` on and off at every switch --
+  under DDP with ``find_unused_parameters=True``, which ``setup`` configures -- and with
+  ``optimizer_state="release"`` frees the optimizer state of the blocks that stop training.
+
+``requires_grad`` is given back at teardown. Logged at every logging step:
+``<prefix>/selected/<block>`` (1 when the block trains).
 """
 
 from __future__ import annotations
@@ -18,7 +27,8 @@ from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback
@@ -26,7 +36,10 @@ from lalr_lightning.core.control import LayerControl
 from lalr_lightning.core.layers import Layer, block_layers
 from lalr_lightning.core.norms import NORM_EVAL, norm_layers, set_norm_modes
 
-__all__ = ["LayerSelection", "SurgicalLayerSelect", "MODES", "register_mode"]
+__all__ = ["LayerSelection", "SurgicalLayerSelect", "MODES", "OPTIMIZER_STATE", "register_mode"]
+
+#: what a switching selection does with the optimizer state of blocks that stop training
+OPTIMIZER_STATE = ("release", "keep")
 
 #: ``SurgicalLayerSelect`` modes, each built by the callback registered for it.
 MODES: tuple[str, ...] = ()
@@ -52,15 +65,19 @@ class LayerSelection(LayerwiseCallback):
     decision_key = "selected"
     heatmap = ("selection", "{self.title} selection", "selected")
     readable = LayerwiseCallback.readable + ("selected",)
-    volatile_settings = ("norm_eval", "save_compute")
+    volatile_settings = ("norm_eval", "save_compute", "optimizer_state")
     title: ClassVar[str] = "layer"
 
     def __init__(self, *, blocks: Sequence[str | Sequence[str]] | None = None, join_stem: bool = True,
-                 norm_eval: str = "frozen", save_compute: bool = True, name: str | None = None,
-                 strict_resume: bool = True):
+                 norm_eval: str = "frozen", save_compute: bool = True, optimizer_state: str = "keep",
+                 name: str | None = None, strict_resume: bool = True):
         super().__init__(name=name, strict_resume=strict_resume)
         if norm_eval not in NORM_EVAL:
             raise ValueError(f"unknown norm_eval {norm_eval!r}; valid: {', '.join(NORM_EVAL)}")
+        if optimizer_state not in OPTIMIZER_STATE:
+            raise ValueError(f"unknown optimizer_state {optimizer_state!r}; valid: {', '.join(OPTIMIZER_STATE)} "
+                             "('keep' matches LMFlow's LISA callback)")
+        self.optimizer_state = optimizer_state
         self.blocks = None if blocks is None else list(blocks)
         self.join_stem = bool(join_stem)
         self.norm_eval = norm_eval
@@ -71,6 +88,10 @@ class LayerSelection(LayerwiseCallback):
         self._module: pl.LightningModule | None = None
         self._ctls: list[LayerControl] | None = None
         self._held: set[int] = set()  # ids of the parameters some optimizer holds
+        self._wrapped = False  # on_fit_start has run: the strategy has wrapped the model
+        self._toggle = False  # requires_grad may change after the wrap
+        self._early: Decision | None = None  # decided in setup, committed at fit start
+        self._restored_late = False  # the checkpoint came after on_fit_start (FSDP): applied at train start
 
     # ------------------------------------------------------------------ views
 
@@ -106,16 +127,81 @@ class LayerSelection(LayerwiseCallback):
             )
         return self.block_list
 
+    #: whether the selection changes during training (then ``requires_grad`` follows it at
+    #: every switch, and under DDP ``setup`` configures ``find_unused_parameters=True``)
+    switches: ClassVar[bool] = False
+
+    def decide_in_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Decision | None:
+        """A static selection's decision, made in ``setup`` before the model is wrapped (the
+        same on every rank: :meth:`decide_everywhere`), or None to decide later."""
+        return None
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
-            self._module = pl_module
+            self._module, self._wrapped, self._early = pl_module, False, None
         super().setup(trainer, pl_module, stage)
+        if stage == "fit":
+            self._toggle = self._prepare_toggle(trainer)
+            early = self.decide_in_setup(trainer, pl_module)
+            if early is not None:
+                self.receive(early)
+                self._early = early
+                if self.save_compute:
+                    self.follow_requires_grad()
+
+    def _prepare_toggle(self, trainer: pl.Trainer) -> bool:
+        """Whether ``requires_grad`` may change after the strategy wraps the model; under DDP a
+        switching selection makes it so (``find_unused_parameters=True``), other multi-process
+        strategies are refused."""
+        strategy = trainer.strategy
+        if isinstance(strategy, SingleDeviceStrategy):
+            return True
+        if not (self.switches and self.save_compute):
+            return False
+        who = f"{type(self).__name__}(save_compute=True)"
+        if isinstance(strategy, DDPStrategy):
+            kwargs = strategy._ddp_kwargs  # read when the model is wrapped, after every setup hook
+            if kwargs.get("static_graph"):
+                raise ValueError(f"{who} turns requires_grad on and off at every switch, which DDP's "
+                                 "static_graph=True forbids; drop static_graph or pass save_compute=False")
+            if kwargs.get("find_unused_parameters", True) is False:
+                raise ValueError(f"{who} turns requires_grad on and off at every switch, which needs DDP's "
+                                 "find_unused_parameters=True; drop find_unused_parameters=False or pass "
+                                 "save_compute=False")
+            if not kwargs.get("find_unused_parameters"):
+                kwargs["find_unused_parameters"] = True
+                rank_zero_info(f"{who}: DDP set to find_unused_parameters=True, so the blocks that do not train "
+                               "get no weight gradient (save_compute=False keeps DDP's default)")
+            return True
+        raise RuntimeError(f"{who} turns requires_grad on and off at every switch, which "
+                           f"{type(strategy).__name__} cannot follow; use strategy='ddp' or pass save_compute=False")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._wrapped = True
         self._norms = norm_layers(pl_module, self.block_list)
         self._ctls = self.controls(trainer)
         self._held = {id(p) for ctl in self._ctls for p in ctl.params}
-        super().on_fit_start(trainer, pl_module)
+        early, self._early = self._early, None
+        if early is not None and not self.restored:
+            self.commit(trainer, early)  # recorded, applied and logged now that the optimizers exist
+        super().on_fit_start(trainer, pl_module)  # a restored run applies the checkpoint's choice
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._restored_late = self._wrapped  # FSDP restores after on_fit_start: applied at train start
+        if self.layers and self.save_compute and not self.switches and self._decides_early:
+            # the checkpoint's choice wins; single device and DDP restore before the wrap, so the
+            # flags follow it at no cost
+            self.follow_requires_grad(strict=True)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._restored_late:
+            self._restored_late = False
+            self.apply(trainer)
+
+    @property
+    def _decides_early(self) -> bool:
+        return type(self).decide_in_setup is not LayerSelection.decide_in_setup
 
     # ------------------------------------------------------------------ the decision
 
@@ -124,16 +210,43 @@ class LayerSelection(LayerwiseCallback):
         self.selected = [u.name for u in self.layers if decision.values.get(u.name, 0.0) > 0]
 
     def apply(self, trainer: pl.Trainer) -> None:
-        """Freeze every unit not selected; on a single device also turn its gradients off."""
+        """Freeze every unit not selected, turn its gradients off (``save_compute``, where safe)
+        and release its optimizer state (``optimizer_state="release"``)."""
         on = set(self.selected)
-        self.apply_frozen(trainer, [u.name for u in self.layers if u.name not in on])
-        if self.save_compute and self.switches and isinstance(trainer.strategy, SingleDeviceStrategy):
-            self.set_requires_grad([u for u in self.layers if u.name in on], True)
-            self.set_requires_grad([u for u in self.layers if u.name not in on], False)
+        off = [u for u in self.layers if u.name not in on]
+        self.apply_frozen(trainer, [u.name for u in off])
+        if self.save_compute:
+            self.follow_requires_grad()
+        self.release_state(trainer, off)
         self.apply_norm_modes()
 
-    #: whether the selection changes during training (then ``requires_grad`` follows it on one device)
-    switches: ClassVar[bool] = False
+    def release_state(self, trainer: pl.Trainer, units: Sequence[Layer]) -> None:
+        """With ``optimizer_state="release"``: free the optimizer state of these (frozen) units."""
+        if self.optimizer_state == "release":
+            params = [p for u in units for p in u.params.values()]
+            for ctl in self.controls(trainer):
+                ctl.release_state(params)
+
+    def follow_requires_grad(self, strict: bool = False) -> None:
+        """``requires_grad`` off for the units not selected, back on for the selected ones: in
+        ``setup`` and at restore before the wrap, or after it where ``requires_grad`` may change
+        (one device; DDP configured for a switching selection). Elsewhere the frozen units'
+        gradients are only dropped before the step; ``strict``: that is an error."""
+        on = set(self.selected)
+        off = [u for u in self.layers if u.name not in on]
+        want = {id(p) for u in off for p in u.params.values()}
+        if want == {id(p) for p in LayerControl.grad_off_by(self.state_key)}:
+            return
+        if self._wrapped and not self._toggle:
+            if strict:
+                raise RuntimeError(
+                    f"{type(self).__name__}: the checkpoint's selection differs from the one made in setup from the "
+                    "model's weights, and this strategy restores it after wrapping the model, when requires_grad "
+                    "can no longer change; resume from the same initial weights, or pass save_compute=False"
+                )
+            return
+        self.set_requires_grad([u for u in self.layers if u.name in on], True)
+        self.set_requires_grad(off, False)
 
     def set_requires_grad(self, units: Sequence[Layer], flag: bool) -> None:
         LayerControl.set_requires_grad(self.state_key, [p for u in units for p in u.params.values()], flag)
@@ -206,6 +319,7 @@ class SurgicalLayerSelect(Callback):
         loss_fn: Any = None,
         norm_eval: str | None = None,
         save_compute: bool | None = None,
+        optimizer_state: str | None = None,
         seed: int | None = None,
         kappa_max: float | None = None,
         sigma: float | None = None,

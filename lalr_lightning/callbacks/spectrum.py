@@ -1,7 +1,7 @@
-"""Spectrum selection (Hartford et al. 2024): at the start of fit, the matrices with the highest
-signal-to-noise ratio of each module type train and the others are frozen
-(:mod:`lalr_lightning.core.spectrum` for the rules; the SNR is :func:`spectral.analyze`'s ``snr``,
-Spectrum's formula). Also ``SurgicalLayerSelect(mode="spectrum")``;
+"""Spectrum selection (Hartford et al. 2024): in ``setup``, before the model is wrapped, the
+matrices with the highest signal-to-noise ratio of each module type train and the others are
+frozen (:mod:`lalr_lightning.core.spectrum` for the rules; the SNR is :func:`spectral.analyze`'s
+``snr``, Spectrum's formula). Also ``SurgicalLayerSelect(mode="spectrum")``;
 ``python -m lalr_lightning analyze MODEL --spectrum 25`` writes the same choice as Spectrum's YAML.
 """
 
@@ -51,8 +51,10 @@ class SpectrumSelect(LayerSelection):
             always unfreezes ``lm_head`` and ``model.embed_tokens``); ``False``: ranked in their
             own type like any matrix.
         layer_types: matrix kinds considered (default: all, embeddings included).
-        norm_eval, save_compute: as every selection callback (on a single device the frozen
-            matrices also get ``requires_grad=False``).
+        norm_eval, save_compute: as every selection callback: the choice is made in ``setup``,
+            before the strategy wraps the model, and the frozen matrices get
+            ``requires_grad=False`` there (no weight gradient, no DDP all-reduce, no optimizer
+            state; given back at teardown). A resumed run takes the checkpoint's choice.
         name, strict_resume: as every callback of the package.
 
     Parameters that belong to no matrix (norms, a lone bias) are not touched and keep training;
@@ -66,7 +68,6 @@ class SpectrumSelect(LayerSelection):
     title = "Spectrum"
     score_key = "snr"
     fsdp_ok = True
-    switches = True  # chosen at fit start, after the model is wrapped: requires_grad follows on one device
 
     def __init__(
         self,
@@ -103,10 +104,10 @@ class SpectrumSelect(LayerSelection):
                         or (self.embeddings and la.kind == "embedding")]
         self.module_types = {la.name: module_type(la.name, self.types) for la in self.layers}
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_fit_start(trainer, pl_module)  # a restored run re-applies the checkpoint's choice
-        if not self.restored:
-            self.update(trainer, pl_module)
+    def decide_in_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Decision:
+        """The SNR needs only the weights: decided before the strategy wraps the model, so the
+        frozen matrices never get a gradient (nor, under DDP, an all-reduce)."""
+        return self.decide_everywhere(trainer, self.measure(trainer, pl_module))
 
     def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
         """SNR of every ranked matrix (the always-trained ones need none), shared out among ranks."""

@@ -17,8 +17,13 @@ state what they want per parameter; the controller combines them:
   learning rate each parameter's update actually used (:class:`PostStep`): the proximal pull
   toward the pretrained weights, L-MSA's block update;
 * **requires_grad** -- :meth:`set_requires_grad` turns gradients off per owner (the
-  compute-saving freeze: in ``setup`` before the model is wrapped, or on one device) and gives
-  back the user's flags when the owner is cleared.
+  compute-saving freeze: in ``setup`` before the model is wrapped, on one device, or under DDP
+  with ``find_unused_parameters=True`` for parameters registered while they required grad) and
+  gives back the user's flags when the owner is cleared;
+* **optimizer state** -- :meth:`release_state` deletes the per-parameter state (Adam's moments,
+  momentum buffers, step counts) of frozen parameters, so a selection that switches holds state
+  only for what trains now; a released parameter starts afresh when it trains again, as under a
+  restarted optimizer.
 
 How the multipliers reach the update -- a *transient* split (DESIGN.md, option a): a step
 pre-hook replaces the optimizer's ``param_groups`` by per-multiplier sub-groups whose ``lr``
@@ -248,14 +253,29 @@ class LayerControl:
         self._version += 1
         LayerControl.restore_requires_grad(owner)
 
+    def release_state(self, params: Iterable[nn.Parameter]) -> int:
+        """Delete this optimizer's per-parameter state of those ``params`` that are frozen now
+        (a parameter some owner still trains keeps its state). Returns the number of state
+        elements freed (tensor entries: Adam holds two per weight plus a step count)."""
+        owned = self._owned()
+        state = self.optimizer.state
+        freed = 0
+        for p in params:
+            if id(p) in owned and p in state and self.is_frozen(p):
+                freed += sum(v.numel() for v in state[p].values() if isinstance(v, torch.Tensor))
+                del state[p]
+        return freed
+
     @staticmethod
     def set_requires_grad(owner: str, params: Iterable[nn.Parameter], flag: bool) -> None:
         """``flag=False``: ``owner`` turns ``requires_grad`` off (saves the backward compute of
         frozen layers); ``flag=True``: it withdraws that, and the parameter gets its user's flag
         back once no owner keeps it off (a parameter the user froze stays frozen).
 
-        Safe before the model is wrapped (callback ``setup``) or on a single device; under DDP
-        freeze with :meth:`set_frozen` instead. Works before any optimizer exists.
+        Safe before the model is wrapped (callback ``setup``), on a single device, and under DDP
+        with ``find_unused_parameters=True`` for parameters that required grad when DDP wrapped
+        the model (DDP registers only those; a parameter off at wrap time is never all-reduced).
+        Otherwise freeze with :meth:`set_frozen`. Works before any optimizer exists.
         """
         for p in params:
             rec = _GRAD_OFF.get(id(p))
@@ -272,10 +292,15 @@ class LayerControl:
                 del _GRAD_OFF[id(p)]
 
     @staticmethod
+    def grad_off_by(owner: str) -> list[nn.Parameter]:
+        """The parameters whose ``requires_grad`` ``owner`` keeps off."""
+        out = [rec[0]() for rec in list(_GRAD_OFF.values()) if owner in rec[2]]
+        return [p for p in out if p is not None]
+
+    @staticmethod
     def restore_requires_grad(owner: str) -> None:
         """Withdraw every ``requires_grad=False`` that ``owner`` set."""
-        mine = [rec[0]() for rec in list(_GRAD_OFF.values()) if owner in rec[2]]
-        LayerControl.set_requires_grad(owner, [p for p in mine if p is not None], True)
+        LayerControl.set_requires_grad(owner, LayerControl.grad_off_by(owner), True)
 
     # ------------------------------------------------------------------ queries
 
