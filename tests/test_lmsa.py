@@ -603,9 +603,12 @@ def test_gradient_accumulation_rescales_costates():
 
 
 def test_user_blocks_and_loss_fn_on_a_flat_mlp():
+    # without blocks=, the layers of the plain Sequential are the blocks: the input layer (the
+    # stem, joined to the first) and the output layer (the head) apart
+    found = LMSAStepper(loss_fn=toy_loss)
+    _trainer(found, max_steps=1).fit(ToyMLP(d=16, width=16, n=16))
+    assert found.block_names == ["net.0+net.2", "net.4", "net.6"] and set(found.scores) == set(found.block_names)
     model = ToyMLP(d=16, width=16, n=16)
-    with pytest.raises(ValueError, match=r"blocks=\["):
-        _trainer(LMSAStepper(loss_fn=toy_loss), max_steps=1).fit(model)
     with pytest.raises(TypeError, match="loss_fn"):
         _trainer(LMSAStepper(blocks=["net.0", "net.2", "net.4"]), max_steps=1).fit(model)
     cb = LMSAStepper(blocks=["net.0", "net.2", "net.4"], loss_fn=toy_loss)

@@ -17,12 +17,14 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lalr_lightning.callbacks.base import Decision
 from lalr_lightning.callbacks.selection import LayerSelection
 from lalr_lightning.core import msa
 from lalr_lightning.core.control import LayerControl
 from lalr_lightning.core.errors import DivergenceError
+from lalr_lightning.core.layers import describe_blocks
 from lalr_lightning.core.loss import batch_loss
 from lalr_lightning.core.taps import BlockTaps
 
@@ -285,6 +287,11 @@ class LMSAStepper(LayerSelection):
         if self.select == "min" and self.num_blocks > len(self.layers):
             raise ValueError(f"num_blocks={self.num_blocks} but the model has {len(self.layers)} blocks: "
                              f"{self.block_names}")
+        rank_zero_info(f"L-MSA blocks of {type(pl_module).__name__}: {describe_blocks(self.layers)}")
+        if self.select == "min" and self.num_blocks == len(self.layers):
+            rank_zero_warn(f"LMSAStepper cannot choose: num_blocks={self.num_blocks} selects every block "
+                           f"({self.block_names}) at every selection; lower num_blocks, or split the model into more "
+                           "blocks with blocks=[...]")
         self._block_params = {id(p) for b in self.layers for p in b.params.values()}
         self.taps = BlockTaps(pl_module, self.layers, want_input_costate=self.feasibility > 0, seed=self.seed)
 

@@ -20,9 +20,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lalr_lightning.callbacks.base import Decision
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
+from lalr_lightning.core.layers import describe_blocks, output_layer, suggest_blocks
 from lalr_lightning.core.selection import LIFT_ORDERS, lift_block, lisa_sample
 
 __all__ = ["BlockSchedule", "SCHEDULES"]
@@ -125,14 +127,34 @@ class BlockSchedule(LayerSelection):
 
     def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.layers = self.find_blocks(pl_module)
+        rank_zero_info(f"{self.title} blocks of {type(pl_module).__name__}: {describe_blocks(self.layers)}")
         if self.schedule == "lisa":
-            middle = self._middle()
-            if not middle:
-                raise ValueError(f"LISA samples middle blocks, but the blocks {self.block_names} are all stem or "
-                                 "head; pass blocks=[...] to define the middle blocks")
-            if self.gamma > len(middle):
-                raise ValueError(f"gamma={self.gamma} is larger than the number of middle blocks ({len(middle)}: "
-                                 f"{middle}); choose gamma <= {len(middle)}")
+            self._check_lisa(pl_module)
+
+    def _check_lisa(self, pl_module: pl.LightningModule) -> None:
+        """Errors for a LISA that cannot sample, warnings for one that cannot switch or that
+        would freeze the output layer."""
+        middle = self._middle()
+        hint = f"e.g. blocks={suggest_blocks(pl_module)!r}" if self.blocks is not None else ""
+        if not middle:
+            raise ValueError(f"LISA samples middle blocks, but the blocks {self.block_names} are all stem or "
+                             f"head; pass blocks=[...] to define the middle blocks {hint}".rstrip())
+        if self.gamma > len(middle):
+            raise ValueError(f"gamma={self.gamma} is larger than the number of middle blocks ({len(middle)}: "
+                             f"{middle}); choose gamma <= {len(middle)}")
+        if self.gamma == len(middle):
+            rank_zero_warn(
+                f"LISA cannot switch: gamma={self.gamma} equals the number of middle blocks ({middle}), so every "
+                f"block trains at every step; choose gamma < {len(middle)} or more, smaller blocks"
+                + (f" ({hint})" if hint else "")
+            )
+        out = output_layer(pl_module, self.layers)
+        if out is not None and out.role == "block":
+            rank_zero_warn(
+                f"LISA: the model's output layer is in the middle block {out.name!r}, which LISA freezes whenever it "
+                "does not sample it; LISA keeps the head (what comes after the last block) always trainable: "
+                "leave the output layer out of blocks=[...]" + (f" ({hint})" if hint else "")
+            )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)

@@ -328,6 +328,7 @@ class SurgicalLayerSelect(Callback):
         kernel: str | None = None,
         top_percent: float | None = None,
         types: dict[str, str] | None = None,
+        grouping: str | None = None,
         head: bool | None = None,
         embeddings: bool | None = None,
         layer_types: Sequence[str] | None = None,

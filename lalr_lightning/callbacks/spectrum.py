@@ -11,12 +11,13 @@ import warnings
 from collections.abc import Mapping, Sequence
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lalr_lightning.callbacks.base import Decision
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.core import spectral
 from lalr_lightning.core.layers import MATRIX_KINDS, check_kinds, matrix_layers, output_layer
-from lalr_lightning.core.spectrum import module_type, top_by_type
+from lalr_lightning.core.spectrum import GROUPINGS, chosen_count, group_types, module_type, top_by_type
 
 __all__ = ["SpectrumSelect"]
 
@@ -47,6 +48,11 @@ class SpectrumSelect(LayerSelection):
             "k_proj": "attn"}``); matrices no suffix matches follow Spectrum's rule: the name after
             the first all-digit component (``model.layers.3.mlp.down_proj`` -> ``mlp.down_proj``),
             or the whole name.
+        grouping: ``"auto"`` (default): Spectrum's rule, except that matrices it would leave
+            alone in their type -- every matrix of a model without repeated blocks (``trunk.0``,
+            ``trunk.2``, ``fc1``), which no ``top_percent`` below 100 would train -- are pooled
+            by kind (type ``"linear (pooled)"``, ``"conv2d (pooled)"``);
+            ``"spectrum"``: Spectrum's rule alone (:mod:`lalr_lightning.core.spectrum`).
         head, embeddings: the output layer / the input embeddings always train (Spectrum's YAML
             always unfreezes ``lm_head`` and ``model.embed_tokens``); ``False``: ranked in their
             own type like any matrix.
@@ -59,8 +65,10 @@ class SpectrumSelect(LayerSelection):
 
     Parameters that belong to no matrix (norms, a lone bias) are not touched and keep training;
     Spectrum's YAML, read by tools that freeze everything not listed, freezes them.
-    Readable: ``selected`` (matrix names), ``scores`` (SNR per matrix), ``types`` of each
-    (``module_types``). Logged at the decision: ``<prefix>/snr/<matrix>``,
+    Readable: ``selected`` (matrix names), ``scores`` (SNR per matrix), the type of each
+    (``module_types``) and the grouping in one line (``grouping_summary``, also logged at
+    setup). A warning says when a type gets no matrix selected or when only the always-trained
+    matrices train. Logged at the decision: ``<prefix>/snr/<matrix>``,
     ``<prefix>/selected/<matrix>``.
     """
 
@@ -68,11 +76,13 @@ class SpectrumSelect(LayerSelection):
     title = "Spectrum"
     score_key = "snr"
     fsdp_ok = True
+    readable = LayerSelection.readable + ("module_types", "grouping_summary")
 
     def __init__(
         self,
         top_percent: float = 50.0,
         types: Mapping[str, str] | None = None,
+        grouping: str = "auto",
         head: bool = True,
         embeddings: bool = True,
         layer_types: Sequence[str] = MATRIX_KINDS,
@@ -86,11 +96,16 @@ class SpectrumSelect(LayerSelection):
             raise ValueError(f"top_percent must be in [0, 100], got {top_percent!r}")
         self.top_percent = float(top_percent)
         self.types = None if types is None else {str(k): str(v) for k, v in dict(types).items()}
+        if grouping not in GROUPINGS:
+            raise ValueError(f"unknown grouping {grouping!r}; valid: {', '.join(GROUPINGS)}")
+        self.grouping = grouping
         self.head = bool(head)
         self.embeddings = bool(embeddings)
         self.layer_types = check_kinds(layer_types)
         self.module_types: dict[str, str] = {}
+        self.grouping_summary = ""
         self._always: list[str] = []
+        self._groups: dict[str, str] = {}
 
     def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         every = matrix_layers(pl_module)
@@ -102,7 +117,45 @@ class SpectrumSelect(LayerSelection):
         self._always = [la.name for la in self.layers
                         if (self.head and out is not None and la.name == out.name)
                         or (self.embeddings and la.kind == "embedding")]
-        self.module_types = {la.name: module_type(la.name, self.types) for la in self.layers}
+        ranked = [la for la in self.layers if la.name not in self._always]
+        groups = group_types([la.name for la in ranked], {la.name: la.kind for la in ranked}, self.types,
+                             self.grouping)
+        self.module_types = {la.name: groups.get(la.name) or module_type(la.name, self.types) for la in self.layers}
+        self._groups = groups
+        self._report_grouping(groups)
+
+    def _report_grouping(self, groups: dict[str, str]) -> None:
+        """Say how the ranked matrices were grouped (info), and warn about types that get none."""
+        by_type: dict[str, list[str]] = {}
+        for n, t in groups.items():
+            by_type.setdefault(t, []).append(n)
+        p = self.top_percent
+        parts = [f"{t}: {chosen_count(len(ns), p)} of {len(ns)}" for t, ns in by_type.items()]
+        pooled = [t for t in by_type if t.endswith(" (pooled)")]
+        note = (f"; {', '.join(pooled)}: matrices without a repeated-block name (Spectrum's rule would give each "
+                "its own type), pooled by kind") if pooled else ""
+        self.grouping_summary = (f"{type(self).__name__}: {len(groups)} ranked matrices in {len(by_type)} type(s), "
+                                 f"trained at top_percent={p:g}: " + ", ".join(parts) + note
+                                 + f"; always trained: {', '.join(self._always) or 'none'}")
+        rank_zero_info(self.grouping_summary)
+        if p == 0 or not groups:
+            return
+        empty = {t: ns for t, ns in by_type.items() if chosen_count(len(ns), p) == 0}
+        if len(empty) == len(by_type):
+            rank_zero_warn(
+                f"{type(self).__name__}(top_percent={p:g}) selects none of the {len(groups)} ranked matrices "
+                f"(int(n * {p:g} / 100) = 0 in every type: " + ", ".join(f"{t} has {len(ns)}" for t, ns in empty.items())
+                + "), so " + (f"only {', '.join(self._always)} trains" if self._always else "no matrix trains")
+                + "; raise top_percent or group the "
+                "matrices with types={name suffix: type}"
+            )
+        elif empty:
+            rank_zero_warn(
+                f"{type(self).__name__}(top_percent={p:g}) selects no matrix of type(s) "
+                + ", ".join(f"{t} ({', '.join(ns)})" for t, ns in empty.items())
+                + f": int(n * {p:g} / 100) = 0; they stay frozen. Raise top_percent or group them with "
+                "types={name suffix: type}"
+            )
 
     def decide_in_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Decision:
         """The SNR needs only the weights: decided before the strategy wraps the model, so the
@@ -123,7 +176,8 @@ class SpectrumSelect(LayerSelection):
         return self.measure_shards(trainer, pl_module, ranked, snr) if ranked else {}
 
     def decide(self, snr: dict[str, float]) -> Decision:
-        chosen = {n for names in top_by_type(snr, self.top_percent, self.types).values() for n in names}
+        chosen = {n for names in top_by_type(snr, self.top_percent, self.types, self._groups).values()
+                  for n in names}
         chosen |= set(self._always)
         return Decision(values={la.name: float(la.name in chosen) for la in self.layers}, scores=dict(snr))
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lalr_lightning.callbacks.base import Decision
 from lalr_lightning.callbacks.selection import LayerSelection, SurgicalLayerSelect, register_mode
+from lalr_lightning.core.layers import describe_blocks
 from lalr_lightning.core.selection import check_selection, select_blocks
 
 __all__ = ["SurgicalBlocks", "SurgicalLayerSelect"]
@@ -71,6 +73,11 @@ class SurgicalBlocks(LayerSelection):
     def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.layers = self.find_blocks(pl_module)
         self._chosen = select_blocks(self.select, self.block_names)
+        rank_zero_info(f"surgical blocks of {type(pl_module).__name__}: {describe_blocks(self.layers)}; "
+                       f"select={self.select!r} trains {', '.join(self._chosen)}")
+        if self.select != "all" and set(self._chosen) == set(self.block_names):
+            rank_zero_warn(f"SurgicalBlocks(select={self.select!r}) selects every block ({self.block_names}), so "
+                           "nothing is frozen; select fewer blocks, or split the model with blocks=[...]")
         if self.save_compute:  # static freezing before the strategy wraps the model: safe under DDP too
             self.set_requires_grad([b for b in self.layers if b.name not in self._chosen], False)
 

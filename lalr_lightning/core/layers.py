@@ -31,6 +31,8 @@ __all__ = [
     "clean_name",
     "matrix_layers",
     "block_layers",
+    "suggest_blocks",
+    "describe_blocks",
     "find_layers",
     "is_matrix_module",
     "params_of",
@@ -296,23 +298,73 @@ def _timm_groups(prefix: str, root: nn.Module) -> list[list[str]]:
     return [[pre + clean_name(n) for n in names] for names in ordered if names]
 
 
-def _repeated_children(model: nn.Module) -> tuple[str, list[str]] | None:
-    """Find the model's main sequence of blocks.
+def _holds_params(mod: nn.Module) -> bool:
+    return any(True for _ in mod.parameters())
 
-    Candidates: a ``ModuleList``/``Sequential`` with >= 2 children that hold parameters
-    (``blocks``, ``layers``, ``encoder.layer``, ``h``) or sibling children named ``<word><N>``
-    (``layer1..layer4``, ``block1..block3``). The candidate holding most parameters wins.
+
+def _is_container(mod: nn.Module) -> bool:
+    """A module with sub-modules that hold parameters (a block), not a single layer."""
+    return any(_holds_params(c) for c in mod.children())
+
+
+def _layer_units(kids: list[tuple[str, nn.Module]]) -> list[list[str]]:
+    """The layers of a plain ``Sequential``: every matrix module or container starts one; the
+    parametrized leaves after it (a BatchNorm, a LayerNorm, a PReLU) join it
+    (``Conv, BN, ReLU, Conv, BN`` -> ``[[0, 1], [3, 4]]``)."""
+    units: list[list[str]] = []
+    for n, c in kids:
+        if not units or is_matrix_module(c) or _is_container(c):
+            units.append([n])
+        else:
+            units[-1].append(n)
+    return units
+
+
+def _inside(name: str, prefixes: Sequence[str]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _repeated_children(model: nn.Module) -> tuple[str, list[list[str]]] | None:
+    """Find the model's main sequence of blocks: ``(container name, blocks)``, each block a list
+    of module-name prefixes.
+
+    Repeated structure first: a ``ModuleList``/``Sequential`` whose >= 2 children with
+    parameters are all blocks (``blocks``, ``layers``, ``encoder.layer``, ``h``; a
+    ``ModuleList`` of single layers too), or sibling children named ``<word><N>``
+    (``layer1..layer4``); the candidate holding most parameters wins.
+
+    Else a plain trunk: a ``Sequential`` of single layers (``Linear, ReLU, Linear, ...`` or
+    ``Conv, BN, ReLU, ...``), each layer (with the norms that follow it) one block -- except
+    its first layer when nothing is registered before the trunk (the input layer, i.e. the
+    stem) and its last layer when no matrix comes after the trunk (the output layer, i.e. the
+    head). The trunk with most such middle blocks wins (then most parameters).
     """
-    best: tuple[int, str, list[str]] | None = None
+    best: tuple[int, str, list[list[str]]] | None = None
+    flat: tuple[int, int, str, list[list[str]]] | None = None
+    first_param = next((clean_name(n) for n, _ in model.named_parameters()), None)
+    last_matrix = None
+    for raw, mod in model.named_modules():
+        if is_matrix_module(mod):
+            last_matrix = clean_name(raw)
     for raw, mod in model.named_modules():
         name = clean_name(raw)
         pre = f"{name}." if name else ""
-        kids = [(n, c) for n, c in mod.named_children() if any(True for _ in c.parameters())]
+        kids = [(n, c) for n, c in mod.named_children() if _holds_params(c)]
         cands: list[list[str]] = []
-        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(kids) >= 2 and all(n.isdigit() for n, _ in kids):
-            # a Sequential of single layers (a plain MLP) counts only if its children are containers
-            if isinstance(mod, nn.ModuleList) or all(len(list(c.children())) > 0 for _, c in kids):
-                cands.append([pre + n for n, _ in kids])
+        listed = isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(kids) >= 2
+        if listed and all(n.isdigit() for n, _ in kids) and (
+                isinstance(mod, nn.ModuleList) or all(_is_container(c) for _, c in kids)):
+            cands.append([pre + n for n, _ in kids])
+        elif listed and isinstance(mod, nn.Sequential):  # a plain trunk (docstring)
+            units = _layer_units(kids)
+            lo = 1 if (not _is_container(mod.get_submodule(units[0][0])) and first_param is not None
+                       and _inside(first_param, [pre + n for n in units[0]])) else 0
+            hi = len(units) - (1 if (not _is_container(mod.get_submodule(units[-1][0])) and last_matrix is not None
+                                     and _inside(last_matrix, [pre + n for n in units[-1]])) else 0)
+            if hi > lo:
+                size = sum(p.numel() for u in units[lo:hi] for n in u for p in mod.get_submodule(n).parameters())
+                if flat is None or (hi - lo, size) > flat[:2]:
+                    flat = (hi - lo, size, name, [[pre + n for n in u] for u in units[lo:hi]])
         series: dict[str, list[tuple[int, str]]] = {}
         for n, _ in kids:
             m = _REPEAT.match(n)
@@ -324,20 +376,56 @@ def _repeated_children(model: nn.Module) -> tuple[str, list[str]] | None:
         for names in cands:
             size = sum(p.numel() for n in names for p in model.get_submodule(_raw_path(model, n)).parameters())
             if best is None or size > best[0]:
-                best = (size, name, names)
-    return None if best is None else (best[1], best[2])
+                best = (size, name, [[n] for n in names])
+    if best is not None:
+        return best[1], best[2]
+    return None if flat is None else (flat[2], flat[3])
 
 
-def _suggest_blocks(model: nn.Module) -> list[str]:
-    """Module-name prefixes that split ``model`` into blocks and that :func:`block_layers`
-    accepts as they are: the children, with parameters, of the outermost module that has at
-    least two such children (``['net.0', 'net.2', 'net.4']`` for a plain ``Sequential`` MLP)."""
+def suggest_blocks(model: nn.Module) -> list[str | list[str]]:
+    """A ``blocks=`` value to paste as it is, one entry (a module-name prefix, or a list of them)
+    per middle block: the blocks :func:`block_layers` finds by itself when it can; else the
+    layers of the module with most of them (each layer with the norms after it), without its
+    first layer when nothing comes before it (left as the stem) and its last when it holds the
+    output layer (left as the head). The latter assumes children registered in forward order."""
+    rep = _repeated_children(model)
+    if rep is not None:
+        return [b[0] if len(b) == 1 else list(b) for b in rep[1]]
+    first_param = next((clean_name(n) for n, _ in model.named_parameters()), None)
+    last_matrix = None
     for raw, mod in model.named_modules():
-        kids = [n for n, c in mod.named_children() if any(True for _ in c.parameters())]
-        if len(kids) >= 2:
-            pre = clean_name(raw)
-            return [f"{pre}.{k}" if pre else k for k in kids][:4]
-    return [clean_name(n) for n, _ in model.named_parameters()][:2]
+        if is_matrix_module(mod):
+            last_matrix = clean_name(raw)
+    best: list[list[str]] = []
+    for raw, mod in model.named_modules():
+        kids = [(n, c) for n, c in mod.named_children() if _holds_params(c)]
+        if len(kids) < 2:
+            continue
+        name = clean_name(raw)
+        pre = f"{name}." if name else ""
+        units = [[pre + n for n in u] for u in _layer_units(kids)]
+        lo = 1 if first_param is not None and _inside(first_param, units[0]) else 0
+        hi = len(units) - (1 if last_matrix is not None and _inside(last_matrix, units[-1]) else 0)
+        if hi <= lo:  # no layer between the input and the output layer: every layer a block
+            lo, hi = 0, len(units)
+        if hi - lo > len(best):
+            best = units[lo:hi]
+    if not best:
+        return [clean_name(n) for n, _ in model.named_parameters()][:2]
+    return [u[0] if len(u) == 1 else u for u in best]
+
+
+_suggest_blocks = suggest_blocks  # the name it had
+
+
+def describe_blocks(blocks: Sequence[Layer]) -> str:
+    """One line: ``stem a | blocks b, c | head d``."""
+    parts = []
+    for role in ("stem", "block", "head"):
+        names = [b.name for b in blocks if b.role == role]
+        if names:
+            parts.append(f"{role if role != 'block' else 'blocks'} {', '.join(names)}")
+    return " | ".join(parts)
 
 
 def _raw_path(model: nn.Module, clean: str) -> str:
@@ -415,15 +503,13 @@ def block_layers(
             if rep is None:
                 raise ValueError(
                     f"cannot find the blocks of {type(model).__name__}: it has no timm group_matcher "
-                    "and no repeated children (ModuleList/Sequential of blocks, or children named "
-                    "layer1, layer2, ...). Pass blocks=[...] with one module-name prefix per block, "
-                    f"e.g. blocks={_suggest_blocks(model)!r}"
+                    "and no repeated children (ModuleList/Sequential of blocks, children named layer1, "
+                    "layer2, ..., or a Sequential trunk of layers). Pass blocks=[...] with one module-name "
+                    "prefix (or a list of them) per block; parameters before the first block form the stem, "
+                    f"those after the last the head: e.g. blocks={suggest_blocks(model)!r}"
                 )
             _, names = rep
-            found_blocks = []
-            for bn in names:
-                pre = bn + "."
-                found_blocks.append([n for n, _ in params if n.startswith(pre)])
+            found_blocks = [[n for n, _ in params if _inside(n, prefixes)] for prefixes in names]
             inside = {n for g in found_blocks for n in g}
             first = min(order[n] for n in found_blocks[0])
             stem_names = [n for n, _ in params if n not in inside and order[n] < first]
@@ -505,7 +591,7 @@ def _output_weight(model: nn.Module) -> torch.Tensor | None:
     if last is None:
         return None
     rep = _repeated_children(model)
-    if rep is not None and any(last[0].startswith(block + ".") for block in rep[1]):
+    if rep is not None and any(_inside(last[0], block) for block in rep[1]):
         return None
     return last[1].weight
 

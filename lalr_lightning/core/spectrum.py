@@ -13,26 +13,60 @@ Conventions taken from Spectrum's ``spectrum.py``:
   trained (Spectrum: ``^lm_head.weight$`` and ``^model.embed_tokens.weight$``), then, under a
   ``# <type> layers`` comment per type, the chosen module names by decreasing SNR. Tools that read
   it (axolotl) treat each line as a regular expression matched against parameter names.
+
+One addition (:func:`group_types`, ``grouping="auto"``, the default of ``SpectrumSelect``): on names
+without repeated structure Spectrum's rule gives every matrix a type of its own (``trunk.0``,
+``trunk.2``, ``fc1``, ``layer1.conv``), and a type of one matrix trains only at 100 %, so the
+matrices it would leave alone in their type are pooled by kind instead (``linear``, ``conv2d``, ...);
+transformer names keep Spectrum's types (their types hold one matrix per block).
+``grouping="spectrum"`` is Spectrum's rule alone, as ``analyze --spectrum`` uses.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
-__all__ = ["module_type", "types_of", "top_by_type", "unfrozen_yaml", "read_unfrozen_yaml"]
+__all__ = ["GROUPINGS", "module_type", "group_types", "types_of", "top_by_type", "chosen_count", "unfrozen_yaml",
+           "read_unfrozen_yaml"]
+
+#: ``group_types`` rules: ``auto`` (Spectrum's types, lone matrices pooled by kind) or ``spectrum``
+GROUPINGS = ("auto", "spectrum")
 
 
 def module_type(name: str, types: Mapping[str, str] | None = None) -> str:
     """The module type of a matrix called ``name``: the type of the longest suffix of ``types``
     the name ends with (at a ``.`` boundary), else Spectrum's rule (module docstring)."""
-    if types:
-        hits = [s for s in types if name == s or name.endswith("." + s)]
-        if hits:
-            return types[max(hits, key=len)]
+    hit = _user_suffix(name, types)
+    if hit is not None:
+        return types[hit]
     parts = name.split(".")
     i = next((k for k, p in enumerate(parts) if p.isdigit()), None)
     return name if i is None or i == len(parts) - 1 else ".".join(parts[i + 1:])
+
+
+def _user_suffix(name: str, types: Mapping[str, str] | None) -> str | None:
+    hits = [s for s in (types or ()) if name == s or name.endswith("." + s)]
+    return max(hits, key=len) if hits else None
+
+
+def group_types(names: Iterable[str], kinds: Mapping[str, str] | None = None,
+                types: Mapping[str, str] | None = None, grouping: str = "auto") -> dict[str, str]:
+    """``{name: type}`` of the matrices ``names``. ``spectrum``: :func:`module_type`. ``auto``:
+    the same, except that a matrix alone in its type (which no ``top_percent`` below 100 would
+    choose) and not typed by ``types`` joins the other such matrices of its kind (``kinds[name]``,
+    e.g. ``linear``), in a type called ``"<kind> (pooled)"``."""
+    if grouping not in GROUPINGS:
+        raise ValueError(f"unknown grouping {grouping!r}; valid: {', '.join(GROUPINGS)}")
+    names = list(names)
+    out = {n: module_type(n, types) for n in names}
+    if grouping == "auto":
+        size = Counter(out.values())
+        for n in names:
+            if size[out[n]] == 1 and _user_suffix(n, types) is None:
+                out[n] = f"{(kinds or {}).get(n, 'matrix')} (pooled)"
+    return out
 
 
 def types_of(names: Iterable[str], types: Mapping[str, str] | None = None) -> dict[str, list[str]]:
@@ -44,19 +78,31 @@ def types_of(names: Iterable[str], types: Mapping[str, str] | None = None) -> di
 
 
 def top_by_type(snr: Mapping[str, float], top_percent: float,
-                types: Mapping[str, str] | None = None) -> dict[str, list[str]]:
+                types: Mapping[str, str] | None = None, groups: Mapping[str, str] | None = None) -> dict[str, list[str]]:
     """``{type: chosen names, highest SNR first}``: per type, the ``int(n * top_percent / 100)``
-    matrices of highest SNR (ties: model order). NaN SNRs are an error."""
+    matrices of highest SNR (ties: model order). The type of each name is ``groups[name]``
+    (from :func:`group_types`) when given, else :func:`module_type`. NaN SNRs are an error."""
     if not 0 <= top_percent <= 100:
         raise ValueError(f"top_percent must be in [0, 100], got {top_percent}")
     bad = [k for k, v in snr.items() if not isinstance(v, (int, float)) or math.isnan(v)]
     if bad:
         raise ValueError(f"SNR is NaN for {bad[:5]} (all-zero weights?); leave them out with layer_types")
+    if groups is None:
+        by_type = types_of(snr, types)
+    else:
+        by_type = {}
+        for n in snr:
+            by_type.setdefault(groups[n], []).append(n)
     out = {}
-    for t, names in types_of(snr, types).items():
+    for t, names in by_type.items():
         ranked = sorted(names, key=lambda n: -snr[n])  # stable: ties keep model order
-        out[t] = ranked[: int(len(names) * top_percent / 100)]
+        out[t] = ranked[: chosen_count(len(names), top_percent)]
     return out
+
+
+def chosen_count(n: int, top_percent: float) -> int:
+    """How many of a type of ``n`` matrices train: Spectrum's floor, ``int(n * top_percent / 100)``."""
+    return int(n * top_percent / 100)
 
 
 def unfrozen_yaml(chosen: Mapping[str, Sequence[str]], always: Sequence[str] = ()) -> str:
