@@ -29,7 +29,6 @@ import tempfile
 import uuid
 import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
@@ -38,6 +37,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lalr_lightning.core.control import LayerControl
+from lalr_lightning.core.decision import Decision
 from lalr_lightning.core.errors import DivergenceError
 from lalr_lightning.core.layers import Layer
 from lalr_lightning.core.shards import assign_shares, gather_objects, whole_weights
@@ -63,18 +63,6 @@ def check_strategy(trainer: pl.Trainer, who: str, *, fsdp: bool = False) -> None
         )
     if "FSDP" in name and not fsdp:
         raise RuntimeError(f"{who} reads whole weight matrices, which FSDP shards across ranks; use strategy='ddp'")
-
-
-@dataclass
-class Decision:
-    """One decision of a callback, as rank zero made it."""
-
-    values: dict[str, float]  # the decision per layer: multiplier, selected (0/1) or ratio
-    scores: dict[str, float] = field(default_factory=dict)  # the measurement it was made from
-    measurements: dict[str, dict[str, float]] = field(default_factory=dict)  # other per-layer numbers
-    record: dict[str, Any] = field(default_factory=dict)  # more history fields (phase, level, ...)
-    summary: dict[str, float] = field(default_factory=dict)  # model-wide numbers: <prefix>/<key>
-    payload: Any = None  # what is not a number per layer (pruning masks)
 
 
 def _plain(value: Any) -> Any:
