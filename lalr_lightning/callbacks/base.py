@@ -25,6 +25,7 @@ import functools
 import inspect
 import math
 import os
+import sys
 import tempfile
 import uuid
 import warnings
@@ -42,7 +43,7 @@ from lalr_lightning.core.errors import DivergenceError
 from lalr_lightning.core.layers import Layer
 from lalr_lightning.core.shards import assign_shares, gather_objects, whole_weights
 
-__all__ = ["Decision", "LayerwiseCallback", "SettingsMismatchError", "check_strategy"]
+__all__ = ["Decision", "LayerwiseCallback", "SettingsMismatchError", "check_strategy", "renamed", "warn_deprecated"]
 
 
 #: settings of what is logged only: a resumed run may change them
@@ -63,6 +64,40 @@ def check_strategy(trainer: pl.Trainer, who: str, *, fsdp: bool = False) -> None
         )
     if "FSDP" in name and not fsdp:
         raise RuntimeError(f"{who} reads whole weight matrices, which FSDP shards across ranks; use strategy='ddp'")
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def warn_deprecated(message: str) -> None:
+    """A ``DeprecationWarning`` attributed to the first caller outside this package, so that
+    Python's default filters show it in the user's own script (``__main__``)."""
+    level, frame = 2, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, DeprecationWarning, stacklevel=level)
+
+
+class renamed:  # noqa: N801 -- used like ``property``
+    """A deprecated attribute name, kept for one release: reading it warns and reads ``new``
+    (``alphas = renamed("scores")``)."""
+
+    def __init__(self, new: str):
+        self.new = new
+        self.old = "?"
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.old = name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        warn_deprecated(f"{type(obj).__name__}.{self.old} is deprecated and will be removed in the next release; "
+                        f"use .{self.new}")
+        return getattr(obj, self.new)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        raise AttributeError(f"{type(obj).__name__}.{self.old} is a deprecated, read-only name of .{self.new}")
 
 
 def _plain(value: Any) -> Any:
@@ -153,8 +188,7 @@ class LayerwiseCallback(Callback):
         """Resolve a deprecated argument: warn, and use it unless the new one was given too."""
         if old_value is None:
             return value
-        warnings.warn(f"{old}= is deprecated and will be removed in the next release; use {new}=",
-                      DeprecationWarning, stacklevel=3)
+        warn_deprecated(f"{old}= is deprecated and will be removed in the next release; use {new}=")
         if value is not None and value != default:
             raise ValueError(f"give {new}= or the deprecated {old}=, not both")
         return old_value

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lalr_lightning.callbacks.base import Decision, LayerwiseCallback
+from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
 from lalr_lightning.core import spectral
 from lalr_lightning.core.layers import DEFAULT_KINDS, check_kinds
 from lalr_lightning.core.pruning import (
@@ -260,10 +260,7 @@ class HTSRPruning(LayerwiseCallback):
         self._level = 1.0
         self._fresh = False
 
-    @property
-    def metric_values(self) -> dict[str, float]:
-        """Deprecated name of ``scores`` (the metric per pruned layer)."""
-        return self.scores
+    metric_values = renamed("scores")  # deprecated name of ``scores`` (the metric per pruned layer)
 
     # ------------------------------------------------------------------ when
 

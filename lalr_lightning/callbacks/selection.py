@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 
-from lalr_lightning.callbacks.base import Decision, LayerwiseCallback
+from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
 from lalr_lightning.core.control import LayerControl
 from lalr_lightning.core.layers import Layer, block_layers
 from lalr_lightning.core.norms import NORM_EVAL, norm_layers, set_norm_modes
@@ -83,10 +83,7 @@ class LayerSelection(LayerwiseCallback):
         """The selection as learning-rate factors: 1 for the selected units, 0 for the others."""
         return {u.name: float(u.name in self.selected) for u in self.layers}
 
-    @property
-    def trainable(self) -> list[str]:
-        """Deprecated name of ``selected``."""
-        return self.selected
+    trainable = renamed("selected")  # deprecated name of ``selected``
 
     def selected_blocks(self) -> list[str]:
         """The blocks with at least one trained unit."""

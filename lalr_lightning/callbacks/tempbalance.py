@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import lightning.pytorch as pl
 import numpy as np
 
-from lalr_lightning.callbacks.base import Decision, LayerwiseCallback
+from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
 from lalr_lightning.core import spectral
 from lalr_lightning.core.layers import DEFAULT_KINDS, check_kinds
 from lalr_lightning.core.tempbalance import ASSIGN, RANGED, SAMPLING, assign_multipliers, eligible_layers
@@ -122,7 +122,7 @@ class TempBalanceCallback(LayerwiseCallback):
         if min_evals < 2:
             raise ValueError("min_evals must be >= 2: a power-law fit needs at least two eigenvalues")
         if exclude_first_last is not None:
-            self._alias(None, exclude_first_last, "exclude_first_last", "first and head")
+            self._alias(None, exclude_first_last, "exclude_first_last", "first= and head")
             first = head = not exclude_first_last
         self.assign = assign
         self.fit = fit
@@ -143,10 +143,7 @@ class TempBalanceCallback(LayerwiseCallback):
         self._last_step: int | None = None
         self._n_updates = 0
 
-    @property
-    def alphas(self) -> dict[str, float]:
-        """Deprecated name of ``scores`` (alpha per layer)."""
-        return self.scores
+    alphas = renamed("scores")  # deprecated name of ``scores`` (alpha per layer)
 
     # ------------------------------------------------------------------ when
 
