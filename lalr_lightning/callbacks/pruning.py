@@ -141,6 +141,7 @@ class HTSRPruning(LayerwiseCallback):
     decision_key = "ratio"
     score_key = "metric"
     logs_lr = False
+    decides_from_weights = True  # plan(model): the decision without a fit
     deprecated = {"exclude_head": "head"}
     volatile_settings = ("make_permanent",)
     readable = LayerwiseCallback.readable + ("ratios", "sparsity", "channels", "masks", "excluded")
@@ -350,15 +351,27 @@ class HTSRPruning(LayerwiseCallback):
             values = block_average_values(values, block_groups(self._model, self.layers, self.blocks))
         return values
 
+    def _ratio_array(self, metric: dict[str, float]) -> np.ndarray:
+        """The ratio of every pruned layer (model order) from its metric."""
+        numels = [layer.weight.numel() for layer in self.layers]
+        values = [metric.get(layer.name, 0.0) for layer in self.layers]
+        return pruning_ratios(values, numels, self.target_sparsity, self.epsilon, self.direction,
+                              overflow=self.overflow, max_ratio=self.max_ratio)
+
+    def plan_decision(self, metric: dict[str, float] | None) -> Decision:
+        """The ratios alone, for :meth:`plan`: no mask is computed (nor, for the data criteria, a
+        calibration run), so the model is not touched."""
+        if metric is None:  # the first event fixed the ratios
+            return Decision(values=dict(self.ratios), scores=dict(self.scores))
+        return Decision(values=dict(zip([la.name for la in self.layers], self._ratio_array(metric).tolist())),
+                        scores=metric)
+
     def decide(self, metric: dict[str, float] | None) -> Decision:
         names = [layer.name for layer in self.layers]
         if metric is None:  # later events of a gradual schedule: the ratios stand
             metric, ratios = dict(self.scores), dict(self.ratios)
         else:
-            numels = [layer.weight.numel() for layer in self.layers]
-            values = [metric.get(n, 0.0) for n in names]
-            r = pruning_ratios(values, numels, self.target_sparsity, self.epsilon, self.direction,
-                               overflow=self.overflow, max_ratio=self.max_ratio)
+            r = self._ratio_array(metric)
             ratios = dict(zip(names, r.tolist()))
         masks, channels = layer_masks(self.layers, ratios, self._level, structured=self.structured,
                                       channel_step=self.channel_step, previous=self.masks)

@@ -65,6 +65,7 @@ class SpectrumSelect(LayerSelection):
     log_prefix = "spectrum"
     title = "Spectrum"
     score_key = "snr"
+    decides_from_weights = True  # plan(model): the decision without a fit
     fsdp_ok = True
     switches = True  # chosen at fit start, after the model is wrapped: requires_grad follows on one device
 
@@ -125,6 +126,9 @@ class SpectrumSelect(LayerSelection):
         chosen = {n for names in top_by_type(snr, self.top_percent, self.types).values() for n in names}
         chosen |= set(self._always)
         return Decision(values={la.name: float(la.name in chosen) for la in self.layers}, scores=dict(snr))
+
+    def plan_columns(self) -> dict[str, dict[str, str]]:
+        return {"type": dict(self.module_types)}  # the module type each matrix is ranked in
 
 
 register_mode("spectrum", SpectrumSelect)

@@ -81,6 +81,7 @@ class TempBalanceCallback(LayerwiseCallback):
     log_prefix = "tempbalance"
     fsdp_ok = True
     score_key = "alpha"
+    decides_from_weights = True  # plan(model): the decision without a fit
     heatmap = ("multipliers", "TempBalance LR multipliers", "x scheduled LR")
     deprecated = {"exclude_first_last": "first, head"}
     readable = LayerwiseCallback.readable + ("multipliers", "excluded")
@@ -170,8 +171,8 @@ class TempBalanceCallback(LayerwiseCallback):
     # ------------------------------------------------------------------ what
 
     def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[dict[str, float], float]:
-        """(alpha per eligible layer, the first group's scheduled LR) from the current weights,
-        each rank fitting a share of the layers."""
+        """(alpha per eligible layer, the first group's scheduled LR for ``assign="sample_lr"``,
+        else 1.0) from the current weights, each rank fitting a share of the layers."""
 
         def fit(layers):
             self.check_finite(trainer, {layer.name: layer.weight for layer in layers}, "the weights")
@@ -190,7 +191,8 @@ class TempBalanceCallback(LayerwiseCallback):
                 "Pruned or low-rank layers have many zero eigenvalues: filter_zeros=True fits only the non-zero "
                 "ones; or leave these layers out with layer_types / min_evals"
             )
-        return alphas, self.controls(trainer)[0].scheduled_lrs()[0]
+        # the scheduled LR matters to sample_lr alone: the other assignments (and plan()) need no optimizer
+        return alphas, self.controls(trainer)[0].scheduled_lrs()[0] if self.assign == "sample_lr" else 1.0
 
     def decide(self, measured: tuple[dict[str, float], float]) -> Decision:
         alphas, base_lr = measured
