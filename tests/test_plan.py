@@ -170,3 +170,40 @@ def test_callbacks_without_a_weights_only_decision_say_so(make, match):
 def test_plan_takes_a_module():
     with pytest.raises(TypeError, match="takes the model"):
         cbs.TempBalanceCallback().plan("resnet18")
+
+
+def test_analyze_writes_the_pruning_plan(tmp_path, capsys):
+    """``analyze DIR --pruning 0.7 --preset alphapruning`` writes the ratios the callback's plan
+    gives the same weights, and says what it did in a few lines."""
+    from transformers import AutoModelForCausalLM
+
+    from lalr_lightning.cli import analyze_main
+    from tests._lm import save_tiny_lm
+
+    ckpt = save_tiny_lm(tmp_path / "llama", "llama", False, layers=3)
+    out = tmp_path / "report"
+    assert analyze_main([str(ckpt), "--pruning", "0.7", "--preset", "alphapruning", "--out", str(out),
+                         "--no-plots"]) == 0
+    said = capsys.readouterr().out
+    table = __import__("pandas").read_csv(out / "pruning_alphapruning_0.7.csv")
+    expected = cbs.HTSRPruning(preset="alphapruning", target_sparsity=0.7).plan(
+        AutoModelForCausalLM.from_pretrained(ckpt, local_files_only=True))
+    assert list(table.columns) == ["layer", "numel", "metric", "ratio"]
+    assert list(table["layer"]) == list(expected["layer"])
+    np.testing.assert_allclose(table["ratio"], expected["ratio"], rtol=1e-15)
+    mean = float((table["ratio"] * table["numel"]).sum() / table["numel"].sum())
+    assert mean == pytest.approx(0.7, abs=1e-12)
+    assert "preset='alphapruning'" in said and "peak fit" in said and "mean 0.700" in said
+    assert "left dense: 1: lm_head" in said and "capped at max_ratio 0.99" in said
+
+    assert analyze_main([str(ckpt), "--pruning", "0.5", "--out", str(out), "--no-plots"]) == 0
+    assert (out / "pruning_htsr_0.5.csv").exists()
+
+
+@pytest.mark.parametrize("args", [["--preset", "alphapruning"], ["--pruning", "1.5"], ["--pruning", "-0.1"]])
+def test_analyze_refuses_a_bad_pruning_request_in_one_line(args, capsys, tmp_path):
+    from lalr_lightning.cli import analyze_main
+
+    assert analyze_main(["resnet18", *args, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--pruning takes a target sparsity in [0, 1)" in err
