@@ -207,3 +207,14 @@ def test_analyze_refuses_a_bad_pruning_request_in_one_line(args, capsys, tmp_pat
     assert analyze_main(["resnet18", *args, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--pruning takes a target sparsity in [0, 1)" in err
+
+
+def test_plan_leaves_a_ddp_spawn_handoff_to_the_callback(tmp_path):
+    """After a ddp_spawn fit the worker's final state waits in a file until the callback is first
+    read; planning with that callback reads it into the callback itself, not into its copy."""
+    cb = cbs.TempBalanceCallback(min_evals=5)
+    path = tmp_path / "handoff.pt"
+    torch.save({"history": [{"epoch": 0}], "scores": {"x": 2.0}}, path)
+    cb.__dict__.update(_handoff=str(path), _handoff_pending=True)
+    cb.plan(_resnet())
+    assert not path.exists() and cb.__dict__["history"] == [{"epoch": 0}] and cb.__dict__["scores"] == {"x": 2.0}
