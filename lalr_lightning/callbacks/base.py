@@ -121,6 +121,8 @@ class _Missing:
         self._who, self._path = who, path
 
     def __getattr__(self, attr: str) -> Any:  # only for what the class and __init__ do not set
+        if attr.startswith("__"):  # Python's own protocol lookups (copy, pickle): plainly absent
+            raise AttributeError(attr)
         raise ValueError(
             f"{self._who}.plan() decides from the model's weights alone, but with these settings it reads "
             f"{self._path}.{attr}, which only a fit has; run a fit and read the callback's decision instead"
