@@ -45,6 +45,8 @@ CASES = {
     "pruning-resnet": (lambda: cbs.HTSRPruning(target_sparsity=0.3, min_numel=16, min_evals=3), _resnet, _loader),
     "pruning-structured": (lambda: cbs.HTSRPruning(target_sparsity=0.3, structured=True, min_numel=16, min_evals=3,
                                                    metric="stable_rank"), _resnet, _loader),
+    "pruning-mlp": (lambda: cbs.HTSRPruning(target_sparsity=0.5, metric="stable_rank", min_numel=16, min_evals=3),
+                    _mlp, None),
     "alphapruning-llama": (lambda: cbs.HTSRPruning(preset="alphapruning", target_sparsity=0.7), _llama, None),
     "spectrum-llama": (lambda: cbs.SpectrumSelect(top_percent=50), _llama, None),
     "spectrum-resnet": (lambda: cbs.SpectrumSelect(top_percent=50), _resnet, _loader),
