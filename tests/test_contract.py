@@ -288,3 +288,24 @@ def test_changelog_names_where_every_removed_name_went():
             assert target is not None, path
             checked += 1
     assert checked >= 18
+
+
+@pytest.mark.parametrize("name", EXPORTED)
+def test_plan_gives_the_decision_or_says_there_is_none(name):
+    """Every exported callback's plan(model): a table of its decision (the callbacks that
+    decide from the weights alone) or a ValueError naming those that do; the model unchanged
+    either way (tests/test_plan.py checks the tables against fits)."""
+    cls = getattr(cbs, name)
+    model = _model()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = [p.requires_grad for p in model.parameters()]
+    if cls.decides_from_weights:
+        plan = cls(**CASES[name][0]).plan(model)
+        assert list(plan.columns)[0] == "layer" and cls.decision_key in plan.columns and len(plan) >= 2
+    else:
+        with pytest.raises(ValueError, match="no decision without a fit.*TempBalanceCallback"):
+            cls(**CASES[name][0]).plan(model)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    assert grads == [p.requires_grad for p in model.parameters()]
+    assert sorted(n for n in EXPORTED if getattr(cbs, n).decides_from_weights) == [
+        "HTSRPruning", "LALRScheduleCallback", "SpectrumSelect", "TempBalanceCallback"]
