@@ -327,12 +327,22 @@ def analyze_main(argv: list[str] | None = None) -> int:
     p.add_argument("--spectrum", type=float, default=None, metavar="P",
                    help="also write Spectrum's YAML of unfrozen parameters: the head, the embeddings and the top P%% "
                         "of matrices by SNR of each module type (spectrum_<P>percent.yaml in --out)")
+    p.add_argument("--pruning", type=float, default=None, metavar="S",
+                   help="also write the per-layer ratios HTSRPruning(target_sparsity=S) gives these weights "
+                        "(pruning_<preset>_<S>.csv in --out; the same as callback.plan(model)); a Hugging Face "
+                        "directory or .safetensors file is then loaded whole")
+    p.add_argument("--preset", default=None, choices=["alphapruning"],
+                   help="with --pruning: HTSRPruning's preset (alphapruning: AlphaPruning's LLM recipe)")
     p.add_argument("--unsafe-load", action="store_true",
                    help="read torch files that hold Python objects besides tensors (torch.load weights_only=False); "
                         "this runs code named in the file: only for files you trust")
     args = p.parse_args(argv)
     if args.spectrum is not None and not 0 <= args.spectrum <= 100:
         print(f"{p.prog}: error: --spectrum takes a percentage in [0, 100], got {args.spectrum:g}", file=sys.stderr)
+        return 2
+    if args.preset is not None and args.pruning is None or args.pruning is not None and not 0 <= args.pruning < 1:
+        print(f"{p.prog}: error: --pruning takes a target sparsity in [0, 1) (--preset goes with it), got "
+              f"{args.pruning}", file=sys.stderr)
         return 2
     kw = dict(fit=args.fit, min_evals=args.min_evals, dtype=torch.float64 if args.float64 else torch.float32)
     try:
@@ -363,6 +373,15 @@ def analyze_main(argv: list[str] | None = None) -> int:
         target = out / f"spectrum_{args.spectrum:g}percent.yaml"
         target.write_text(text)
         print(f"Spectrum {args.spectrum:g}%: {n} of {len(df)} matrices unfrozen -> {target.resolve()}")
+    if args.pruning is not None:
+        from lalr_lightning.plans import write_pruning_plan
+
+        try:
+            whole = model if model is not None else load_for_analysis(args.model, weights_only=not args.unsafe_load)
+            print(write_pruning_plan(whole, args.pruning, args.preset, out)[1])
+        except (ValueError, RuntimeError) as e:
+            print(f"{p.prog}: error: {_first_line(e)}", file=sys.stderr)
+            return 2
     if not args.no_plots:
         written = viz.save_esd_plots(model, df, out, esds=esds)
         print(f"plots -> {Path(written).resolve() if written else out.resolve()}")

@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from lalr_lightning.core.decision import Decision
+
 __all__ = ["decision_table", "esd_figures", "markdown_table", "publish"]
 
 #: which ESD sets were plotted, per callback, for the current fit (not checkpoint state)
@@ -272,8 +274,6 @@ def _end(trainer, cb) -> None:
 
 def _final_table(cb) -> tuple[list[str], list[list]] | None:
     """The last decision as (columns, rows), from what the callback holds after fit."""
-    from lalr_lightning.callbacks.base import Decision
-
     values = getattr(cb, cb.decision_attr, None)
     if isinstance(values, list):  # selection callbacks keep the selected units
         values = {u.name: float(u.name in values) for u in cb.layers}

@@ -88,3 +88,18 @@ def test_no_run_of_six_lines_repeats_between_callback_files():
                 if where[0] != path.name:
                     found.append(f"{key[0]}: {where[0]}:{where[1]} ~ {path.name}:{window[0][0]}")
     assert not found, "six lines stand in two callback files: " + "; ".join(itertools.islice(found, 10))
+
+
+def test_base_and_dashboards_do_not_import_each_other_at_import_time():
+    """``Decision`` lives in core: the dashboards import it from there, never from the callbacks
+    (the base imports the dashboards lazily, to publish)."""
+    import ast
+
+    tree = ast.parse((ROOT / "lalr_lightning" / "dashboards.py").read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not {m for m in imported if m.startswith("lalr_lightning.callbacks")}, imported
+    from lalr_lightning.callbacks.base import Decision
+    from lalr_lightning.core.decision import Decision as Home
+
+    assert Decision is Home

@@ -103,8 +103,57 @@ def test_deprecated_names_still_work_with_a_warning():
     with pytest.raises(ValueError, match="not both"):
         cbs.BlockSchedule(every_n_steps=4, switch_every=3)
     # readable aliases
-    assert cbs.TempBalanceCallback().alphas is not None and cbs.HTSRPruning().metric_values == {}
-    assert cbs.SurgicalBlocks().trainable == []
+    tb, pruner, blocks = cbs.TempBalanceCallback(), cbs.HTSRPruning(), cbs.SurgicalBlocks()
+    tb.scores, pruner.scores, blocks.selected = {"a": 2.5}, {"b": 3.0}, ["c"]
+    with pytest.warns(DeprecationWarning, match=r"TempBalanceCallback\.alphas .*use \.scores"):
+        assert tb.alphas == {"a": 2.5}
+    with pytest.warns(DeprecationWarning, match=r"HTSRPruning\.metric_values .*use \.scores"):
+        assert pruner.metric_values == {"b": 3.0}
+    with pytest.warns(DeprecationWarning, match=r"SurgicalBlocks\.trainable .*use \.selected"):
+        assert blocks.trainable == ["c"]
+    with pytest.raises(AttributeError, match="read-only"):
+        tb.alphas = {}
+
+
+# every deprecated name of docs/naming.md's table, read or passed as a user's script would
+DEPRECATED = {
+    "exclude_first_last": lambda: cbs.TempBalanceCallback(exclude_first_last=True),
+    "exclude_head": lambda: cbs.HTSRPruning(exclude_head=True),
+    "switch_every": lambda: cbs.SurgicalLayerSelect(mode="lisa", switch_every=3),
+    "selection_batches": lambda: cbs.LMSAStepper(selection_batches=2),
+    "reselect_every_n_epochs": lambda: cbs.LMSAStepper(reselect_every_n_epochs=2),
+    "multipliers": lambda: cbs.LayerLRMultiplier(multipliers={"a": 2.0}),
+    "alphas": lambda: cbs.TempBalanceCallback().alphas,
+    "metric_values": lambda: cbs.HTSRPruning().metric_values,
+    "trainable": lambda: cbs.SurgicalLayerSelect(mode="lisa").trainable,
+}
+
+
+@pytest.mark.parametrize("old", DEPRECATED)
+def test_every_deprecated_name_warns_once_at_the_users_line(old):
+    """Under the strictest filter each old name gives exactly one DeprecationWarning, and it
+    points at the caller's line, not into the package (Python's default filters show
+    DeprecationWarnings only where they point into ``__main__``)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        DEPRECATED[old]()
+    dep = [w for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert len(dep) == 1 and old in str(dep[0].message), [str(w.message) for w in dep]
+    assert dep[0].filename == __file__, dep[0].filename
+
+
+def test_deprecated_names_of_the_docs_are_the_ones_tested():
+    """docs/naming.md's deprecated table lists exactly the names tested above."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "naming.md").read_text()
+    section = text.split("## Deprecated names")[1].split("\n## ")[0]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    olds = {m for row in rows for m in re.findall(r"[.(](\w+)\b(?==|`)", row)}
+    assert olds == set(DEPRECATED)
 
 
 @pytest.mark.parametrize("make, stray", [
@@ -208,3 +257,55 @@ class _NaNAfterFirstStep(Callback):
 def test_divergence_is_one_exception_naming_the_layer_and_the_step(make):
     with pytest.raises(DivergenceError, match=r"layer2\.0\.conv1.*NaN or Inf at epoch 1, step 3"):
         make_trainer([_NaNAfterFirstStep(), make()], max_epochs=2).fit(_model(), _loader())
+
+
+def test_changelog_names_where_every_removed_name_went():
+    """CHANGELOG.md's table of removed names: each old name is really gone (no silent shim) and
+    each replacement it names imports."""
+    import importlib
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "CHANGELOG.md").read_text()
+    section = text.split("### Removed")[1].split("\n## ")[0]
+    rows = [[c.strip() for c in line.split("|")[1:3]] for line in section.splitlines() if line.startswith("| `")]
+    assert len(rows) >= 18
+    checked = 0
+    for old, new in rows:
+        m = re.match(r"`(?:lalr_lightning\.)?callbacks\.(\w+)\.(\w+)", old)
+        if m:  # a module-level name of a callback module: gone
+            module = importlib.import_module(f"lalr_lightning.callbacks.{m.group(1)}")
+            assert not hasattr(module, m.group(2)), old
+        m = re.match(r"`(HTSRPruning|TempBalanceCallback)\.(\w+)\(", old)
+        if m:  # a method: gone
+            assert not hasattr(getattr(cbs, m.group(1)), m.group(2)), old
+        for path in re.findall(r"`(lalr_lightning(?:\.\w+)+)", new):
+            module, _, attr = path.rpartition(".")
+            try:
+                target = importlib.import_module(path)
+            except ModuleNotFoundError:
+                target = getattr(importlib.import_module(module), attr, None)
+            assert target is not None, path
+            checked += 1
+    assert checked >= 18
+
+
+@pytest.mark.parametrize("name", EXPORTED)
+def test_plan_gives_the_decision_or_says_there_is_none(name):
+    """Every exported callback's plan(model): a table of its decision (the callbacks that
+    decide from the weights alone) or a ValueError naming those that do; the model unchanged
+    either way (tests/test_plan.py checks the tables against fits)."""
+    cls = getattr(cbs, name)
+    model = _model()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = [p.requires_grad for p in model.parameters()]
+    if cls.decides_from_weights:
+        plan = cls(**CASES[name][0]).plan(model)
+        assert list(plan.columns)[0] == "layer" and cls.decision_key in plan.columns and len(plan) >= 2
+    else:
+        with pytest.raises(ValueError, match="no decision without a fit.*TempBalanceCallback"):
+            cls(**CASES[name][0]).plan(model)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    assert grads == [p.requires_grad for p in model.parameters()]
+    assert sorted(n for n in EXPORTED if getattr(cbs, n).decides_from_weights) == [
+        "HTSRPruning", "LALRScheduleCallback", "SpectrumSelect", "TempBalanceCallback"]

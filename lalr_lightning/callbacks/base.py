@@ -25,24 +25,26 @@ import functools
 import inspect
 import math
 import os
+import sys
 import tempfile
 import uuid
 import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import numpy as np
+import pandas as pd
 import torch
 from lightning.pytorch.callbacks import Callback
 
 from lalr_lightning.core.control import LayerControl
+from lalr_lightning.core.decision import Decision
 from lalr_lightning.core.errors import DivergenceError
 from lalr_lightning.core.layers import Layer
 from lalr_lightning.core.shards import assign_shares, gather_objects, whole_weights
 
-__all__ = ["Decision", "LayerwiseCallback", "SettingsMismatchError", "check_strategy"]
+__all__ = ["Decision", "LayerwiseCallback", "SettingsMismatchError", "check_strategy", "renamed", "warn_deprecated"]
 
 
 #: settings of what is logged only: a resumed run may change them
@@ -65,16 +67,38 @@ def check_strategy(trainer: pl.Trainer, who: str, *, fsdp: bool = False) -> None
         raise RuntimeError(f"{who} reads whole weight matrices, which FSDP shards across ranks; use strategy='ddp'")
 
 
-@dataclass
-class Decision:
-    """One decision of a callback, as rank zero made it."""
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
-    values: dict[str, float]  # the decision per layer: multiplier, selected (0/1) or ratio
-    scores: dict[str, float] = field(default_factory=dict)  # the measurement it was made from
-    measurements: dict[str, dict[str, float]] = field(default_factory=dict)  # other per-layer numbers
-    record: dict[str, Any] = field(default_factory=dict)  # more history fields (phase, level, ...)
-    summary: dict[str, float] = field(default_factory=dict)  # model-wide numbers: <prefix>/<key>
-    payload: Any = None  # what is not a number per layer (pruning masks)
+
+def warn_deprecated(message: str) -> None:
+    """A ``DeprecationWarning`` attributed to the first caller outside this package, so that
+    Python's default filters show it in the user's own script (``__main__``)."""
+    level, frame = 2, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, DeprecationWarning, stacklevel=level)
+
+
+class renamed:  # noqa: N801 -- used like ``property``
+    """A deprecated attribute name, kept for one release: reading it warns and reads ``new``
+    (``alphas = renamed("scores")``)."""
+
+    def __init__(self, new: str):
+        self.new = new
+        self.old = "?"
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.old = name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        warn_deprecated(f"{type(obj).__name__}.{self.old} is deprecated and will be removed in the next release; "
+                        f"use .{self.new}")
+        return getattr(obj, self.new)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        raise AttributeError(f"{type(obj).__name__}.{self.old} is a deprecated, read-only name of .{self.new}")
 
 
 def _plain(value: Any) -> Any:
@@ -88,6 +112,45 @@ def _plain(value: Any) -> Any:
     if callable(value):
         return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__name__)}"
     return repr(value)
+
+
+class _Missing:
+    """Reading any attribute is a clear error: the callback asked a fit for it in :meth:`plan`."""
+
+    def __init__(self, who: str, path: str):
+        self._who, self._path = who, path
+
+    def __getattr__(self, attr: str) -> Any:  # only for what the class and __init__ do not set
+        if attr.startswith("__"):  # Python's own protocol lookups (copy, pickle): plainly absent
+            raise AttributeError(attr)
+        raise ValueError(
+            f"{self._who}.plan() decides from the model's weights alone, but with these settings it reads "
+            f"{self._path}.{attr}, which only a fit has; run a fit and read the callback's decision instead"
+        )
+
+
+class _NoFit(_Missing):
+    """What :meth:`LayerwiseCallback.plan` hands to ``configure`` and ``measure`` in place of a
+    Trainer: one process, at the start of training, and nothing else (no optimizer, no data, no
+    logger). Its strategy's type name tells ``measure_shards`` the weights are whole."""
+
+    world_size, global_rank, is_global_zero = 1, 0, True
+    current_epoch, global_step = 0, 0
+
+    def __init__(self, who: str):
+        super().__init__(who, "trainer")
+        self.strategy = _Missing(who, "trainer.strategy")
+
+
+def _planners() -> list[str]:
+    """The callback classes that have a decision without a fit (:meth:`LayerwiseCallback.plan`)."""
+    out, todo = [], [LayerwiseCallback]
+    while todo:
+        cls = todo.pop(0)
+        todo += cls.__subclasses__()
+        if cls.decides_from_weights and cls.__name__ not in out:
+            out.append(cls.__name__)
+    return sorted(out)
 
 
 class LayerwiseCallback(Callback):
@@ -108,6 +171,9 @@ class LayerwiseCallback(Callback):
     #: what ``measure`` reads (it runs on every rank): ``"weights"`` (shared out among the ranks
     #: with :meth:`measure_shards`) or ``"data"`` (each rank its own batches, then reduced)
     measures: ClassVar[str] = "weights"
+    #: whether ``configure`` + ``measure`` + ``decide`` need the model's weights alone (and change
+    #: nothing): then :meth:`plan` gives the decision without a fit
+    decides_from_weights: ClassVar[bool] = False
     #: heatmap of the decisions at fit end: (key under the prefix, title, colour-bar label)
     heatmap: ClassVar[tuple[str, str, str] | None] = None
     #: the fewest history entries worth a heatmap
@@ -165,8 +231,7 @@ class LayerwiseCallback(Callback):
         """Resolve a deprecated argument: warn, and use it unless the new one was given too."""
         if old_value is None:
             return value
-        warnings.warn(f"{old}= is deprecated and will be removed in the next release; use {new}=",
-                      DeprecationWarning, stacklevel=3)
+        warn_deprecated(f"{old}= is deprecated and will be removed in the next release; use {new}=")
         if value is not None and value != default:
             raise ValueError(f"give {new}= or the deprecated {old}=, not both")
         return old_value
@@ -209,6 +274,75 @@ class LayerwiseCallback(Callback):
         """Measure (every rank: a share of the weights each, or its data), decide on rank zero,
         broadcast, record, apply, log: one decision."""
         return self.conclude(trainer, self.measure(trainer, pl_module))
+
+    # ------------------------------------------------------------------ the decision without a fit
+
+    def plan(self, model: torch.nn.Module) -> pd.DataFrame:
+        """The decision this callback would make next for ``model`` -- for a fresh callback, the
+        one it makes at the start of a fit -- from the weights alone: no Trainer, no data.
+
+        One row per layer it decides about: ``layer``, what :meth:`plan_columns` adds (Spectrum's
+        module ``type``), the score (``alpha``, ``metric``, ``snr``), the other measurements
+        (LALR's ``svd``, ``ce``, ``cs``) and the decision (``multiplier``, ``ratio``,
+        ``selected``); ``attrs`` holds the model-wide numbers (``summary``) and the history
+        fields (``record``: LALR's ``phase``). The model and the callback are left as they were:
+        no ``requires_grad`` change, no mask, no optimizer, nothing logged, no history entry.
+        Callbacks that decide from anything else (data, the fit's progress), or whose settings
+        need the fit's optimizer, raise a ``ValueError`` saying so.
+        """
+        who = type(self).__name__
+        if not self.decides_from_weights:
+            how = ("decides from the training data (it measures on batches during the fit)" if self.measures == "data"
+                   else "does not decide from the model's weights alone (it reads data, follows the fit or applies "
+                        "its settings)")
+            raise ValueError(
+                f"{who} {how}, so it has no decision without a fit; run a fit and read its "
+                f"decision (scores, history). plan() is for the callbacks that decide from the weights alone: "
+                f"{', '.join(_planners())}"
+            )
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"{who}.plan() takes the model (a torch.nn.Module), got {type(model).__name__}")
+        probe = self._probe()
+        context = _NoFit(who)
+        with torch.no_grad():
+            probe.configure(context, model)
+            decision = probe.plan_decision(probe.measure(context, model))
+        return probe.plan_frame(decision)
+
+    def plan_decision(self, measured: Any) -> Decision:
+        """The decision :meth:`plan` reports: :meth:`decide`, unless that does more than decide
+        (HTSRPruning's masks), when the subclass returns the decision alone."""
+        return self.decide(measured)
+
+    def plan_columns(self) -> dict[str, dict[str, Any]]:
+        """Per-layer columns the plan shows after ``layer`` (``{column: {layer: value}}``)."""
+        return {}
+
+    def plan_frame(self, decision: Decision) -> pd.DataFrame:
+        """One decision as a table: the rows and columns :meth:`plan` describes."""
+        layers = list(decision.values) + [n for n in decision.scores if n not in decision.values]
+        columns = {"layer": layers}
+        for key, values in self.plan_columns().items():
+            columns[key] = [values.get(n) for n in layers]
+        if decision.scores:
+            columns[self.score_key] = [decision.scores.get(n, math.nan) for n in layers]
+        for quantity, values in decision.measurements.items():
+            if quantity not in columns:
+                columns[quantity] = [values.get(n, math.nan) for n in layers]
+        columns[self.decision_key] = [decision.values.get(n, math.nan) for n in layers]
+        frame = pd.DataFrame(columns)
+        frame.attrs.update({"callback": type(self).__name__, "summary": dict(decision.summary),
+                            "record": dict(decision.record)})
+        return frame
+
+    def _probe(self) -> LayerwiseCallback:
+        """A shallow copy to plan with: ``configure`` and ``measure`` set attributes on it, not
+        on this callback (which may be about to fit, or hold a finished fit's state)."""
+        _ = self.history  # a ddp_spawn worker's state is read into this object, not the copy
+        probe = object.__new__(type(self))
+        probe.__dict__.update(self.__dict__)
+        probe._handoff, probe._handoff_pending = None, False
+        return probe
 
     def weight_of(self, layer: Layer) -> torch.Tensor:
         """The weight ``measure_shards`` hands to the measurement (LALR: LoRA's merged weight)."""

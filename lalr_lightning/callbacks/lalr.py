@@ -103,6 +103,7 @@ class LALRScheduleCallback(LayerwiseCallback):
     log_prefix = "lalr"
     fsdp_ok = True
     score_key = "metric"
+    decides_from_weights = True  # plan(model): the decision without a fit
     heatmap = ("multipliers", "LALR LR multipliers (epoch:phase)", "x scheduled LR")
     readable = LayerwiseCallback.readable + ("multipliers", "phase", "metrics")
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lalr_lightning.callbacks.base import Decision, LayerwiseCallback
+from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
 from lalr_lightning.core import spectral
 from lalr_lightning.core.criterion_pruning import criterion_prune, load_weights, sample_count, take_samples
 from lalr_lightning.core.layers import DEFAULT_KINDS, check_kinds
@@ -175,6 +175,7 @@ class HTSRPruning(LayerwiseCallback):
     decision_key = "ratio"
     score_key = "metric"
     logs_lr = False
+    decides_from_weights = True  # plan(model): the decision without a fit
     deprecated = {"exclude_head": "head"}
     volatile_settings = ("make_permanent", "calibration")  # a resumed run does not calibrate again
     readable = LayerwiseCallback.readable + ("ratios", "sparsity", "channels", "masks", "excluded")
@@ -356,10 +357,7 @@ class HTSRPruning(LayerwiseCallback):
         self._fresh = False
         self._weights: dict[str, torch.Tensor] = {}  # SparseGPT's updated weights, from rank zero
 
-    @property
-    def metric_values(self) -> dict[str, float]:
-        """Deprecated name of ``scores`` (the metric per pruned layer)."""
-        return self.scores
+    metric_values = renamed("scores")  # deprecated name of ``scores`` (the metric per pruned layer)
 
     # ------------------------------------------------------------------ when
 
@@ -453,15 +451,27 @@ class HTSRPruning(LayerwiseCallback):
             values = block_average_values(values, block_groups(self._model, self.layers, self.blocks))
         return values
 
+    def _ratio_array(self, metric: dict[str, float]) -> np.ndarray:
+        """The ratio of every pruned layer (model order) from its metric."""
+        numels = [layer.weight.numel() for layer in self.layers]
+        values = [metric.get(layer.name, 0.0) for layer in self.layers]
+        return pruning_ratios(values, numels, self.target_sparsity, self.epsilon, self.direction,
+                              overflow=self.overflow, max_ratio=self.max_ratio)
+
+    def plan_decision(self, metric: dict[str, float] | None) -> Decision:
+        """The ratios alone, for :meth:`plan`: no mask is computed (nor, for the data criteria, a
+        calibration run), so the model is not touched."""
+        if metric is None:  # the first event fixed the ratios
+            return Decision(values=dict(self.ratios), scores=dict(self.scores))
+        return Decision(values=dict(zip([la.name for la in self.layers], self._ratio_array(metric).tolist())),
+                        scores=metric)
+
     def decide(self, metric: dict[str, float] | None) -> Decision:
         names = [layer.name for layer in self.layers]
         if metric is None:  # later events of a gradual schedule: the ratios stand
             metric, ratios = dict(self.scores), dict(self.ratios)
         else:
-            numels = [layer.weight.numel() for layer in self.layers]
-            values = [metric.get(n, 0.0) for n in names]
-            r = pruning_ratios(values, numels, self.target_sparsity, self.epsilon, self.direction,
-                               overflow=self.overflow, max_ratio=self.max_ratio)
+            r = self._ratio_array(metric)
             ratios = dict(zip(names, r.tolist()))
         record: dict = {"level": self._level}
         weights: dict[str, torch.Tensor] = {}

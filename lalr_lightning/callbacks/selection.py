@@ -31,7 +31,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
-from lalr_lightning.callbacks.base import Decision, LayerwiseCallback
+from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
 from lalr_lightning.core.control import LayerControl
 from lalr_lightning.core.layers import Layer, block_layers
 from lalr_lightning.core.norms import NORM_EVAL, norm_layers, set_norm_modes
@@ -104,10 +104,7 @@ class LayerSelection(LayerwiseCallback):
         """The selection as learning-rate factors: 1 for the selected units, 0 for the others."""
         return {u.name: float(u.name in self.selected) for u in self.layers}
 
-    @property
-    def trainable(self) -> list[str]:
-        """Deprecated name of ``selected``."""
-        return self.selected
+    trainable = renamed("selected")  # deprecated name of ``selected``
 
     def selected_blocks(self) -> list[str]:
         """The blocks with at least one trained unit."""
@@ -300,6 +297,24 @@ class SurgicalLayerSelect(Callback):
     and any mode registered later (:func:`register_mode`). Arguments a mode does not take are
     an error listing the ones it does. ``switch_every`` is the deprecated name of
     ``every_n_steps``.
+
+    Example (surgical fine-tuning of the first block, for an input-level shift)::
+
+        >>> import lightning.pytorch as pl
+        >>> from lalr_lightning.callbacks import SurgicalLayerSelect
+        >>> from lalr_lightning.data import DigitsDataModule
+        >>> from lalr_lightning.models import SmallCNN
+        >>> surgical = SurgicalLayerSelect(mode="blocks", select="first")
+        >>> type(surgical).__name__  # the callback of that mode
+        'SurgicalBlocks'
+        >>> trainer = pl.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=0, logger=False,
+        ...                      enable_checkpointing=False, enable_progress_bar=False,
+        ...                      enable_model_summary=False, callbacks=[surgical])
+        >>> trainer.fit(SmallCNN(width=16, in_channels=1), DigitsDataModule(batch_size=32))
+        >>> surgical.selected == surgical.block_names[:1]  # the first block trains, the others are frozen
+        True
+        >>> type(SurgicalLayerSelect(mode="lisa", gamma=1, every_n_steps=5)).__name__
+        'BlockSchedule'
     """
 
     def __new__(  # explicit arguments, so LightningCLI (jsonargparse) can read them

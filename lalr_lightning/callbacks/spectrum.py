@@ -75,6 +75,7 @@ class SpectrumSelect(LayerSelection):
     log_prefix = "spectrum"
     title = "Spectrum"
     score_key = "snr"
+    decides_from_weights = True  # plan(model): the decision without a fit
     fsdp_ok = True
     readable = LayerSelection.readable + ("module_types", "grouping_summary")
 
@@ -180,6 +181,9 @@ class SpectrumSelect(LayerSelection):
                   for n in names}
         chosen |= set(self._always)
         return Decision(values={la.name: float(la.name in chosen) for la in self.layers}, scores=dict(snr))
+
+    def plan_columns(self) -> dict[str, dict[str, str]]:
+        return {"type": dict(self.module_types)}  # the module type each matrix is ranked in
 
 
 register_mode("spectrum", SpectrumSelect)

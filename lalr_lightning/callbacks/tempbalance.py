@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import lightning.pytorch as pl
 import numpy as np
 
-from lalr_lightning.callbacks.base import Decision, LayerwiseCallback
+from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
 from lalr_lightning.core import spectral
 from lalr_lightning.core.layers import DEFAULT_KINDS, check_kinds
 from lalr_lightning.core.tempbalance import ASSIGN, RANGED, SAMPLING, assign_multipliers, eligible_layers
@@ -81,6 +81,7 @@ class TempBalanceCallback(LayerwiseCallback):
     log_prefix = "tempbalance"
     fsdp_ok = True
     score_key = "alpha"
+    decides_from_weights = True  # plan(model): the decision without a fit
     heatmap = ("multipliers", "TempBalance LR multipliers", "x scheduled LR")
     deprecated = {"exclude_first_last": "first, head"}
     readable = LayerwiseCallback.readable + ("multipliers", "excluded")
@@ -122,7 +123,7 @@ class TempBalanceCallback(LayerwiseCallback):
         if min_evals < 2:
             raise ValueError("min_evals must be >= 2: a power-law fit needs at least two eigenvalues")
         if exclude_first_last is not None:
-            self._alias(None, exclude_first_last, "exclude_first_last", "first and head")
+            self._alias(None, exclude_first_last, "exclude_first_last", "first= and head")
             first = head = not exclude_first_last
         self.assign = assign
         self.fit = fit
@@ -143,10 +144,7 @@ class TempBalanceCallback(LayerwiseCallback):
         self._last_step: int | None = None
         self._n_updates = 0
 
-    @property
-    def alphas(self) -> dict[str, float]:
-        """Deprecated name of ``scores`` (alpha per layer)."""
-        return self.scores
+    alphas = renamed("scores")  # deprecated name of ``scores`` (alpha per layer)
 
     # ------------------------------------------------------------------ when
 
@@ -173,8 +171,8 @@ class TempBalanceCallback(LayerwiseCallback):
     # ------------------------------------------------------------------ what
 
     def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[dict[str, float], float]:
-        """(alpha per eligible layer, the first group's scheduled LR) from the current weights,
-        each rank fitting a share of the layers."""
+        """(alpha per eligible layer, the first group's scheduled LR for ``assign="sample_lr"``,
+        else 1.0) from the current weights, each rank fitting a share of the layers."""
 
         def fit(layers):
             self.check_finite(trainer, {layer.name: layer.weight for layer in layers}, "the weights")
@@ -193,7 +191,8 @@ class TempBalanceCallback(LayerwiseCallback):
                 "Pruned or low-rank layers have many zero eigenvalues: filter_zeros=True fits only the non-zero "
                 "ones; or leave these layers out with layer_types / min_evals"
             )
-        return alphas, self.controls(trainer)[0].scheduled_lrs()[0]
+        # the scheduled LR matters to sample_lr alone: the other assignments (and plan()) need no optimizer
+        return alphas, self.controls(trainer)[0].scheduled_lrs()[0] if self.assign == "sample_lr" else 1.0
 
     def decide(self, measured: tuple[dict[str, float], float]) -> Decision:
         alphas, base_lr = measured
