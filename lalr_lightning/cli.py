@@ -432,14 +432,16 @@ def _missing_checkpoint_message(ckpt: str, configs) -> str:
             dirs.append(folder)
     if Path("configs").is_dir() and Path("configs").resolve() not in [d.resolve() for d in dirs]:
         dirs.append(Path("configs"))
+    shipped = [d.resolve() for d in config_dirs()]
+    dirs += [d for d in shipped if d not in [x.resolve() for x in dirs]]
     writer = _writer_of(ckpt, dirs)
     if writer is None:
         return (f"model.init_args.checkpoint: {ckpt} does not exist; pass an existing checkpoint or state-dict "
                 "file (--model.init_args.checkpoint PATH)")
     try:
         shown = writer.resolve().relative_to(Path.cwd())
-    except ValueError:
-        shown = writer
+    except ValueError:  # a shipped config is run by its name
+        shown = writer.stem if writer.resolve().parent in shipped else writer
     return (f"{ckpt} does not exist: it is written by {shown}; run "
             f"`{_prog()} fit --config {shown}` first")
 
