@@ -262,6 +262,10 @@ def parse_error_line(message: str, parser) -> str:
         s = _close(m.group(1), choices)
         return f"unknown command '{m.group(1)}'" + (f"; did you mean '{s}'?" if s else "") + \
             f" (choose from {', '.join(choices)})"
+    if first.startswith('expected "subcommand"'):
+        return f"{first.rstrip('.')}; or analyze, report, configs (see --help)"
+    if first.startswith("the following arguments are required") and ".model" in first:
+        return f"{first}; pass --config FILE or a shipped config's name (`{_prog()} configs` lists them)"
     where = re.match(r'Parser key "([^"]+)"', first)
     where = where.group(1) if where else first.rstrip(":")
     for i, line in enumerate(lines):

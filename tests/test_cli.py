@@ -446,3 +446,24 @@ def test_report_titles_sections_by_method_and_writes_into_the_run(tmp_path, caps
     assert done.value.code == 0
     assert (folder / "report.html").exists()  # into the run's directory, not the working one
     assert f"report -> {(folder / 'report.html').resolve()}" in capsys.readouterr().out
+
+
+def test_parse_error_lines_and_key_suggestions():
+    from types import SimpleNamespace
+
+    from lalr_lightning.cli import _suggest_key, parse_error_line
+
+    keys = ["trainer", "trainer.max_epochs", "trainer.max_steps", "trainer.logger", "model", "data", "ckpt_path"]
+    assert _suggest_key("trainer.max_epoks", keys) == "trainer.max_epochs"
+    assert _suggest_key("trainr.logger.init_args.save_dir", keys) == "trainer.logger.init_args.save_dir"
+    assert _suggest_key("trainer.max_epochs", keys) is None  # nothing to fix
+    assert _suggest_key("zzz", keys) is None  # nothing close
+    parser = SimpleNamespace(_actions=[SimpleNamespace(option_strings=[f"--{k}"]) for k in keys])
+    assert parse_error_line("unrecognized arguments: --ckpt_pth x", parser) == \
+        "unrecognized arguments: --ckpt_pth x; did you mean --ckpt_path?"
+    assert parse_error_line("argument subcommand: invalid choice: 'analyse' (choose from 'fit', 'validate')",
+                            parser).startswith("unknown command 'analyse'; did you mean 'analyze'?")
+    assert "configs` lists them" in parse_error_line(
+        "the following arguments are required: fit.data, fit.model", parser)
+    one = parse_error_line('Parser key "trainer.max_epochs":\n  Expected a <class \'int\'>. Got value: abc', parser)
+    assert one == "Parser key \"trainer.max_epochs\": Expected a <class 'int'>. Got value: abc"
