@@ -1,29 +1,39 @@
 """Command line: ``python -m lalr_lightning fit|validate|test|predict --config X.yaml`` (a
-LightningCLI), ``python -m lalr_lightning analyze MODEL`` (a spectral report) and
-``python -m lalr_lightning report RUN_DIR`` (an HTML page of a run, :mod:`lalr_lightning.report`).
+LightningCLI), ``python -m lalr_lightning analyze MODEL`` (a spectral report),
+``python -m lalr_lightning report RUN_DIR`` (an HTML page of a run, :mod:`lalr_lightning.report`)
+and ``python -m lalr_lightning configs`` (the shipped configs; ``--config quickstart`` runs one by
+name, from a wheel as from the clone).
 
-Bad input (a broken or missing checkpoint, a config value a constructor refuses, a failed
-download) ends the command with one ``error:`` line rather than a traceback.
+Bad input (a broken or missing checkpoint, a config value a constructor refuses, a typo in a key,
+a failed download, an error the library raises during a run) ends the command with one
+``error:`` line rather than a traceback; ``--traceback`` or ``LALR_TRACEBACK=1`` shows the
+traceback (and jsonargparse's full message).
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import importlib
+import inspect
 import os
+import re
+import socket
 import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 import yaml
-from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch import nn
 
 from lalr_lightning.data._common import DownloadError
 from lalr_lightning.models.base import CheckpointFileError, check_checkpoint_file, load_checkpoint_file
 
-__all__ = ["ConfigError", "LalrCLI", "SaveRunConfig", "analyze_main", "load_for_analysis", "main", "run_dir"]
+__all__ = ["ConfigError", "LalrCLI", "SaveRunConfig", "analyze_main", "config_dirs", "load_for_analysis", "main",
+           "packaged_configs", "resolve_config", "run_dir"]
 
 
 class ConfigError(ValueError):
@@ -34,6 +44,90 @@ def _prog() -> str:
     """How the user called us: the ``lalr-lightning`` console script or ``python -m lalr_lightning``."""
     name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
     return "lalr-lightning" if name.startswith("lalr-lightning") else "python -m lalr_lightning"
+
+
+#: set by ``--traceback`` on the command line (``main`` takes the flag out before parsing)
+_TRACEBACK = False
+
+
+def _show_traceback() -> bool:
+    """Whether errors keep their traceback: ``--traceback`` or ``LALR_TRACEBACK=1``."""
+    return _TRACEBACK or os.environ.get("LALR_TRACEBACK", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+# ----------------------------------------------------------------------------- shipped configs
+
+
+def config_dirs() -> list[Path]:
+    """Where bare config names are looked up: ``lalr_lightning/configs`` (an installed wheel) and
+    the clone's ``configs/`` beside the package (an editable install, or ``PYTHONPATH``)."""
+    pkg = Path(__file__).resolve().parent
+    # the clone's folder only when it holds ours: site-packages/configs may belong to anything
+    return [d for d in (pkg / "configs", pkg.parent / "configs") if (d / "quickstart.yaml").is_file()]
+
+
+def packaged_configs() -> dict[str, Path]:
+    """``{name: path}`` of the shipped configs (``quickstart`` -> ``.../quickstart.yaml``)."""
+    found: dict[str, Path] = {}
+    for folder in config_dirs():
+        for path in sorted(folder.glob("*.yaml")):
+            found.setdefault(path.stem, path)
+    return found
+
+
+def resolve_config(value: str) -> str:
+    """A ``--config`` value as a file to read: an existing path as given; else a shipped config
+    named ``value`` (``quickstart``, ``quickstart.yaml`` or ``configs/quickstart.yaml``, as in the
+    README, run outside the clone). A value that names no file is refused in one line naming the
+    closest shipped config; inline YAML (``--config '{trainer: ...}'``) passes through."""
+    if os.path.exists(value) or not re.fullmatch(r"[\w./\\-]+", value):
+        return value
+    folder, name = os.path.split(value)
+    stem = re.sub(r"\.(yaml|yml)$", "", name)
+    found = packaged_configs()
+    if folder in ("", "configs") and stem in found:
+        return str(found[stem])
+    if folder in ("", "configs") or value.endswith((".yaml", ".yml", ".json")):
+        close = difflib.get_close_matches(stem, list(found), n=1, cutoff=0.5)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise ConfigError(f"--config {value}: no such file, nor a shipped config of that name{hint} "
+                          f"(`{_prog()} configs` lists them)")
+    return value
+
+
+def _resolve_config_args(args: list[str]) -> list[str]:
+    out = list(args)
+    for i, arg in enumerate(out):
+        if arg in ("-c", "--config") and i + 1 < len(out):
+            out[i + 1] = resolve_config(out[i + 1])
+        elif arg.startswith("--config="):
+            out[i] = "--config=" + resolve_config(arg[len("--config="):])
+    return out
+
+
+def configs_main(argv: list[str] | None = None) -> int:
+    """``configs``: list the shipped configs with their first comment line; ``configs NAME``
+    prints one (to copy and edit: ``configs quickstart > mine.yaml``)."""
+    p = argparse.ArgumentParser(prog=f"{_prog()} configs", description=(
+        "The configs shipped with lalr_lightning; run one by name: fit --config NAME."))
+    p.add_argument("name", nargs="?", help="print this config (to copy and edit)")
+    args = p.parse_args(argv)
+    found = packaged_configs()
+    if args.name:
+        try:
+            path = Path(resolve_config(args.name))
+        except ConfigError as e:
+            print(f"{p.prog}: error: {e}", file=sys.stderr)
+            return 2
+        print(path.read_text(), end="")
+        return 0
+    width = max(map(len, found), default=0)
+    for name, path in found.items():
+        comment = next((ln.lstrip("#").strip() for ln in path.read_text().splitlines() if ln.startswith("#")), "")
+        print(f"{name:<{width}}  {comment}")
+    where = sorted({str(path.parent) for path in found.values()})
+    print(f"\n{len(found)} configs in {', '.join(where)}; run one with: {_prog()} fit --config NAME")
+    return 0
 
 
 def run_dir(trainer: pl.Trainer) -> str:
@@ -75,6 +169,141 @@ class SaveRunConfig(SaveConfigCallback):
                 lg.experiment.config.update({"cli": settings}, allow_val_change=True)
 
 
+# ----------------------------------------------------------------------------- parser errors
+
+
+def _close(word: str, choices) -> str | None:
+    found = difflib.get_close_matches(word, sorted(set(choices)), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def _suggest_key(key: str, valid: list[str]) -> str | None:
+    """The dotted key nearest to ``key`` among ``valid``, fixing one component at a time
+    (``trainr.logger.save_dir`` -> ``trainer.logger.save_dir``); None when nothing is close."""
+    parts, fixed, changed = key.split("."), [], False
+    split = [v.split(".") for v in valid]
+    for i, part in enumerate(parts):
+        children = {v[i] for v in split if len(v) > i and v[:i] == fixed}
+        if part not in children:
+            close = _close(part, children)
+            if close is None:  # keep what was fixed so far, the rest as given
+                fixed += parts[i:]
+                break
+            part, changed = close, True
+        fixed.append(part)
+        if not any(len(v) > len(fixed) and v[: len(fixed)] == fixed for v in split):
+            fixed += parts[i + 1:]  # a leaf: what follows is inside its value, not checked here
+            break
+    return ".".join(fixed) if changed else None
+
+
+def _init_params(class_path: str) -> list[str]:
+    """The constructor arguments of ``class_path`` (following ``**kwargs`` to the base classes)."""
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return []
+    names: list[str] = []
+    for klass in getattr(cls, "__mro__", [cls]):
+        init = klass.__dict__.get("__init__") if isinstance(klass, type) else klass
+        if init is None:
+            continue
+        try:
+            params = inspect.signature(init).parameters.values()
+        except (TypeError, ValueError):
+            break
+        names += [q.name for q in params if q.name != "self" and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD)]
+        if not any(q.kind == q.VAR_KEYWORD for q in params):
+            break
+    return names
+
+
+def _clean(lines: list[str]) -> list[str]:
+    """Message lines without the type dumps, long values cut short."""
+    out = [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith(("Given value type", "Subtypes:"))]
+    return [ln if len(ln) <= 120 else ln[:117] + "..." for ln in out]  # "Given value: {...}" can be long
+
+
+def _block(lines: list[str], start: int) -> list[str]:
+    """The lines indented under ``lines[start]``."""
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    out = []
+    for line in lines[start + 1:]:
+        if line.strip() and len(line) - len(line.lstrip()) <= indent:
+            break
+        out.append(line)
+    return _clean(out)
+
+
+def _parser_keys(parser) -> list[str]:
+    return [s[2:] for a in parser._actions for s in a.option_strings
+            if s.startswith("--") and not s.endswith(".help")]  # --KEY.help CLASS_PATH: a help flag, not a key
+
+
+def parse_error_line(message: str, parser) -> str:
+    """jsonargparse's many-line parse error as one line, ending with a "did you mean" where a
+    close valid key, argument or class name exists."""
+    lines = [ln.rstrip() for ln in message.strip().splitlines() if ln.strip()]
+    first = lines[0].strip() if lines else "invalid arguments"
+    keys = _parser_keys(parser)
+    m = re.match(r"unrecognized arguments: (.*)", first)
+    if m:
+        hints = [f"--{s}" for a in m.group(1).split() if a.startswith("--")
+                 for s in [_suggest_key(a[2:].split("=")[0], keys)] if s]
+        return first + (f"; did you mean {', '.join(hints)}?" if hints else "")
+    m = re.search(r"does not accept option '([^']+)'", first)
+    if m:
+        s = _suggest_key(m.group(1), keys)
+        return first + (f"; did you mean '{s}'?" if s else "")
+    m = re.search(r"invalid choice: '([^']+)' \(choose from (.*)\)", first)
+    if m:
+        choices = re.findall(r"'([^']+)'", m.group(2)) + ["analyze", "report", "configs"]
+        s = _close(m.group(1), choices)
+        return f"unknown command '{m.group(1)}'" + (f"; did you mean '{s}'?" if s else "") + \
+            f" (choose from {', '.join(choices)})"
+    if first.startswith('expected "subcommand"'):
+        return f"{first.rstrip('.')}; or analyze, report, configs (see --help)"
+    if first.startswith("the following arguments are required") and ".model" in first:
+        return f"{first}; pass --config FILE or a shipped config's name (`{_prog()} configs` lists them)"
+    where = re.match(r'Parser key "([^"]+)"', first)
+    where = where.group(1) if where else first.rstrip(":")
+    for i, line in enumerate(lines):
+        m = re.match(r"\s*- Problem with given class_path '([^']+)':", line)
+        if not m:
+            continue
+        class_path, detail = m.group(1), " ".join(_block(lines, i)) or "invalid"
+        hint = None
+        bad = re.search(r"Option '([^']+)' is not accepted", detail)
+        if bad:
+            hint = _close(bad.group(1), _init_params(class_path))
+        missing = re.search(r"module '([^']+)' has no attribute '([^']+)'", detail)
+        if missing:
+            module = sys.modules.get(missing.group(1))
+            found = _close(missing.group(2), [n for n in dir(module) if not n.startswith("_")]) if module else None
+            hint = f"{missing.group(1)}.{found}" if found else None
+        return f"{where}: {class_path}: {detail}" + (f"; did you mean '{hint}'?" if hint else "")
+    return " ".join([first] + _clean(lines[1:]))
+
+
+class _Parser(LightningArgumentParser):
+    """LightningCLI's parser, whose errors are one line (with ``--traceback``: jsonargparse's usage
+    and full message, then the one line)."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if not self.exit_on_error:
+            return super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        line = parse_error_line(message, parser)
+        if _show_traceback():
+            try:
+                super().error(message, ex)
+            finally:
+                sys.stderr.write(f"{_prog()}: error: {line}\n")
+        sys.stderr.write(f"{_prog()}: error: {line}\n")
+        self.exit(2)
+
+
 class LalrCLI(LightningCLI):
     """LightningCLI over any LightningModule and LightningDataModule (``class_path`` in YAML).
 
@@ -88,14 +317,17 @@ class LalrCLI(LightningCLI):
         kwargs.setdefault("save_config_callback", SaveRunConfig)
         # each run has its own directory, so overwriting only ever replaces the run's own file
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        kwargs.setdefault("parser_class", _Parser)
         prog = _prog()
         parser_kwargs = dict(kwargs.pop("parser_kwargs", None) or {})
         parser_kwargs.setdefault("prog", prog)
         parser_kwargs.setdefault("description", (
-            f"Train, validate, test or predict from a config: {prog} fit --config configs/quickstart.yaml. "
+            f"Train, validate, test or predict from a config: {prog} fit --config configs/quickstart.yaml "
+            f"(or a shipped config by name: --config quickstart; {prog} configs lists them). "
             f"Per-layer spectral report (HT-SR alpha, ESD plots) of a model or checkpoint: {prog} analyze MODEL "
             f"(see {prog} analyze --help). "
-            f"HTML page of a run's per-layer decisions: {prog} report RUN_DIR."
+            f"HTML page of a run's per-layer decisions: {prog} report RUN_DIR. "
+            "Errors are one line; --traceback (or LALR_TRACEBACK=1) shows the traceback."
         ))
         kwargs["parser_kwargs"] = parser_kwargs
         super().__init__(pl.LightningModule, pl.LightningDataModule, *args, **kwargs)
@@ -108,7 +340,10 @@ class LalrCLI(LightningCLI):
         return self.config[sub] if sub else self.config
 
     def parse_arguments(self, parser, args) -> None:
-        super().parse_arguments(parser, args)
+        if args is None:  # the command line; parsed here so LightningCLI does not warn about args
+            self.config = parser.parse_args(_resolve_config_args(sys.argv[1:]))
+        else:
+            super().parse_arguments(parser, _resolve_config_args(args) if isinstance(args, list) else args)
         # Lightning reads --ckpt_path right after parsing (its hyper-parameters) and again in
         # fit; check the file first so a broken one is named in one line.
         ckpt = self._subconfig().get("ckpt_path")
@@ -150,6 +385,10 @@ class LalrCLI(LightningCLI):
         trainer = self.trainer
         if not trainer.is_global_zero:
             return
+        val = {k: float(v) for k, v in sorted(trainer.callback_metrics.items())
+               if k.startswith("val") and getattr(v, "numel", lambda: 1)() == 1}
+        if val:  # the last validation's metrics, so a run shows its result without opening a file
+            print("\nvalidation: " + ", ".join(f"{k} {v:.4g}" for k, v in val.items()))
         logger = trainer.logger
         if isinstance(logger, CSVLogger):
             print(f"\nmetrics: {os.path.abspath(logger.experiment.metrics_file_path)}")
@@ -197,14 +436,16 @@ def _missing_checkpoint_message(ckpt: str, configs) -> str:
             dirs.append(folder)
     if Path("configs").is_dir() and Path("configs").resolve() not in [d.resolve() for d in dirs]:
         dirs.append(Path("configs"))
+    shipped = [d.resolve() for d in config_dirs()]
+    dirs += [d for d in shipped if d not in [x.resolve() for x in dirs]]
     writer = _writer_of(ckpt, dirs)
     if writer is None:
         return (f"model.init_args.checkpoint: {ckpt} does not exist; pass an existing checkpoint or state-dict "
                 "file (--model.init_args.checkpoint PATH)")
     try:
         shown = writer.resolve().relative_to(Path.cwd())
-    except ValueError:
-        shown = writer
+    except ValueError:  # a shipped config is run by its name
+        shown = writer.stem if writer.resolve().parent in shipped else writer
     return (f"{ckpt} does not exist: it is written by {shown}; run "
             f"`{_prog()} fit --config {shown}` first")
 
@@ -281,7 +522,42 @@ def load_for_analysis(spec: str, *, pretrained: bool = False, weights_only: bool
             f"{spec!r} is neither a file, a directory, nor a timm model name; "
             "see timm.list_models() for names, or pass a checkpoint path"
         )
-    return timm.create_model(spec, pretrained=pretrained)
+    if not pretrained:
+        return timm.create_model(spec)
+    offline = _hub_offline()
+    if offline:  # the weights can only come from the local cache: say so now, not after retries
+        import huggingface_hub.constants
+
+        huggingface_hub.constants.HF_HUB_OFFLINE = True  # read at call time by huggingface_hub
+        os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        return timm.create_model(spec, pretrained=True)
+    except Exception as e:  # noqa: BLE001 -- any download failure, offline, is the missing cache
+        if not offline:
+            raise
+        raise RuntimeError(
+            f"{spec} --pretrained: {offline}, and its weights are not in the local cache "
+            f"({os.environ.get('HF_HOME') or '~/.cache/huggingface'}); run once with network, or analyze a "
+            f"checkpoint file ({type(e).__name__})") from e
+
+
+def _hub_offline(timeout: float = 3.0) -> str | None:
+    """Why the Hugging Face Hub cannot be reached (HF_HUB_OFFLINE set, or no connection to it
+    within ``timeout`` seconds), or None. Checked before a pretrained download, which otherwise
+    retries for most of a minute before failing."""
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return "HF_HUB_OFFLINE is set"
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None  # only the proxy knows; let the download try
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        return f"no network: {host}:{port} unreachable ({e.strerror or type(e).__name__})"
+    return None
 
 
 def _streamed(spec: str) -> bool:
@@ -304,6 +580,17 @@ def _spectrum_yaml(df, kinds: dict[str, str], head: str | None, top_percent: flo
     snr = {n: float(v) for n, v in zip(df["name"], df["snr"]) if n not in always and not math.isnan(float(v))}
     chosen = top_by_type(snr, top_percent)
     return unfrozen_yaml(chosen, [f"{n}.weight" for n in always]), len(always) + sum(map(len, chosen.values()))
+
+
+#: which alpha fit a report used, and how to read the numbers a callback would see
+_FIT_NOTES = {
+    "ks": "alpha fit: ks (WeightWatcher's xmin, the KS-distance minimum). TempBalanceCallback fits 'median' by "
+          "default, which gives other alphas: --fit median shows its reading",
+    "median": "alpha fit: median (TempBalanceCallback's default, xmin at the median eigenvalue). WeightWatcher's "
+              "fit: --fit ks",
+    "peak": "alpha fit: peak (TempBalance's xmin_peak). TempBalanceCallback's default: --fit median; "
+            "WeightWatcher's: --fit ks",
+}
 
 
 def analyze_main(argv: list[str] | None = None) -> int:
@@ -368,6 +655,7 @@ def analyze_main(argv: list[str] | None = None) -> int:
     df.to_csv(csv, index=False)
     print(df[["name", "alpha", "xmin", "D", "num_evals", "spectral_norm", "stable_rank"]].to_string(index=False))
     print(f"\n{len(df)} layers -> {csv.resolve()}")
+    print(_FIT_NOTES[args.fit])
     if args.spectrum is not None:
         text, n = _spectrum_yaml(df, kinds, head, args.spectrum)
         target = out / f"spectrum_{args.spectrum:g}percent.yaml"
@@ -388,13 +676,40 @@ def analyze_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _raised_by_library(e: BaseException) -> bool:
+    """Whether ``e`` came from a ``raise`` statement in lalr_lightning's own code: a message
+    written for the user, naming the fix (not a bug, nor another library's error)."""
+    import linecache
+
+    tb = e.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:  # the innermost frame: where it was raised
+        tb = tb.tb_next
+    module = tb.tb_frame.f_globals.get("__name__", "")
+    if module != "lalr_lightning" and not module.startswith("lalr_lightning."):
+        return False
+    return linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno).lstrip().startswith("raise")
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m lalr_lightning`` and the ``lalr-lightning`` script.
 
     ``argv`` defaults to the command line; it is passed to LightningCLI only when given, since
-    LightningCLI warns when it gets both ``args`` and a command line.
+    LightningCLI warns when it gets both ``args`` and a command line. ``--traceback`` anywhere
+    (or ``LALR_TRACEBACK=1``) keeps the tracebacks the CLI otherwise turns into one line.
     """
+    global _TRACEBACK
     args = list(sys.argv[1:] if argv is None else argv)
+    if "--traceback" in args:
+        _TRACEBACK = True
+        args = [a for a in args if a != "--traceback"]
+        if argv is None:
+            sys.argv = [sys.argv[0], *args]
     if args and args[0] == "analyze":
         raise SystemExit(analyze_main(args[1:]))
     if args and args[0] in ("prune", "perplexity"):
@@ -406,9 +721,20 @@ def main(argv: list[str] | None = None) -> None:
         from lalr_lightning.report import report_main
 
         raise SystemExit(report_main(args[1:], prog=f"{_prog()} report"))
+    if args and args[0] == "configs":
+        raise SystemExit(configs_main(args[1:]))
     try:
         LalrCLI(args=None if argv is None else args)
     except (ConfigError, CheckpointFileError, DownloadError, FileNotFoundError) as e:
         # FileNotFoundError: the datamodules' missing-dataset messages (what to download, where)
+        if _show_traceback():
+            raise
         print(f"{_prog()}: error: {_first_line(e)}", file=sys.stderr)
         raise SystemExit(2) from None
+    except (ValueError, TypeError, RuntimeError) as e:
+        # the library's own errors raised inside Lightning's hooks (no layers found, a layer or
+        # block that does not exist, too few layers): their message is the whole story
+        if _show_traceback() or not _raised_by_library(e):
+            raise
+        print(f"{_prog()}: error: {_one_line(e)}", file=sys.stderr)
+        raise SystemExit(1) from None

@@ -4,8 +4,10 @@ Reads any run directory this package's callbacks logged to -- a CSVLogger versio
 (``metrics.csv``), a TensorBoard one (event files) or an offline W&B run folder
 (``offline-run-*``, read from its transaction log ``run-*.wandb`` and its ``files/media``) -- and
 writes one page with a section per method (log prefix): the final decision table, the heatmaps,
-per-layer curves and the ESD plots of the first and last set. Every image is inlined as a
-base64 ``data:`` URI, so the page opens anywhere without network.
+per-layer curves and the ESD plots of the first and last set; a section is titled after its
+method (``lisa``, not the shared ``surgical`` prefix). Every image is inlined as a base64
+``data:`` URI, so the page opens anywhere without network. By default the page is written into
+the run's directory.
 """
 
 from __future__ import annotations
@@ -330,9 +332,34 @@ def _final_table(run: RunData, prefix: str, quantities: dict) -> tuple[str, list
     return "last logged values", ["layer", *quantities], rows
 
 
-def _method_section(run: RunData, prefix: str) -> str:
+def method_titles(run: RunData) -> dict[str, str]:
+    """``{log prefix: method name}`` from the callbacks' settings in the run config: callbacks
+    that share a prefix are told apart by the ``SurgicalLayerSelect`` mode that builds them
+    (``BlockSchedule(schedule="lisa")`` logs under ``surgical/`` and is titled ``lisa``)."""
+    try:
+        from lalr_lightning import callbacks
+        from lalr_lightning.callbacks.selection import _REGISTRY
+    except ImportError:  # pragma: no cover -- the report of a run needs no Lightning otherwise
+        return {}
+    titles: dict[str, str] = {}
+    for key, settings in run.config.items():
+        if not key.startswith("callbacks/") or not isinstance(settings, dict):
+            continue
+        cls_name, _, name = key.split("/", 1)[1].partition("[")
+        cls = getattr(callbacks, cls_name, None)
+        prefix = name.rstrip("]") or getattr(cls, "log_prefix", None)
+        if not prefix:
+            continue
+        modes = [m for m, (c, fixed) in _REGISTRY.items()
+                 if c is cls and fixed and all(settings.get(k) == v for k, v in fixed.items())]
+        if modes:
+            titles[prefix] = modes[0] if not name else f"{prefix} ({modes[0]})"
+    return titles
+
+
+def _method_section(run: RunData, prefix: str, title: str | None = None) -> str:
     quantities = _per_layer(run, prefix)
-    parts = [f'<section id="{html.escape(prefix)}"><h2>{html.escape(prefix)}</h2>']
+    parts = [f'<section id="{html.escape(prefix)}"><h2>{html.escape(title or prefix)}</h2>']
     final = _final_table(run, prefix, quantities)
     if final:
         what, columns, rows = final
@@ -386,11 +413,13 @@ window.addEventListener("load", function () {
 def render_html(run: RunData) -> str:
     """The report page of ``run`` (one string, every image inlined)."""
     found = methods(run)
+    titles = method_titles(run)
     parts = ["<!DOCTYPE html><html lang=en><head><meta charset=utf-8>",
              f"<title>lalr_lightning report: {html.escape(run.path.name)}</title><style>{_CSS}</style></head><body>",
              f"<h1>Run report: {html.escape(run.path.name)}</h1>",
              f"<p>{html.escape(run.kind)} run in <code>{html.escape(str(run.path))}</code></p>",
-             "<nav>" + "".join(f'<a href="#{html.escape(p)}">{html.escape(p)}</a>' for p in found) + "</nav>"]
+             "<nav>" + "".join(f'<a href="#{html.escape(p)}">{html.escape(titles.get(p, p))}</a>' for p in found)
+             + "</nav>"]
     settings = {k.split("/", 1)[1]: v for k, v in run.config.items() if k.startswith("callbacks/")}
     if settings:
         parts.append("<h2>Callback settings</h2>")
@@ -399,7 +428,7 @@ def render_html(run: RunData) -> str:
             parts.append(f"<h3>{html.escape(name)}</h3>" + _table_html(["setting", "value"], rows))
     if not found:
         parts.append("<p>No per-layer metrics from lalr_lightning callbacks in this run.</p>")
-    parts += [_method_section(run, p) for p in found]
+    parts += [_method_section(run, p, titles.get(p)) for p in found]
     shared = {k.split("/", 1)[1]: v for k, v in run.scalars.items() if k.startswith("lr_eff/") and v}
     if shared:
         parts.append("<section id=lr_eff><h2>Effective learning rates</h2><div class=grid>"
@@ -408,10 +437,11 @@ def render_html(run: RunData) -> str:
     return "\n".join(parts)
 
 
-def write_report(run_dir: str | Path, out: str | Path = "report.html") -> Path:
-    """Read ``run_dir`` and write its report page to ``out``; returns ``out``."""
+def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Read ``run_dir`` and write its report page to ``out`` (default: ``report.html`` in
+    ``run_dir``, beside the run's logs); returns ``out``."""
     page = render_html(read_run(run_dir))
-    out = Path(out)
+    out = Path(run_dir) / "report.html" if out is None else Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page, encoding="utf-8")
     return out
@@ -424,7 +454,7 @@ def report_main(argv: list[str] | None = None, prog: str = "python -m lalr_light
         "One self-contained HTML page (no network needed) of a run's per-layer decisions: tables, heatmaps, "
         "per-layer curves, ESD plots."))
     p.add_argument("run_dir", help="a CSVLogger or TensorBoardLogger version directory, or an offline W&B run folder")
-    p.add_argument("--out", default="report.html", help="the page to write (default: ./report.html)")
+    p.add_argument("--out", default=None, help="the page to write (default: report.html in RUN_DIR)")
     args = p.parse_args(argv)
     try:
         out = write_report(args.run_dir, args.out)

@@ -11,7 +11,16 @@ import pytest
 import torch
 import yaml
 
-from lalr_lightning.cli import ConfigError, LalrCLI, analyze_main, load_for_analysis, main
+from lalr_lightning.cli import (
+    ConfigError,
+    LalrCLI,
+    analyze_main,
+    configs_main,
+    load_for_analysis,
+    main,
+    packaged_configs,
+    resolve_config,
+)
 from lalr_lightning.models.base import CheckpointFileError, UnsafeCheckpointError
 from lalr_lightning.models.cnn import SmallCNN
 
@@ -28,6 +37,11 @@ def test_quickstart_config_runs_and_logs_per_layer_values(tmp_path, capsys):
     assert f"checkpoint: {csv.parent / 'checkpoints' / 'last.ckpt'}" in out
     assert (csv.parent / "config.yaml").exists()
     df = pd.read_csv(csv)
+    # and the last validation's metrics, the same numbers the CSV holds
+    shown = dict(re.findall(r"(val/\w+) ([\d.e+-]+)", out.split("validation: ")[1].splitlines()[0]))
+    assert set(shown) == {"val/acc", "val/loss"}
+    for key, value in shown.items():
+        assert float(value) == pytest.approx(df[key].dropna().iloc[-1], rel=1e-3)
     layers = ["model.layer2.conv", "model.layer3.conv", "model.layer4.conv"]
     for name in layers:
         assert f"tempbalance/alpha/{name}" in df and f"tempbalance/multiplier/{name}" in df
@@ -45,6 +59,8 @@ def test_analyze_a_lightning_checkpoint(tmp_path, capsys):
     ckpt = tmp_path / "m.ckpt"
     torch.save({"state_dict": module.state_dict()}, ckpt)
     assert analyze_main([str(ckpt), "--out", str(tmp_path / "rep"), "--fit", "median"]) == 0
+    # it says which fit it used and how to get the other readings
+    assert "alpha fit: median (TempBalanceCallback's default" in capsys.readouterr().out
     df = pd.read_csv(tmp_path / "rep" / "spectral.csv")
     # layer1's conv (1 -> 16 channels, 9 eigenvalues) is under analyze's min_evals=10
     assert list(df["name"]) == ["model.layer2.conv", "model.layer3.conv", "model.layer4.conv", "model.fc"]
@@ -222,3 +238,232 @@ def test_two_wandb_runs_keep_their_own_config(tmp_path, monkeypatch):
         tempbalance = next(c for c in callbacks if c["class_path"].endswith("TempBalanceCallback"))
         assert tempbalance["init_args"]["lr_max_ratio"] == ratio
         assert tempbalance["init_args"]["assign"] == "linear_map"
+
+
+# ----------------------------------------------------------------------------- shipped configs
+
+
+def test_a_config_is_found_by_name_from_anywhere(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # no configs/ here
+    quickstart = ROOT / "configs" / "quickstart.yaml"
+    for name in ("quickstart", "quickstart.yaml", "configs/quickstart.yaml"):
+        assert Path(resolve_config(name)) == quickstart
+    assert set(packaged_configs()) == {p.stem for p in (ROOT / "configs").glob("*.yaml")}
+    (tmp_path / "quickstart.yaml").write_text("seed_everything: 1\n")  # a file of that name wins
+    assert resolve_config("quickstart.yaml") == "quickstart.yaml"
+    assert resolve_config("{seed_everything: 1}") == "{seed_everything: 1}"  # inline YAML passes through
+    with pytest.raises(ConfigError, match=r"--config quickstrat: no such file.*did you mean quickstart\?"):
+        resolve_config("quickstrat")
+    with pytest.raises(ConfigError, match="no such file"):
+        resolve_config("elsewhere/mine.yaml")
+    assert configs_main([]) == 0
+    listing = capsys.readouterr().out
+    assert re.search(r"^quickstart +Offline quickstart", listing, flags=re.M)
+    assert f"{len(packaged_configs())} configs in {ROOT / 'configs'}" in listing
+    assert configs_main(["quickstart"]) == 0
+    assert capsys.readouterr().out == quickstart.read_text()
+
+
+# ----------------------------------------------------------------------------- one line per error
+#
+# Run through the console script, as a user meets them: stderr ends with one error line, and no
+# traceback; --traceback / LALR_TRACEBACK=1 brings the traceback back.
+
+
+def _console(args: list[str], cwd: Path, **env: str):
+    import os
+    import subprocess
+    import sys
+
+    full = dict(os.environ)
+    full["PYTHONPATH"] = os.pathsep.join([str(ROOT), full.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    full["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), full.get("PATH", "")])
+    full.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **env)
+    full.pop("LALR_TRACEBACK", None)
+    return subprocess.run(["lalr-lightning", *args], cwd=cwd, env=full, capture_output=True, text=True, timeout=300)
+
+
+def _quickstart_with(tmp_path: Path, edit) -> Path:
+    cfg = yaml.safe_load((ROOT / "configs/quickstart.yaml").read_text())
+    cfg["trainer"].update(max_epochs=1, limit_train_batches=2, limit_val_batches=0, logger=False,
+                          enable_checkpointing=False)
+    cfg["trainer"]["callbacks"] = [c for c in cfg["trainer"]["callbacks"] if "LearningRateMonitor" not in c["class_path"]
+                                   and "ModelCheckpoint" not in c["class_path"]]
+    edit(cfg)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _add(class_path: str, **init_args):
+    return lambda cfg: cfg["trainer"]["callbacks"].append({"class_path": class_path, "init_args": init_args})
+
+
+def _error_line(done) -> str:
+    err = done.stderr.strip().splitlines()
+    assert done.returncode != 0 and err, done.stdout[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert sum("error:" in line for line in err) == 1, err[-5:]
+    assert err[-1].startswith("lalr-lightning: error: "), err[-5:]
+    return err[-1]
+
+
+LIBRARY_ERRORS = {  # raised inside Lightning's hooks, by the library's own checks
+    "no layers": (_add("lalr_lightning.callbacks.SpectrumSelect", layer_types=["embedding"]),
+                  "SpectrumSelect found no matrices of kinds"),
+    "no such layer": (_add("lalr_lightning.callbacks.LayerLRMultiplier", patterns={"model.nope*": 2.0}),
+                      "pattern 'model.nope*' matches no layer"),
+    "blocks match nothing": (_add("lalr_lightning.callbacks.SurgicalBlocks", blocks=["nope"]),
+                             "block pattern 'nope' matches no parameter"),
+    "too few layers": (_add("lalr_lightning.callbacks.LALRScheduleCallback", layer_types=["linear"]),
+                       "LALRScheduleCallback compares layers with each other and needs at least 2 weight matrices"),
+}
+
+
+@pytest.mark.parametrize("case", list(LIBRARY_ERRORS))
+def test_library_errors_during_fit_are_one_line(case, tmp_path):
+    edit, expected = LIBRARY_ERRORS[case]
+    config = _quickstart_with(tmp_path, edit)
+    done = _console(["fit", "--config", str(config)], cwd=tmp_path)
+    line = _error_line(done)
+    assert expected in line and done.returncode == 1
+
+
+def test_traceback_flag_and_variable_keep_the_traceback(tmp_path, monkeypatch):
+    from lalr_lightning import cli
+
+    config = _quickstart_with(tmp_path, LIBRARY_ERRORS["blocks match nothing"][0])
+    monkeypatch.chdir(tmp_path)
+    for args, env in ((["--traceback"], None), ([], "1")):
+        monkeypatch.setattr(cli, "_TRACEBACK", False)  # restored after the test: --traceback sets it
+        if env:
+            monkeypatch.setenv("LALR_TRACEBACK", env)
+        with pytest.raises(ValueError, match="block pattern 'nope' matches no parameter"):
+            main(["fit", "--config", str(config), *args])
+
+
+def test_an_error_that_is_not_the_librarys_keeps_its_traceback():
+    from lalr_lightning.cli import _raised_by_library
+
+    def ours():
+        raise ValueError("a message for the user")
+
+    def bug():
+        return {}["missing"] + 1
+
+    for fn, expected in ((ours, False), (bug, False)):  # raised in tests/, not in lalr_lightning
+        try:
+            fn()
+        except (ValueError, KeyError) as e:
+            assert _raised_by_library(e) is expected
+    from lalr_lightning.core.layers import block_layers
+
+    with pytest.raises(ValueError) as info:
+        block_layers(torch.nn.Linear(2, 2), blocks=["nope"])
+    assert _raised_by_library(info.value)
+    with pytest.raises(TypeError) as info:  # torch's own error, called from lalr_lightning code
+        load_for_analysis(123)
+    assert not _raised_by_library(info.value)
+
+
+TYPOS = {  # (edit of the config or extra arguments, what the one line says, the suggestion)
+    "command-line key": (["--trainer.max_epoks", "1"], "unrecognized arguments: --trainer.max_epoks 1",
+                         "did you mean --trainer.max_epochs?"),
+    "YAML key": (lambda cfg: cfg["trainer"].update(max_epoks=cfg["trainer"].pop("max_epochs")),
+                 "does not accept option 'trainer.max_epoks'", "did you mean 'trainer.max_epochs'?"),
+    "constructor argument": (lambda cfg: cfg["model"]["init_args"].update(widht=cfg["model"]["init_args"].pop("width")),
+                             "SmallCNN: Option 'widht' is not accepted", "did you mean 'width'?"),
+    "class name": (lambda cfg: cfg["trainer"]["callbacks"][0].update(
+        class_path="lalr_lightning.callbacks.TempBalanceCallbak"), "has no attribute 'TempBalanceCallbak'",
+        "did you mean 'lalr_lightning.callbacks.TempBalanceCallback'?"),
+}
+
+
+@pytest.mark.parametrize("case", ["command-line key", "YAML key"])
+def test_config_typos_are_one_line_with_a_suggestion(case, tmp_path):
+    change, says, suggestion = TYPOS[case]
+    extra = change if isinstance(change, list) else []
+    config = _quickstart_with(tmp_path, (lambda cfg: None) if extra else change)
+    line = _error_line(_console(["fit", "--config", str(config), *extra], cwd=tmp_path))
+    assert says in line and line.endswith(suggestion), line
+
+
+@pytest.mark.parametrize("case", ["constructor argument", "class name"])
+def test_typos_inside_class_arguments_are_one_line_with_a_suggestion(case, tmp_path, monkeypatch, capsys):
+    # the same parser path as the console script above, in this process (it saves a start-up)
+    change, says, suggestion = TYPOS[case]
+    config = _quickstart_with(tmp_path, change)
+    monkeypatch.setattr("sys.argv", ["/usr/local/bin/lalr-lightning", "fit", "--config", str(config)])
+    with pytest.raises(SystemExit) as done:
+        main()
+    assert done.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("lalr-lightning: error: "), err[-5:]
+    assert says in err[0] and err[0].endswith(suggestion), err[0]
+
+
+def test_pretrained_without_network_fails_at_once(tmp_path, monkeypatch, capsys):
+    import huggingface_hub.constants as hub
+
+    for var in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))  # nothing cached
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: refused at once
+    assert analyze_main(["resnet18", "--pretrained", "--out", str(tmp_path / "rep"), "--no-plots"]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and "Retrying" not in captured.err + captured.out, captured.err
+    assert "resnet18 --pretrained: no network: 127.0.0.1:9 unreachable" in err[0]
+    assert "not in the local cache" in err[0] and "run once with network" in err[0]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # said up front: no connection tried at all
+    assert analyze_main(["resnet18", "--pretrained", "--out", str(tmp_path / "rep"), "--no-plots"]) == 2
+    assert "resnet18 --pretrained: HF_HUB_OFFLINE is set" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def test_report_titles_sections_by_method_and_writes_into_the_run(tmp_path, capsys):
+    from lalr_lightning.report import RunData, render_html
+
+    run = RunData("csv", tmp_path)
+    run.scalars["surgical/selected/model.layer2"] = [(0, 1.0), (10, 0.0)]
+    run.scalars["tempbalance/alpha/model.layer2"] = [(0, 3.0)]
+    run.config = {"callbacks/BlockSchedule": {"schedule": "lisa", "gamma": 1},
+                  "callbacks/TempBalanceCallback": {"assign": "linear_map"}}
+    page = render_html(run)
+    assert '<section id="surgical"><h2>lisa</h2>' in page and '<a href="#surgical">lisa</a>' in page
+    assert '<section id="tempbalance"><h2>tempbalance</h2>' in page
+    run.config["callbacks/BlockSchedule"]["schedule"] = "lift"
+    assert '<section id="surgical"><h2>lift</h2>' in render_html(run)
+
+    folder = tmp_path / "version_0"
+    folder.mkdir()
+    (folder / "metrics.csv").write_text("step,tempbalance/alpha/model.layer2\n0,3.0\n5,2.5\n")
+    with pytest.raises(SystemExit) as done:
+        main(["report", str(folder)])
+    assert done.value.code == 0
+    assert (folder / "report.html").exists()  # into the run's directory, not the working one
+    assert f"report -> {(folder / 'report.html').resolve()}" in capsys.readouterr().out
+
+
+def test_parse_error_lines_and_key_suggestions():
+    from types import SimpleNamespace
+
+    from lalr_lightning.cli import _suggest_key, parse_error_line
+
+    keys = ["trainer", "trainer.max_epochs", "trainer.max_steps", "trainer.logger", "model", "data", "ckpt_path"]
+    assert _suggest_key("trainer.max_epoks", keys) == "trainer.max_epochs"
+    assert _suggest_key("trainr.logger.init_args.save_dir", keys) == "trainer.logger.init_args.save_dir"
+    assert _suggest_key("trainer.max_epochs", keys) is None  # nothing to fix
+    assert _suggest_key("zzz", keys) is None  # nothing close
+    parser = SimpleNamespace(_actions=[SimpleNamespace(option_strings=[f"--{k}"]) for k in keys])
+    assert parse_error_line("unrecognized arguments: --ckpt_pth x", parser) == \
+        "unrecognized arguments: --ckpt_pth x; did you mean --ckpt_path?"
+    assert parse_error_line("argument subcommand: invalid choice: 'analyse' (choose from 'fit', 'validate')",
+                            parser).startswith("unknown command 'analyse'; did you mean 'analyze'?")
+    assert "configs` lists them" in parse_error_line(
+        "the following arguments are required: fit.data, fit.model", parser)
+    one = parse_error_line('Parser key "trainer.max_epochs":\n  Expected a <class \'int\'>. Got value: abc', parser)
+    assert one == "Parser key \"trainer.max_epochs\": Expected a <class 'int'>. Got value: abc"

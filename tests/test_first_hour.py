@@ -78,6 +78,7 @@ def test_help_names_analyze_and_the_program_without_lightning_warnings(argv0, pr
     out = capsys.readouterr().out
     assert out.startswith(f"usage: {prog} ") and "__main__.py" not in out
     assert f"{prog} analyze" in " ".join(out.split())
+    assert f"{prog} configs" in " ".join(out.split()) and "--traceback" in out
     # LightningCLI warns when given both args and a command line; main() passes no args of its own
     # (the README test checks the same on real subprocesses)
     assert not [w for w in caught if "not recommended" in str(w.message)]
@@ -97,6 +98,16 @@ def test_missing_pretrained_checkpoint_names_the_command(config, writer, tmp_pat
     assert len(err) == 1, err
     assert f"run `python -m lalr_lightning fit --config configs/{writer}` first" in err[0]
     assert "does not exist" in err[0]
+
+
+
+def test_missing_pretrained_checkpoint_of_a_shipped_config_names_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # no configs/ here: the shipped one, by name
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", "pruning_digits_alpha_global"])
+    assert exit_info.value.code == 2
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if "not recommended" not in line]
+    assert len(err) == 1 and "run `python -m lalr_lightning fit --config pruning_digits_dense` first" in err[0], err
 
 
 def test_download_without_network_says_where_to_put_the_files(tmp_path, monkeypatch):
