@@ -39,7 +39,9 @@ _CHILD_PRUNE = _HWM + r"""
 import json, sys, time
 import torch
 from lalr_lightning.oneshot import prune_checkpoint
-model, out, calib, crit, n, seq, mem = sys.argv[1:8]
+model, out, calib, crit, n, seq, mem, threads = sys.argv[1:9]
+if int(threads):
+    torch.set_num_threads(int(threads))
 base = hwm_kb()
 t = time.perf_counter()
 r = prune_checkpoint(model, out, sparsity=0.5, criterion=crit, calibration=calib, n_samples=int(n), seq_len=int(seq),
@@ -55,6 +57,8 @@ from transformers import AutoModelForCausalLM
 from lalr_lightning.oneshot import _encode, _load_tokenizer, perplexity
 from pathlib import Path
 model_dir, data, seq, windows = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+if int(sys.argv[5]):
+    torch.set_num_threads(int(sys.argv[5]))
 ids = _encode(_load_tokenizer(Path(model_dir)), Path(data).read_text())
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 t = time.perf_counter()
@@ -83,6 +87,10 @@ def main(argv=None) -> None:
     p.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--ppl-windows", type=int, default=8, help="perplexity windows (default 8)")
     p.add_argument("--criteria", default="wanda,sparsegpt")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads in the children (default 0: torch's default). On a busy machine 1 is far "
+                        "faster for SparseGPT: its column loop is thousands of small ops, and a 2-thread pool "
+                        "waits for a descheduled thread at each")
     p.add_argument("--dir", default=None, help="work directory (default: a new temporary one)")
     p.add_argument("--keep", action="store_true")
     args = p.parse_args(argv)
@@ -118,7 +126,8 @@ def main(argv=None) -> None:
             for mem in ("0", "1"):
                 out = root / f"out_{crit}_{mem}"
                 shutil.rmtree(out, ignore_errors=True)
-                r = _run(_CHILD_PRUNE, str(ckpt), str(out), str(calib), crit, str(args.samples), str(args.seq_len), mem)
+                r = _run(_CHILD_PRUNE, str(ckpt), str(out), str(calib), crit, str(args.samples), str(args.seq_len), mem,
+                         str(args.threads))
                 label = "in-memory" if mem == "1" else "streamed"
                 rows.append((crit, label, r["wall"], r["peak_kb"] / 2**20))
                 print(f"{crit:9s} {label:9s}: {r['wall']:7.1f} s, peak RSS {r['peak_kb'] / 2**20:.2f} GiB "
@@ -127,7 +136,7 @@ def main(argv=None) -> None:
             (s, ps), (m, pm) = [(w, pk) for c, _, w, pk in rows if c == crit]
             print(f"{crit:9s} in-memory / streamed: time x{m / s:.2f}, peak RSS x{pm / ps:.2f}", flush=True)
         out = root / f"out_{args.criteria.split(',')[0]}_0"
-        r = _run(_CHILD_PPL, str(out), str(calib), str(args.seq_len), str(args.ppl_windows))
+        r = _run(_CHILD_PPL, str(out), str(calib), str(args.seq_len), str(args.ppl_windows), str(args.threads))
         print(f"perplexity: {r['tokens']} tokens in {r['wall']:.1f} s = {r['tokens'] / r['wall']:.0f} tokens/s "
               f"(ppl {r['ppl']:.1f}, peak RSS {r['peak_kb'] / 2**20:.2f} GiB)", flush=True)
         print(json.dumps({"rows": rows}))

@@ -467,11 +467,18 @@ def _check_out(model_dir: Path, out_dir: Path) -> None:
         raise ValueError(f"--out {out_dir} exists and is not an empty directory; choose a new one")
 
 
-def _copy_side_files(model_dir: Path, out_dir: Path) -> None:
+def _copy_side_files(model_dir: Path, out_dir: Path, overwrite: bool = True) -> None:
     """config, generation config, tokenizer files: everything but the weights and their index."""
     for f in model_dir.iterdir():
-        if f.is_file() and f.suffix not in _WEIGHT_SUFFIXES and not f.name.endswith(".index.json"):
+        if (f.is_file() and f.suffix not in _WEIGHT_SUFFIXES and not f.name.endswith(".index.json")
+                and (overwrite or not (out_dir / f.name).exists())):
             shutil.copy2(f, out_dir / f.name)
+
+
+def _write_report(out_dir: Path, report: PruneReport, settings: dict) -> None:
+    (out_dir / "pruning.json").write_text(json.dumps(
+        {**settings, "ratios": report.ratios, "achieved": report.sparsity, "overall": report.overall,
+         "metric_values": report.metric}, indent=2) + "\n")
 
 
 def prune_checkpoint(
@@ -523,8 +530,9 @@ def prune_checkpoint(
         tokenizer = _load_tokenizer(model_dir)
         samples = calibration_samples(tokenizer, calibration, n_samples, seq_len, seed, text_field)
         say(f"calibration: {samples.shape[0]} windows of {samples.shape[1]} tokens from {calibration}")
-    _check_out(model_dir, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    written = {"criterion": criterion, "sparsity": n / m if m else sparsity, "n": n, "m": m, "preset": preset,
+               "metric": None if settings is None else settings[0], "epsilon": None if settings is None else settings[1]}
     t0 = time.perf_counter()
     if in_memory:
         from transformers import AutoModelForCausalLM
@@ -534,8 +542,9 @@ def prune_checkpoint(
                              metric=metric, epsilon=epsilon, batch_size=batch_size, blocksize=blocksize,
                              percdamp=percdamp)
         model.to(stored or torch.float32).save_pretrained(str(out_dir))
-        _copy_side_files_missing(model_dir, out_dir)
+        _copy_side_files(model_dir, out_dir, overwrite=False)  # save_pretrained wrote the config
         report.seconds = time.perf_counter() - t0
+        _write_report(out_dir, report, written)
         return report
 
     sm = _Streamed(model_dir, config, dev, cdtype)
@@ -554,7 +563,10 @@ def prune_checkpoint(
                                                                          report.numels, sparsity)
     width = len(str(nb + 1))
     total = nb + 1
-    shard = lambda j: f"model-{j:0{max(5, width)}d}-of-{total:0{max(5, width)}d}.safetensors"  # noqa: E731
+
+    def shard(j: int) -> str:
+        return f"model-{j:0{max(5, width)}d}-of-{total:0{max(5, width)}d}.safetensors"
+
     weight_map: dict[str, str] = {}
     size = 0
 
@@ -593,14 +605,8 @@ def prune_checkpoint(
                                              indent=2) + "\n")
     _copy_side_files(model_dir, out_dir)
     report.seconds = time.perf_counter() - t0
+    _write_report(out_dir, report, written)
     return report
-
-
-def _copy_side_files_missing(model_dir: Path, out_dir: Path) -> None:
-    for f in model_dir.iterdir():
-        if (f.is_file() and f.suffix not in _WEIGHT_SUFFIXES and not f.name.endswith(".index.json")
-                and not (out_dir / f.name).exists()):
-            shutil.copy2(f, out_dir / f.name)
 
 
 # ----------------------------------------------------------------------------- perplexity
@@ -703,10 +709,6 @@ def prune_main(argv: Sequence[str] | None = None, prog: str = "python -m lalr_li
     except (FileNotFoundError, ValueError, ImportError, RuntimeError, OSError) as e:
         return _fail(prog, e)
     print(report.table())
-    (Path(args.out) / "pruning.json").write_text(json.dumps(
-        {"criterion": args.criterion, "sparsity": args.sparsity, "n": args.n, "m": args.m, "preset": args.preset,
-         "metric": args.metric, "ratios": report.ratios, "achieved": report.sparsity, "overall": report.overall,
-         "metric_values": report.metric}, indent=2) + "\n")
     print(f"\npruned model -> {Path(args.out).resolve()} ({report.seconds:.1f} s)")
     return 0
 
