@@ -48,6 +48,9 @@ CASES = {
     "pruning-mlp": (lambda: cbs.HTSRPruning(target_sparsity=0.5, metric="stable_rank", min_numel=16, min_evals=3),
                     _mlp, None),
     "alphapruning-llama": (lambda: cbs.HTSRPruning(preset="alphapruning", target_sparsity=0.7), _llama, None),
+    # the data criteria plan the same ratios (their masks need calibration data: not planned)
+    "alphapruning-wanda-llama": (lambda: cbs.HTSRPruning(preset="alphapruning", target_sparsity=0.7,
+                                                         criterion="wanda", n_calibration=4), _llama, None),
     "spectrum-llama": (lambda: cbs.SpectrumSelect(top_percent=50), _llama, None),
     "spectrum-resnet": (lambda: cbs.SpectrumSelect(top_percent=50), _resnet, _loader),
 }
