@@ -371,7 +371,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="attention (default eager for every arm: L-MSA's metric differentiates twice, which "
                         "torch's CPU flash attention cannot)")
     p.add_argument("--accelerator", default="cpu", help="cpu or gpu (then also torch.cuda.max_memory_allocated)")
-    p.add_argument("--quick", action="store_true", help="tiny model, 2 steps, single process, nothing written")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny model, 2 steps of 2 x 16 tokens, LISA switching every step, single process, nothing "
+                        "written")
     p.add_argument("--inline", action="store_true",
                    help="run the arms in this process (fast; peak RSS then is the process's, not the arm's)")
     p.add_argument("--out", default=None, help="markdown results (default benchmarks/results/memory.md; "
@@ -380,7 +382,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--child-mode", choices=["single", "ddp"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
-        args.model, args.steps, args.modes, args.seq = "tiny", 2, ["single"], 16
+        # LISA draws at both steps, so its release and keep modes differ already
+        args.model, args.steps, args.modes, args.seq, args.lisa_every = "tiny", 2, ["single"], 16, 1
     if args.child:
         child(args)
         return []
