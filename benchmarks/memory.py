@@ -359,12 +359,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--model", choices=list(MODELS), default="0.2b")
     p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     p.add_argument("--modes", nargs="+", choices=["single", "ddp"], default=["single", "ddp"])
-    p.add_argument("--steps", type=int, default=8, help="optimizer steps per arm (default 8)")
+    p.add_argument("--steps", type=int, default=6, help="optimizer steps per arm (default 6)")
     p.add_argument("--batch", type=int, default=2, help="sequences per batch per rank (default 2)")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--gamma", type=int, default=2, help="LISA's middle blocks per draw (default 2)")
-    p.add_argument("--lisa-every", type=int, default=2, help="LISA's every_n_steps (default 2: 4 draws in 8 steps)")
+    p.add_argument("--lisa-every", type=int, default=2, help="LISA's every_n_steps (default 2: 3 draws in 6 steps)")
     p.add_argument("--surgical-k", type=int, default=None, help="first k blocks (default: layers // 4)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attn", default="eager", choices=["eager", "sdpa"],
@@ -438,7 +438,7 @@ def write_markdown(path: Path, args, results, lines, summary, load, end) -> None
         "# Memory and speed of the selection methods",
         "",
         f"`python benchmarks/memory.py --model {args.model}"
-        + (f" --steps {args.steps}" if args.steps != 8 else "") + (f" --modes {' '.join(args.modes)}"
+        + (f" --steps {args.steps}" if args.steps != 6 else "") + (f" --modes {' '.join(args.modes)}"
                                                                   if args.modes != ['single', 'ddp'] else "") + "`",
         "",
         f"LLaMA-shaped model from a `LlamaConfig` (hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
