@@ -675,3 +675,33 @@ def test_ddp_spawn_ranks_select_and_update_the_same_block():
                          enable_model_summary=False, enable_checkpointing=False)
     trainer.fit(model)
     assert trainer.callback_metrics["ddp_checked"] == 1.0
+
+
+class _HeldState(pl.Callback):
+    """After each step: the parameters the module's optimizer holds state for."""
+
+    def __init__(self, cb):
+        self.cb, self.rows = cb, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        opt = trainer.optimizers[0]
+        names = {id(p): n for n, p in pl_module.named_parameters()}
+        self.rows.append((list(self.cb.selected), {names[id(p)] for p in opt.state}))
+
+
+@pytest.mark.parametrize("state", ["release", "keep"])
+def test_reselection_releases_the_optimizer_state_of_blocks_that_stop_training(state):
+    """update="optimizer": the module's SGD holds momentum only for the selected blocks (and
+    nothing else: every parameter is in a block); "keep" holds every block ever selected."""
+    cb = LMSAStepper(update="optimizer", every_n_epochs=1, optimizer_state=state)
+    rec = _HeldState(cb)
+    model = BlockNet(n=16, seed=1)
+    make_trainer([cb, rec], max_epochs=6).fit(model)
+    picks = [tuple(n for n, v in h["selected"].items() if v > 0) for h in cb.history]
+    assert len(set(picks)) > 1  # the choice changed at a re-selection
+    blocks = {b.name: {f"{n}" for n in b.params} for b in block_layers(model)}
+    ever: set[str] = set()
+    for selected, held in rec.rows:
+        on = {n for b in selected for n in blocks[b]}
+        ever |= on
+        assert held == (on if state == "release" else ever), (selected, sorted(held))

@@ -12,13 +12,14 @@ import warnings
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 
 from lalr_lightning.callbacks.base import Decision
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.core import ntk
 from lalr_lightning.core.anchor import trainable
 from lalr_lightning.core.layers import Layer, output_layer
-from lalr_lightning.core.probe import probe_inputs
+from lalr_lightning.core.probe import fixed_batch, probe_inputs
 
 __all__ = ["NTKSelect"]
 
@@ -60,7 +61,9 @@ class NTKSelect(LayerSelection):
         probe_size: samples of the fixed probe batch (the same on every rank).
         kernel: ``"trace"``, ``"full"`` or ``"sum"`` (:func:`~lalr_lightning.core.ntk.empirical_ntk`).
         norm_eval: ``frozen``, ``all`` or ``none`` (:mod:`lalr_lightning.core.norms`).
-        save_compute: on a single device also turn ``requires_grad`` off for the frozen layers.
+        save_compute: turn ``requires_grad`` off for the frozen layers: before the model is
+            wrapped when the probe can be drawn in ``setup`` (then under DDP they get no
+            gradient and no all-reduce), else at train start on a single device only.
         name, strict_resume: as every callback of the package.
 
     Readable: ``selected`` (layers, model order), ``scores`` (layer -> ``eta_l`` in the first
@@ -75,7 +78,6 @@ class NTKSelect(LayerSelection):
     log_prefix = "ntk_select"
     title = "NTK"
     score_key = "eta"
-    switches = True  # chosen after setup: requires_grad follows on a single device
     heatmap_min_entries = 1
     readable = LayerSelection.readable + ("chosen_eta", "kappa", "head_layer")
 
@@ -103,6 +105,7 @@ class NTKSelect(LayerSelection):
         self.kappa = math.nan
         self._params: dict[str, torch.nn.Parameter] = {}
         self._groups: dict[str, list[str]] = {}
+        self._loader = None  # the training loader drawn in setup
 
     def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._params = trainable(pl_module, type(self).__name__)
@@ -130,14 +133,32 @@ class NTKSelect(LayerSelection):
         names = {n for n, p in pl_module.named_parameters(remove_duplicate=False) if id(p) in ids}
         return next((g for g, members in self._groups.items() if names & set(members)), None)
 
+    def decide_in_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Decision | None:
+        """Decide before the model is wrapped when the training loader can be built already
+        (a datamodule, a loader passed to ``fit``, or a module whose ``train_dataloader`` needs
+        no ``setup`` of its own); else at train start, where under DDP the frozen layers' weight
+        gradients are still computed and all-reduced (then dropped before the step)."""
+        try:
+            loader = trainer.fit_loop._data_source.dataloader()
+            fixed_batch(loader, 1)  # the probe can be drawn from it
+        except Exception:  # noqa: BLE001 -- any failure: decide at train start instead
+            if trainer.world_size > 1:
+                rank_zero_info(f"{type(self).__name__}: no training loader in setup, so the layers are chosen at train "
+                               "start, after DDP wrapped the model: frozen layers still get (dropped) gradients")
+            return None
+        pl_module.to(trainer.strategy.root_device)  # where the strategy puts it next, before the wrap
+        self._loader = loader
+        return self.decide_everywhere(trainer, self.measure(trainer, pl_module))
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self.restored:
+        if not self.restored and not self.history:
             self.update(trainer, pl_module)
 
     def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict:
         """The per-layer kernels on the probe batch (every rank computes the same ones)."""
-        x, _ = probe_inputs(pl_module, trainer.train_dataloader, self.probe_size,
-                            to_device=trainer.strategy.batch_to_device)
+        loader = self._loader if self._loader is not None else trainer.train_dataloader
+        self._loader = None
+        x, _ = probe_inputs(pl_module, loader, self.probe_size, to_device=trainer.strategy.batch_to_device)
         k = ntk.empirical_ntk(pl_module, x, {n: p.detach() for n, p in self._params.items()}, self._groups,
                               mode=self.kernel)
         self.check_finite(trainer, k.S, "the per-layer NTK on the probe batch")

@@ -163,6 +163,10 @@ class LayerSelection(LayerwiseCallback):
             if kwargs.get("static_graph"):
                 raise ValueError(f"{who} turns requires_grad on and off at every switch, which DDP's "
                                  "static_graph=True forbids; drop static_graph or pass save_compute=False")
+            if kwargs.get("find_unused_parameters", True) is False:
+                raise ValueError(f"{who} turns requires_grad on and off at every switch, which needs DDP's "
+                                 "find_unused_parameters=True; drop find_unused_parameters=False or pass "
+                                 "save_compute=False")
             if not kwargs.get("find_unused_parameters"):
                 kwargs["find_unused_parameters"] = True
                 rank_zero_info(f"{who}: DDP set to find_unused_parameters=True, so the blocks that do not train "
