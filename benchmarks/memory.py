@@ -143,7 +143,7 @@ class Meter(Callback):
             self.ddp = wrapped
         if torch.cuda.is_available() and trainer.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
-        self.rss_fit_start = hwm_kb("VmRSS")
+        self.rss_fit_start = hwm_kb("VmRSS")  # model built (and, under ddp_spawn, unpickled), nothing trained
 
     def _state_bytes(self, trainer) -> int:
         opts = list(trainer.optimizers)
@@ -276,6 +276,7 @@ def summarize(args, arm: str, mode: str, ranks: list[dict], main_kb: int) -> dic
         ratio=max(ratios) if ratios else float("nan"), ddp_bucket_bytes=r0["ddp_bucket_bytes"],
         cuda_max_allocated=[r["cuda_max_allocated"] for r in ranks] if r0["cuda_max_allocated"] else None,
         main_rss_kb=main_kb, rank_rss_kb=[r["peak_rss_kb"] for r in ranks],
+        fit_start_rss_kb=[r["rss_fit_start_kb"] for r in ranks],
         step_s=statistics.median(timed), tokens_per_s=tokens / statistics.median(timed),
         loss=sum(last) / len(last),
         per_step=[dict(trained=s["trained"], grads=s["grads"], state=s["state"]) for s in r0["steps"]],
@@ -316,12 +317,12 @@ def _gib(kb) -> str:
 
 def table(results: list[dict]) -> list[str]:
     head = ("| arm | mode | trained params | need (12 B each), MB | grads, MB | AdamW state, MB | (grads + state) / need "
-            "| params, MB | DDP buckets, MB | peak RSS, GiB (main; ranks) | tokens/s | vs full | loss |")
+            "| params, MB | DDP buckets, MB | peak RSS, GiB (main; ranks) | RSS at fit start, GiB | tokens/s | vs full | loss |")
     rows = [head, "|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|"]
     full = {r["mode"]: r for r in results if r["arm"] == "full" and "error" not in r}
     for r in results:
         if "error" in r:
-            rows.append(f"| {r['arm']} | {r['mode']} | failed: {r['error']} |" + " |" * 10)
+            rows.append(f"| {r['arm']} | {r['mode']} | failed: {r['error']} |" + " |" * 11)
             continue
         base = full.get(r["mode"])
         vs = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
@@ -332,7 +333,8 @@ def table(results: list[dict]) -> list[str]:
         rows.append(
             f"| {r['arm']} | {'1 process' if r['world'] == 1 else str(r['world']) + ' ranks'} | {_m(r['trained'])} "
             f"| {_mb(r['need'])} | {_mb(r['grads'])} | {_mb(r['state'])} | {r['ratio']:.3f} | {_mb(r['param_bytes'])} "
-            f"| {_mb(r['ddp_bucket_bytes'])} | {rss} | {r['tokens_per_s']:,.0f} | {vs} | {r['loss']:.4f} |")
+            f"| {_mb(r['ddp_bucket_bytes'])} | {rss} | {', '.join(_gib(k) for k in r['fit_start_rss_kb'])} "
+            f"| {r['tokens_per_s']:,.0f} | {vs} | {r['loss']:.4f} |")
     return rows
 
 
@@ -378,6 +380,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="run the arms in this process (fast; peak RSS then is the process's, not the arm's)")
     p.add_argument("--out", default=None, help="markdown results (default benchmarks/results/memory.md; "
                                                 "--quick: none)")
+    p.add_argument("--json", default=None, help="also write the per-arm figures as JSON here")
     p.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
     p.add_argument("--child-mode", choices=["single", "ddp"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -424,6 +427,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"load average at the end: {end[0]:.1f} (1 min), {end[1]:.1f} (5 min); "
           f"total {time.perf_counter() - t_all:.0f} s", flush=True)
     out = args.out or (None if args.quick else str(ROOT / "benchmarks" / "results" / "memory.md"))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
     if out:
         write_markdown(Path(out), args, results, lines, summary, load, end)
     return results
