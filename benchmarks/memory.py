@@ -126,6 +126,11 @@ class Meter(Callback):
     def setup(self, trainer, pl_module, stage):
         if self.threads:
             torch.set_num_threads(self.threads)
+        self._t_setup = time.perf_counter()
+
+    def on_train_start(self, trainer, pl_module):
+        # setup to the first batch: the static selections' decisions (Spectrum's SNR), the wrap, the optimizer
+        self.setup_s = time.perf_counter() - self._t_setup
 
     def _params(self, pl_module):
         return [p for _, p in pl_module.named_parameters()]
@@ -197,7 +202,7 @@ class Meter(Callback):
         res = dict(rank=trainer.global_rank, world=trainer.world_size, threads=torch.get_num_threads(),
                    params=self.n_params, param_bytes=self.param_bytes, registered=self.registered,
                    ddp_bucket_bytes=buckets, cuda_max_allocated=cuda, steps=self.steps,
-                   rss_fit_start_kb=self.rss_fit_start, peak_rss_kb=hwm_kb())
+                   rss_fit_start_kb=self.rss_fit_start, peak_rss_kb=hwm_kb(), setup_s=self.setup_s)
         with open(self.out.format(rank=trainer.global_rank), "w") as f:
             json.dump(res, f)
 
@@ -278,7 +283,7 @@ def summarize(args, arm: str, mode: str, ranks: list[dict], main_kb: int) -> dic
         main_rss_kb=main_kb, rank_rss_kb=[r["peak_rss_kb"] for r in ranks],
         fit_start_rss_kb=[r["rss_fit_start_kb"] for r in ranks],
         step_s=statistics.median(timed), tokens_per_s=tokens / statistics.median(timed),
-        loss=sum(last) / len(last),
+        loss=sum(last) / len(last), setup_s=r0["setup_s"],
         per_step=[dict(trained=s["trained"], grads=s["grads"], state=s["state"]) for s in r0["steps"]],
     )
 
@@ -362,7 +367,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     p.add_argument("--modes", nargs="+", choices=["single", "ddp"], default=["single", "ddp"])
     p.add_argument("--steps", type=int, default=6, help="optimizer steps per arm (default 6)")
-    p.add_argument("--batch", type=int, default=2, help="sequences per batch per rank (default 2)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per batch per rank (default 1)")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--gamma", type=int, default=2, help="LISA's middle blocks per draw (default 2)")
@@ -398,6 +403,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"model {args.model} ({MODELS[args.model]}), {args.steps} steps, batch {args.batch} x {args.seq} tokens "
           f"per rank, AdamW lr {args.lr}; torch {torch.__version__}, {os.cpu_count()} cores; load average at start "
           f"{load[0]:.1f}", flush=True)
+    out = args.out or (None if args.quick else str(ROOT / "benchmarks" / "results" / "memory.md"))
     fwd = [a for a in (argv if argv is not None else sys.argv[1:]) if a not in ("--inline",)]
     results = []
     t_all = time.perf_counter()
@@ -410,6 +416,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             else:
                 res = run_in_child(fwd, arm, mode)
             results.append(res)
+            if out and not args.quick:  # written after every arm, so a cut-short run keeps what it measured
+                write_markdown(Path(out), args, results, table(results), verdict(results), load, os.getloadavg())
             if "error" in res:
                 print(f"{arm:11s} {mode:6s} FAILED: {res['error']}", flush=True)
             else:
@@ -426,7 +434,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     end = os.getloadavg()
     print(f"load average at the end: {end[0]:.1f} (1 min), {end[1]:.1f} (5 min); "
           f"total {time.perf_counter() - t_all:.0f} s", flush=True)
-    out = args.out or (None if args.quick else str(ROOT / "benchmarks" / "results" / "memory.md"))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if out:
@@ -462,6 +469,10 @@ def write_markdown(path: Path, args, results, lines, summary, load, end) -> None
         "",
         *summary,
     ]
+    ok = [r for r in results if "error" not in r]
+    if ok:
+        text += ["", "Seconds from `setup` to the first batch (static decisions, the wrap, the optimizer): "
+                 + ", ".join(f"{r['arm']} ({r['mode']}) {r['setup_s']:.1f}" for r in ok) + "."]
     if len(lisa) == 2:
         text += ["", "AdamW state per step (MB), LISA release vs keep (1 process):", ""]
         for arm, r in lisa.items():
