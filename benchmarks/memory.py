@@ -161,7 +161,8 @@ class Meter(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         with torch.no_grad():
-            self._sums = [p.detach().sum(dtype=torch.float64) for p in self._params(pl_module)]
+            # in the parameters' dtype: a float64 sum would copy every tensor and raise the RSS by GiBs
+            self._sums = [p.detach().sum() for p in self._params(pl_module)]
         self._cur = {}
         self._t0 = time.perf_counter()
 
@@ -176,7 +177,7 @@ class Meter(Callback):
         params = self._params(pl_module)
         in_opt = {id(p) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
         with torch.no_grad():
-            changed = [bool(s != p.detach().sum(dtype=torch.float64)) for s, p in zip(self._sums, params)]
+            changed = [bool(s != p.detach().sum()) for s, p in zip(self._sums, params)]
         trained = sum(p.numel() for p, c in zip(params, changed)
                       if c or (id(p) in in_opt and p.grad is not None))
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
