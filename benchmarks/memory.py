@@ -387,6 +387,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--out", default=None, help="markdown results (default benchmarks/results/memory.md; "
                                                 "--quick: none)")
     p.add_argument("--json", default=None, help="also write the per-arm figures as JSON here")
+    p.add_argument("--from-json", nargs="+", default=None, metavar="FILE",
+                   help="run nothing: write the table of earlier runs' --json files (arms in the order given)")
     p.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
     p.add_argument("--child-mode", choices=["single", "ddp"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -397,6 +399,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         child(args)
         return []
     warnings.filterwarnings("ignore")
+    if args.from_json:
+        latest = {(r["mode"], r["arm"]): r for f in args.from_json for r in json.loads(Path(f).read_text())}
+        results = list(latest.values())  # a later file's run of an arm replaces an earlier one
+        order = {(m, a): i for i, (m, a) in enumerate((m, a) for m in args.modes for a in args.arms)}
+        results.sort(key=lambda r: order.get((r["mode"], r["arm"]), len(order)))
+        lines, summary = table(results), verdict(results)
+        print("\n".join(lines + summary))
+        if args.out:
+            write_markdown(Path(args.out), args, results, lines, summary, None, None)
+        return results
     n_layers = MODELS[args.model]["num_hidden_layers"]
     if args.gamma > n_layers:
         raise SystemExit(f"--gamma {args.gamma} exceeds the model's {n_layers} layers")
@@ -416,6 +428,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     res = run_arm(args, arm, mode, d)
             else:
                 res = run_in_child(fwd, arm, mode)
+            res["load"] = os.getloadavg()[0]
             results.append(res)
             if out and not args.quick:  # written after every arm, so a cut-short run keeps what it measured
                 write_markdown(Path(out), args, results, table(results), verdict(results), load, os.getloadavg())
@@ -450,17 +463,17 @@ def write_markdown(path: Path, args, results, lines, summary, load, end) -> None
     text = [
         "# Memory and speed of the selection methods",
         "",
-        f"`python benchmarks/memory.py --model {args.model}"
-        + (f" --steps {args.steps}" if args.steps != 6 else "") + (f" --modes {' '.join(args.modes)}"
-                                                                  if args.modes != ['single', 'ddp'] else "") + "`",
+        "`python benchmarks/memory.py " + " ".join(a for a in (sys.argv[1:] if Path(sys.argv[0]).name == "memory.py"
+                                                             else [f"--model {args.model}"])) + "`",
         "",
         f"LLaMA-shaped model from a `LlamaConfig` (hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
         f"MLP {cfg['intermediate_size']}, vocabulary {cfg['vocab_size']}, untied head"
-        + (f": {n / 1e9:.3f} B parameters" if n else "") + "), float32, random init; AdamW lr "
+        + (f": {n / 1e6:,.1f} M parameters" if n else "") + "), float32, random init; AdamW lr "
         f"{args.lr}, no weight decay; {args.steps} optimizer steps, each rank on one fixed batch of {args.batch} x "
         f"{args.seq} random tokens. LISA: gamma {args.gamma}, every {args.lisa_every} steps. Surgical: first "
         f"{args.surgical_k or max(1, cfg['num_hidden_layers'] // 4)} blocks (embedding joined to the first). CPU, "
-        f"{os.cpu_count()} cores; load average {load[0]:.1f} at the start, {end[0]:.1f} at the end.",
+        f"{os.cpu_count()} cores" + (f"; load average {load[0]:.1f} at the start, {end[0]:.1f} at the end." if load
+                                      else " (assembled from the runs' --json files)."),
         "",
         "Bytes counted from the tensors on rank 0 (the ranks agree); grads at `on_before_optimizer_step` "
         "(what the backward computed), AdamW state after the step; need = 12 bytes per trained parameter. "
@@ -473,7 +486,10 @@ def write_markdown(path: Path, args, results, lines, summary, load, end) -> None
     ok = [r for r in results if "error" not in r]
     if ok:
         text += ["", "Seconds from `setup` to the first batch (static decisions, the wrap, the optimizer): "
-                 + ", ".join(f"{r['arm']} ({r['mode']}) {r['setup_s']:.1f}" for r in ok) + "."]
+                 + ", ".join(f"{r['arm']} ({r['mode']}) {r.get('setup_s', float('nan')):.1f}" for r in ok) + "."]
+        text += ["", "Load average (1 min) when each arm ended (2 cores: above ~2 the timings are slowed by other "
+                 "processes): " + ", ".join(f"{r['arm']} ({r['mode']}) {r['load']:.1f}" for r in ok if "load" in r)
+                 + "."]
     if len(lisa) == 2:
         text += ["", "AdamW state per step (MB), LISA release vs keep (1 process):", ""]
         for arm, r in lisa.items():
