@@ -182,3 +182,40 @@ def test_requires_grad_is_tracked_per_owner_and_given_back():
     LayerControl.set_requires_grad("c", [w], False)
     LayerControl.of(opt).clear("c")  # clearing an owner gives its flags back too
     assert w.requires_grad
+
+
+def test_release_state_frees_frozen_parameters_only_and_they_restart_fresh():
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))
+    opt = torch.optim.AdamW([a, b], lr=0.1)
+    ctl = LayerControl.of(opt)
+    for _ in range(2):
+        (a.sum() ** 2 + (b**2).sum()).backward()
+        opt.step()
+        opt.zero_grad()
+    assert ctl.release_state([a, b]) == 0  # nothing frozen: nothing released
+    ctl.set_frozen("t", [a])
+    assert ctl.release_state([a, b]) == 2 * 12 + 1  # two moments and the step count of a
+    assert a not in opt.state and set(opt.state[b]) == {"step", "exp_avg", "exp_avg_sq"}
+    ctl.set_frozen("t", [])
+    # a trains again from a fresh state: its next update is a new AdamW's first step
+    fresh = a.detach().clone().requires_grad_(True)
+    ref = torch.optim.AdamW([fresh], lr=0.1)
+    (a.sum() ** 2 + (b**2).sum()).backward()
+    (fresh.sum() ** 2).backward()
+    opt.step()
+    ref.step()
+    assert torch.equal(a, fresh) and int(opt.state[a]["step"]) == 1
+
+
+def test_grad_off_by_lists_what_an_owner_keeps_off():
+    model = ToyMLP()
+    w, v = model.net[0].weight, model.net[2].weight
+    v.requires_grad_(False)  # the user's
+    LayerControl.set_requires_grad("x", [w, v], False)
+    LayerControl.set_requires_grad("y", [w], False)
+    assert {id(p) for p in LayerControl.grad_off_by("x")} == {id(w), id(v)}
+    LayerControl.restore_requires_grad("x")
+    assert not w.requires_grad and not v.requires_grad  # y still keeps w off; v is the user's
+    LayerControl.restore_requires_grad("y")
+    assert w.requires_grad and not v.requires_grad and LayerControl.grad_off_by("y") == []

@@ -13,7 +13,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lalr_lightning.callbacks import BlockSchedule, LayerSelection, NTKSelect, SpectrumSelect
-from lalr_lightning.core.control import LayerControl
 from lalr_lightning.core.layers import block_layers, matrix_layers
 from lalr_lightning.core.selection import lift_block, lisa_sample
 from tests._lm import tiny_lm
@@ -323,3 +322,35 @@ def test_ddp_frozen_matrices_get_no_gradient_and_ranks_stay_equal():
     want = sum(p.numel() for p in module.parameters() if id(p) not in off)
     assert lisa.selected == ["model.model.embed_tokens", "model.model.layers.3", blocks[-1].name]
     assert trainer.callback_metrics["grads"] == want and 9216 // 4 < want < 42976 // 4
+
+
+class RestoreAfterFitStart(Callback):
+    """Loads a saved state into the callback after its on_fit_start, as Lightning does under
+    FSDP (``restore_checkpoint_after_setup``): the model is wrapped by then."""
+
+    def __init__(self, cb, state):
+        self.cb, self.state = cb, state
+
+    def on_fit_start(self, trainer, pl_module):
+        self.cb.load_state_dict(self.state)
+
+
+def test_a_checkpoint_restored_after_the_wrap_wins_or_is_refused(monkeypatch):
+    first = SpectrumSelect(top_percent=25, save_compute=False)
+    make_trainer([first], max_steps=1).fit(FlagsAtConfigure())
+    state = first.state_dict()
+    # other weights, so setup decides otherwise; without save_compute the checkpoint's choice trains
+    module = FlagsAtConfigure(seed=5)
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    late = SpectrumSelect(top_percent=25, save_compute=False)
+    make_trainer([late, RestoreAfterFitStart(late, state)], max_steps=1).fit(module)
+    assert late.selected == first.selected
+    moved = {n.rsplit(".", 1)[0] for n, p in module.named_parameters()
+             if not torch.equal(p, before[n]) and n.rsplit(".", 1)[0] in late.module_types}
+    assert moved == set(first.selected)
+    # with save_compute the frozen flags were set before the wrap; where they cannot change after it
+    # (FSDP: a multi-process strategy, not DDP), a different choice is refused
+    monkeypatch.setattr(SpectrumSelect, "_prepare_toggle", lambda self, trainer: False)
+    late = SpectrumSelect(top_percent=25)
+    with pytest.raises(RuntimeError, match="restores it after wrapping the model.*resume from the same initial weights"):
+        make_trainer([late, RestoreAfterFitStart(late, state)], max_steps=1).fit(FlagsAtConfigure(seed=5))

@@ -151,6 +151,7 @@ class NTKSelect(LayerSelection):
         return self.decide_everywhere(trainer, self.measure(trainer, pl_module))
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
         if not self.restored and not self.history:
             self.update(trainer, pl_module)
 

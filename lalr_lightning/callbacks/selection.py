@@ -91,6 +91,7 @@ class LayerSelection(LayerwiseCallback):
         self._wrapped = False  # on_fit_start has run: the strategy has wrapped the model
         self._toggle = False  # requires_grad may change after the wrap
         self._early: Decision | None = None  # decided in setup, committed at fit start
+        self._restored_late = False  # the checkpoint came after on_fit_start (FSDP): applied at train start
 
     # ------------------------------------------------------------------ views
 
@@ -187,10 +188,16 @@ class LayerSelection(LayerwiseCallback):
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
+        self._restored_late = self._wrapped  # FSDP restores after on_fit_start: applied at train start
         if self.layers and self.save_compute and not self.switches and self._decides_early:
             # the checkpoint's choice wins; single device and DDP restore before the wrap, so the
             # flags follow it at no cost
             self.follow_requires_grad(strict=True)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._restored_late:
+            self._restored_late = False
+            self.apply(trainer)
 
     @property
     def _decides_early(self) -> bool:

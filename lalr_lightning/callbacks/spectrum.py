@@ -1,7 +1,7 @@
-"""Spectrum selection (Hartford et al. 2024): in ``setup``, before the model is wrapped, the matrices with the highest
-signal-to-noise ratio of each module type train and the others are frozen
-(:mod:`lalr_lightning.core.spectrum` for the rules; the SNR is :func:`spectral.analyze`'s ``snr``,
-Spectrum's formula). Also ``SurgicalLayerSelect(mode="spectrum")``;
+"""Spectrum selection (Hartford et al. 2024): in ``setup``, before the model is wrapped, the
+matrices with the highest signal-to-noise ratio of each module type train and the others are
+frozen (:mod:`lalr_lightning.core.spectrum` for the rules; the SNR is :func:`spectral.analyze`'s
+``snr``, Spectrum's formula). Also ``SurgicalLayerSelect(mode="spectrum")``;
 ``python -m lalr_lightning analyze MODEL --spectrum 25`` writes the same choice as Spectrum's YAML.
 """
 
