@@ -488,7 +488,8 @@ def write_markdown(path: Path, args, results, lines, summary, load, end) -> None
         text += ["", "Seconds from `setup` to the first batch (static decisions, the wrap, the optimizer): "
                  + ", ".join(f"{r['arm']} ({r['mode']}) {r.get('setup_s', float('nan')):.1f}" for r in ok) + "."]
         text += ["", "Load average (1 min) when each arm ended (2 cores: above ~2 the timings are slowed by other "
-                 "processes): " + ", ".join(f"{r['arm']} ({r['mode']}) {r['load']:.1f}" for r in ok if "load" in r)
+                 "processes; ? = not recorded): "
+                 + ", ".join(f"{r['arm']} ({r['mode']}) " + (f"{r['load']:.1f}" if "load" in r else "?") for r in ok)
                  + "."]
     if len(lisa) == 2:
         text += ["", "AdamW state per step (MB), LISA release vs keep (1 process):", ""]
