@@ -1,0 +1,55 @@
+"""The benchmarks' quick modes run, so the scripts cannot rot; their counts are checked against
+hand-computed byte totals (never their timings)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_memory_benchmark_quick_counts_what_each_arm_trains(tmp_path):
+    bench = _load("memory")
+    out = tmp_path / "memory.md"
+    results = {r["arm"]: r for r in bench.main(["--quick", "--inline", "--out", str(out)])}
+    assert set(results) == set(bench.ARMS) and not any("error" in r for r in results.values())
+    cfg = bench.MODELS["tiny"]
+    h, layers, v, m = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"], cfg["intermediate_size"]
+    per_layer = 4 * h * h + 3 * h * m + 2 * h  # q k v o, gate up down, two RMSNorms
+    n = 2 * v * h + layers * per_layer + h  # embedding, untied head, final norm
+    tensors = 3 + 9 * layers
+    full = results["full"]
+    assert full["params"] == n and full["trained"] == n
+    assert full["grads"] == 4 * n  # fp32 gradient of every parameter
+    assert full["state"] == 8 * n + 4 * tensors  # AdamW's two moments + a float32 step count per tensor
+    # LoRA on q and v (peft's LLaMA default): r x (in + out) per adapted matrix
+    for r in (8, 16):
+        lora = results[f"lora{r}"]
+        assert lora["trained"] == layers * 2 * r * (h + h)
+        assert lora["grads"] == 4 * lora["trained"]
+    # the selection arms hold no more than what their trained parameters need (L-MSA: see the README)
+    for arm in ("spectrum25", "spectrum50", "lisa", "surgical"):
+        r = results[arm]
+        assert 0 < r["trained"] < n
+        assert r["ratio"] <= 1.10, (arm, r["ratio"])
+    assert results["spectrum25"]["trained"] < results["spectrum50"]["trained"]
+    # LMFlow's keep mode holds the state of both draws; release only the current one
+    assert results["lisa_keep"]["state"] > results["lisa"]["state"]
+    assert results["lisa_keep"]["ratio"] > 1.10
+    assert all(math.isfinite(r["loss"]) for r in results.values())
+    text = out.read_text()
+    assert "| spectrum25 | 1 process |" in text and "(grads + state) / need" in text
