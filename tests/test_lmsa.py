@@ -708,3 +708,32 @@ def test_reselection_releases_the_optimizer_state_of_blocks_that_stop_training(s
         on = {n for b in selected for n in blocks[b]}
         ever |= on
         assert held == (on if state == "release" else ever), (selected, sorted(held))
+
+
+class _Grads(pl.Callback):
+    """At each step, before the update: the blocks whose weights got a gradient in the backward."""
+
+    def __init__(self, cb):
+        self.cb, self.rows = cb, []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        got = [b.name for b in self.cb.layers if any(p.grad is not None for p in b.params.values())]
+        self.rows.append((trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1,
+                          list(self.cb.selected), got))
+
+
+@pytest.mark.parametrize("update", ["msa", "optimizer"])
+def test_between_measurements_only_the_selected_blocks_get_weight_gradients(update):
+    """save_compute (default): the measurement batch (first of epochs 0 and 2) computes every
+    block's weight gradient, the metric needs them; every other step only the selected blocks'
+    (the co-state still flows back through the selected block); save_compute=False: all, always."""
+    for save in (True, False):
+        cb = LMSAStepper(update=update, every_n_epochs=2, save_compute=save)
+        rec = _Grads(cb)
+        make_trainer([cb, rec], max_epochs=3).fit(BlockNet(n=24, seed=2))
+        names = cb.block_names
+        for epoch, batch, selected, got in rec.rows:
+            measuring = epoch in (0, 2) and batch == 0
+            want = names if (measuring or not save) else [n for n in names if n in selected]
+            assert got == want, (save, epoch, batch, selected, got)
+        assert LMSAStepper(save_compute=save).settings()["save_compute"] is save

@@ -109,6 +109,12 @@ class LMSAStepper(LayerSelection):
             Lightning sets them (:mod:`lalr_lightning.core.norms`).
         seed: seeds the probes' random state (dropout masks); the training's random stream is
             not touched.
+        save_compute: ``True`` (default): between measurements only the selected blocks keep
+            ``requires_grad`` (the co-state ``p_{m+1}`` flows back through the selected block's own
+            weights), so the backward computes no weight gradient of the other blocks; every block
+            is back on for the measurement batches. Under DDP ``setup`` sets
+            ``find_unused_parameters=True`` for it. Not with ``feasibility > 0`` (E-MSA needs the
+            input co-state of the selected block, which flows through the blocks before it).
         optimizer_state: ``"release"`` (default): the module optimizer's state of blocks that
             stop training (``update="optimizer"``, at a re-selection) is freed, so it covers only
             the selected blocks and what trains outside the blocks; ``"keep"``: kept, and
@@ -144,6 +150,7 @@ class LMSAStepper(LayerSelection):
     logs_lr = True
     deprecated = {"selection_batches": "n_batches", "reselect_every_n_epochs": "every_n_epochs"}
     readable = LayerSelection.readable + ("multipliers",)
+    switches = True  # requires_grad follows the selection between measurements (save_compute)
     heatmap_min_entries = 1
 
     def __init__(
@@ -167,6 +174,7 @@ class LMSAStepper(LayerSelection):
         loss_fn: Callable[[pl.LightningModule, Any], torch.Tensor] | None = None,
         norm_eval: str = "frozen",
         seed: int = 0,
+        save_compute: bool = True,
         optimizer_state: str = "release",
         name: str | None = None,
         strict_resume: bool = True,
@@ -174,7 +182,7 @@ class LMSAStepper(LayerSelection):
         selection_batches: int | None = None,
         reselect_every_n_epochs: int | None = None,
     ):
-        super().__init__(blocks=blocks, join_stem=join_stem, norm_eval=norm_eval, save_compute=False,
+        super().__init__(blocks=blocks, join_stem=join_stem, norm_eval=norm_eval, save_compute=save_compute,
                          optimizer_state=optimizer_state, name=name, strict_resume=strict_resume)
         if select not in SELECT:
             raise ValueError(f"unknown select {select!r}; valid: {', '.join(SELECT)}")
@@ -324,9 +332,19 @@ class LMSAStepper(LayerSelection):
         self.apply_frozen(trainer, [n for n in self.block_names if n not in on])
         self.release_state(trainer, [b for b in self.layers if b.name not in on])
         self._selected_params = {id(p) for b in self.layers if b.name in self.selected for p in b.params.values()}
+        self._grads_for(self.block_names if self._measuring or not self.selected else self.selected)
         if self.update == "msa" and self.selected and (self._inner is None or self._inner_for != self.selected):
             self._build_inner()
         self.apply_norm_modes()
+
+    def _grads_for(self, names: Sequence[str]) -> None:
+        """``requires_grad`` on for the blocks ``names`` only (``save_compute``, where the strategy
+        lets it change): the backward then skips the other blocks' weight gradients."""
+        if not (self.save_compute and self._toggle and self.feasibility == 0):
+            return
+        on = set(names)
+        self.set_requires_grad([b for b in self.layers if b.name in on], True)
+        self.set_requires_grad([b for b in self.layers if b.name not in on], False)
 
     def trains(self, p: torch.nn.Parameter) -> bool:
         if id(p) in self._block_params:
@@ -363,6 +381,7 @@ class LMSAStepper(LayerSelection):
         epoch, k = trainer.current_epoch, self.every_n_epochs
         if not self.selected or (k is not None and epoch % k == 0 and self._last_selection_epoch != epoch):
             self._measuring, self._measured, self._acc = True, 0, {}
+            self._grads_for(self.block_names)  # the metric needs every block's gradient
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
