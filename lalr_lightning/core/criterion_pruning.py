@@ -34,6 +34,7 @@ from lalr_lightning.core.calibration import (
 )
 from lalr_lightning.core.layers import Layer
 from lalr_lightning.core.llm_pruning import InputStats, check_nm, needs_stats, prune_weight
+from lalr_lightning.core.probe import take
 
 __all__ = ["LINEAR_KINDS", "take_samples", "sample_count", "find_causal_lm", "weight_name", "criterion_prune", "load_weights"]
 
@@ -51,16 +52,6 @@ def _rows(batch) -> int:
     raise ValueError(f"calibration batches must be tensors, tuples/lists or dicts of tensors, got {type(batch).__name__}")
 
 
-def _head(batch, k: int):
-    if isinstance(batch, torch.Tensor):
-        return batch[:k]
-    if isinstance(batch, Mapping):
-        return {key: _head(v, k) for key, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_head(v, k) for v in batch) if isinstance(batch, tuple) else [_head(v, k) for v in batch]
-    return batch
-
-
 def take_samples(batches: Iterable, n: int) -> list:
     """The first ``n`` samples (sequences) of ``batches``, as batches (the last one cut short)."""
     if int(n) < 1:
@@ -69,7 +60,7 @@ def take_samples(batches: Iterable, n: int) -> list:
     for batch in batches:
         rows = _rows(batch)
         if have + rows > n:
-            batch, rows = _head(batch, n - have), n - have
+            batch, rows = take(batch, n - have), n - have
         out.append(batch)
         have += rows
         if have >= n:
