@@ -93,3 +93,18 @@ def test_user_patterns_and_errors():
         block_layers(nn.Linear(3, 3))
     with pytest.raises(ValueError, match="valid: 'matrix', 'block'"):
         find_layers(m, "tensor")
+
+
+@pytest.mark.parametrize("family,head", [("llama", "model.norm+lm_head"), ("gpt2", "transformer.ln_f+lm_head"),
+                                         ("opt", "model.decoder.final_layer_norm+lm_head")])
+def test_causal_lm_blocks_end_with_the_final_norm_in_the_head(family, head):
+    """OPT registers ``final_layer_norm`` before its layers, but it runs after them: it is part
+    of the head (with the untied output layer), never of the stem joined to the first block."""
+    from tests._lm import tiny_lm
+
+    blocks = block_layers(tiny_lm(family, tied=False))
+    assert blocks[-1].name == head and blocks[-1].role == "head"
+    # (each OPT layer has its own final_layer_norm too: those stay in their layer)
+    assert not any(n.startswith(("model.decoder.final_layer_norm", "model.norm", "transformer.ln_f"))
+                   for b in blocks[:-1] for n in b.params)
+    assert [b.role for b in blocks] == ["block", "block", "head"]

@@ -454,6 +454,10 @@ def _pattern_groups(params: list[tuple[str, nn.Parameter]], patterns: Sequence[s
     return groups
 
 
+# a module named to run after the trunk (OPT's ``decoder.final_layer_norm``), wherever registered
+_FINAL = re.compile(r"(^|\.)(final_layer_norm|final_norm|final_ln|ln_final)\.")
+
+
 def block_layers(
     model: nn.Module,
     blocks: Sequence[str | Sequence[str]] | None = None,
@@ -470,7 +474,8 @@ def block_layers(
 
     Parameters not in any block and registered before the first block form the stem, joined
     to the first block when ``join_stem`` (surgical fine-tuning's ``conv1+block1``); the rest
-    form one ``head`` block (``head=False`` drops it).
+    form one ``head`` block (``head=False`` drops it). A final norm registered before the blocks
+    (OPT's ``final_layer_norm``) belongs to the head: it runs after them.
     """
     params = _named_params_clean(model)
     if not params:
@@ -516,6 +521,10 @@ def block_layers(
             head_names = [n for n, _ in params if n not in inside and order[n] >= first]
             source = "repeated children"
     del source
+    late = [n for n in stem_names if _FINAL.search(n)]
+    if late:  # OPT registers its final norm before its layers; it runs after them
+        stem_names = [n for n in stem_names if n not in late]
+        head_names = late + [n for n in head_names if n not in late]
     out: list[Layer] = []
     allp = [n for n, _ in params]
     blocks_names = [list(g) for g in found_blocks if g]
