@@ -704,10 +704,15 @@ def test_reselection_releases_the_optimizer_state_of_blocks_that_stop_training(s
     assert len(set(picks)) > 1  # the choice changed at a re-selection
     blocks = {b.name: {f"{n}" for n in b.params} for b in block_layers(model)}
     ever: set[str] = set()
+    before: list[str] = []  # the choice in effect during the batch's backward
     for selected, held in rec.rows:
-        on = {n for b in selected for n in blocks[b]}
-        ever |= on
-        assert held == (on if state == "release" else ever), (selected, sorted(held))
+        # save_compute: the selection batch's backward computed no gradient for a block the
+        # previous choice did not hold, so a new choice first steps (and gets state) on the next batch
+        stepped = {n for b in selected if b in before for n in blocks[b]}
+        ever |= stepped
+        assert held == (stepped if state == "release" else ever), (selected, sorted(held))
+        before = list(selected)
+    assert ever  # blocks did train
 
 
 class _Grads(pl.Callback):
@@ -724,16 +729,126 @@ class _Grads(pl.Callback):
 
 @pytest.mark.parametrize("update", ["msa", "optimizer"])
 def test_between_measurements_only_the_selected_blocks_get_weight_gradients(update):
-    """save_compute (default): the measurement batch (first of epochs 0 and 2) computes every
-    block's weight gradient, the metric needs them; every other step only the selected blocks'
-    (the co-state still flows back through the selected block); save_compute=False: all, always."""
+    """save_compute (default): the backward computes weight gradients only for what the module's
+    optimizer trains -- the blocks selected before the batch with update="optimizer" (on the
+    measurement batches too: the metric reads states and co-states only), none with
+    update="msa" (its Hamiltonian step reads the captures); save_compute=False: all, always."""
     for save in (True, False):
         cb = LMSAStepper(update=update, every_n_epochs=2, save_compute=save)
         rec = _Grads(cb)
         make_trainer([cb, rec], max_epochs=3).fit(BlockNet(n=24, seed=2))
         names = cb.block_names
+        before: list[str] = []
         for epoch, batch, selected, got in rec.rows:
-            measuring = epoch in (0, 2) and batch == 0
-            want = names if (measuring or not save) else [n for n in names if n in selected]
+            if not save:
+                want = names
+            elif update == "msa":
+                want = []
+            else:
+                want = [n for n in names if n in before]
             assert got == want, (save, epoch, batch, selected, got)
+            before = selected
+        assert len(cb.history) == 2 and rec.rows[-1][2]  # two selections were made, and one trains
         assert LMSAStepper(save_compute=save).settings()["save_compute"] is save
+
+
+# ============================================================================ save_compute on every family
+
+
+def _lm_loss(pl_module, batch):
+    return pl_module.model(input_ids=batch[0], labels=batch[0]).loss
+
+
+class InplaceMLP(pl.LightningModule):
+    """A user's ``Sequential`` trunk with ``ReLU(inplace=True)`` after each Linear: the first
+    block's output needs no gradient on a measurement batch with every weight frozen, and is then
+    modified in place -- the co-state path must allow that."""
+
+    def __init__(self, d=8, w=16, classes=3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Sequential(nn.Linear(d, w), nn.ReLU(inplace=True), nn.Linear(w, w), nn.ReLU(inplace=True),
+                                   nn.Linear(w, w), nn.ReLU(inplace=True), nn.Linear(w, w))
+        self.classifier = nn.Linear(w, classes)
+
+    def forward(self, x):
+        return self.classifier(self.trunk(x))
+
+    def loss(self, out, y):
+        return F.cross_entropy(out, y)
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return self.loss(self(x), y)
+
+    def train_dataloader(self):
+        return DataLoader(make_data(32, 8, 3), batch_size=8)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _family(case):
+    from tests._lm import lm_module
+    from tests.test_plain_models import PlainCNN
+
+    if case == "plain-mlp-inplace":
+        return InplaceMLP(), {}
+    if case == "plain-cnn":
+        return PlainCNN(), {}
+    family, tied = case.split("-")
+    return lm_module(family, tied == "tied", seed=1, lr=0.05), {"loss_fn": _lm_loss}
+
+
+@pytest.mark.parametrize("update", ["msa", "optimizer"])
+@pytest.mark.parametrize("case", ["llama-untied", "llama-tied", "gpt2-tied", "opt-tied", "plain-mlp-inplace",
+                                  "plain-cnn"])
+def test_measurement_batches_compute_no_frozen_weight_gradient_and_the_same_metric(case, update):
+    """save_compute: on every family, measurement batches included, the backward computes weight
+    gradients only for what the module's optimizer trains (the choice in effect with
+    update="optimizer", nothing with update="msa"), and the metric equals that of
+    save_compute=False, which computes every gradient; with update="msa" the whole run is the same."""
+    runs = {}
+    for save in (True, False):
+        model, kw = _family(case)
+        inner = {"inner_lr": 1e-2} if update == "msa" else {}
+        cb = LMSAStepper(update=update, every_n_epochs=1, save_compute=save, **inner, **kw)
+        rec = _Grads(cb)
+        make_trainer([cb, rec], max_epochs=2).fit(model)
+        runs[save] = cb, rec, model
+    (cb, rec, model), (ref, ref_rec, ref_model) = runs[True], runs[False]
+    assert len(cb.history) == 2
+    first, want = cb.history[0], ref.history[0]
+    assert first["selected"] == want["selected"]
+    for key in ("scores", "rho_hat", "rgn"):
+        for name in cb.block_names:
+            assert first[key][name] == pytest.approx(want[key][name], rel=1e-5, abs=1e-9), (key, name)
+    before: list[str] = []
+    for epoch, batch, selected, got in rec.rows:
+        assert got == ([n for n in cb.block_names if n in before] if update == "optimizer" else []), (epoch, batch)
+        before = selected
+    assert all(got == ref.block_names for *_, got in ref_rec.rows)  # save_compute=False: every block
+    if update == "msa":
+        assert cb.history == ref.history
+        for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_blocks_that_do_not_run_in_order_are_refused_in_one_line():
+    """A block whose modules run on both sides of another block (here the stem joined to a norm
+    that runs last, as OPT's registration order once gave) cannot be a state-to-state map."""
+
+    class Late(BlockNet):
+        def __init__(self):
+            super().__init__()
+            self.final = nn.LayerNorm(8)
+
+        def forward(self, x):
+            x = torch.relu(self.stem(x))
+            for b in self.blocks:
+                x = b(x)
+            return self.fc(self.final(x))
+
+    cb = LMSAStepper(blocks=[["stem", "final"], "blocks.0", "blocks.1", "blocks.2"])
+    with pytest.raises(RuntimeError, match=r"finishes after block .* starts .* Pass blocks=\[\.\.\.\]"):
+        _trainer(cb, max_steps=1).fit(Late())

@@ -79,7 +79,9 @@ class LMSAStepper(LayerSelection):
 
     Before the first selection is made nothing trains. During the measurement batches of a
     re-selection the previous choice keeps training. The batch on which a selection is made
-    already trains the new choice.
+    already moves the new choice with ``update="msa"`` (its states and co-states were captured);
+    with ``update="optimizer"`` and ``save_compute`` the new choice's first update is on the next
+    batch (the measurement's backward computed no weight gradient for it).
 
     Args:
         select: ``"min"`` (the ``num_blocks`` smallest ``J_hat``) or ``"all"``.
@@ -109,12 +111,13 @@ class LMSAStepper(LayerSelection):
             Lightning sets them (:mod:`lalr_lightning.core.norms`).
         seed: seeds the probes' random state (dropout masks); the training's random stream is
             not touched.
-        save_compute: ``True`` (default): between measurements only the selected blocks keep
-            ``requires_grad`` (the co-state ``p_{m+1}`` flows back through the selected block's own
-            weights), so the backward computes no weight gradient of the other blocks; every block
-            is back on for the measurement batches. Under DDP ``setup`` sets
-            ``find_unused_parameters=True`` for it. Not with ``feasibility > 0`` (E-MSA needs the
-            input co-state of the selected block, which flows through the blocks before it).
+        save_compute: ``True`` (default): the backward computes weight gradients only for the
+            blocks the module's optimizer trains (the selected ones with ``update="optimizer"``,
+            none with ``update="msa"``), measurement batches included: the metric needs only the
+            states and co-states, which reach every captured block output with its weights frozen,
+            and it forms each block's direction ``r_n`` one block at a time. Under DDP ``setup``
+            sets ``find_unused_parameters=True`` for it. Not with ``feasibility > 0`` (E-MSA needs
+            the input co-state of the selected block, which flows through the blocks before it).
         optimizer_state: ``"release"`` (default): the module optimizer's state of blocks that
             stop training (``update="optimizer"``, at a re-selection) is freed, so it covers only
             the selected blocks and what trains outside the blocks; ``"keep"``: kept, and
@@ -332,10 +335,16 @@ class LMSAStepper(LayerSelection):
         self.apply_frozen(trainer, [n for n in self.block_names if n not in on])
         self.release_state(trainer, [b for b in self.layers if b.name not in on])
         self._selected_params = {id(p) for b in self.layers if b.name in self.selected for p in b.params.values()}
-        self._grads_for(self.block_names if self._measuring or not self.selected else self.selected)
+        self._grads_for(self._weight_grads())
         if self.update == "msa" and self.selected and (self._inner is None or self._inner_for != self.selected):
             self._build_inner()
         self.apply_norm_modes()
+
+    def _weight_grads(self) -> list[str]:
+        """The blocks whose weight gradients the backward must compute: the module optimizer's
+        blocks (``update="optimizer"``); none with ``update="msa"``, which reads only states and
+        co-states (the taps route the backward to the captured block outputs)."""
+        return list(self.selected) if self.update == "optimizer" else []
 
     def _grads_for(self, names: Sequence[str]) -> None:
         """``requires_grad`` on for the blocks ``names`` only (``save_compute``, where the strategy
@@ -381,7 +390,6 @@ class LMSAStepper(LayerSelection):
         epoch, k = trainer.current_epoch, self.every_n_epochs
         if not self.selected or (k is not None and epoch % k == 0 and self._last_selection_epoch != epoch):
             self._measuring, self._measured, self._acc = True, 0, {}
-            self._grads_for(self.block_names)  # the metric needs every block's gradient
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:

@@ -30,6 +30,7 @@ How a block is run as a function of its parameters and tapped for its states and
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ __all__ = [
     "output_change",
     "rho_hat",
     "select_smallest",
+    "twice_differentiable",
 ]
 
 
@@ -97,12 +99,21 @@ def block_direction(block_fn: BlockFn, theta: Sequence[Tensor], p_next: Tensor) 
         return [g.detach() for g in _grads(h, th)]
 
 
+def twice_differentiable():
+    """Attention through PyTorch's math kernel: the fused CPU/GPU kernels that
+    ``scaled_dot_product_attention`` picks by default (Hugging Face's ``sdpa`` attention) have no
+    double backward, which the Jacobian-vector product and E-MSA's terms need."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.MATH])
+
+
 def output_change(block_fn: BlockFn, theta: Sequence[Tensor], direction: Sequence[Tensor]) -> Tensor:
     """``delta = J_theta g . direction``: how the block's output moves per unit step along
     ``direction`` (a Jacobian-vector product by the double-backward trick, so it works for any
     block autograd can differentiate twice)."""
     th = [t.detach().requires_grad_(True) for t in theta]
-    with torch.enable_grad():
+    with torch.enable_grad(), twice_differentiable():
         out = block_fn(th)
         u = torch.zeros_like(out, requires_grad=True)
         vjp = _grads(out, th, grad_outputs=u, create_graph=True)
@@ -261,7 +272,7 @@ def maximize_hamiltonian(
     try:
         for _ in range(steps):
             th = [p.detach().requires_grad_(True) for p in params]
-            with torch.enable_grad():
+            with torch.enable_grad(), (twice_differentiable() if feasibility > 0 else contextlib.nullcontext()):
                 h = hamiltonian(terms, th, anchor, rho, feasibility)
                 grads = _grads(-h, th)
             values.append(float(h.detach()))

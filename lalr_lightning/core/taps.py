@@ -121,6 +121,27 @@ def fixed_rng(seed: int, device: torch.device | None = None) -> Iterator[None]:
         yield
 
 
+def _costate_path(t: Tensor) -> Tensor:
+    """``t`` (which needs no gradient) as a non-leaf that does: the backward then reaches it
+    and a hook on it reads ``dL/dt``. Added to a 0-d leaf rather than made a leaf itself, so
+    in-place operations downstream (``ReLU(inplace=True)``) stay legal and no activation-sized
+    ``.grad`` accumulates on a leaf."""
+    anchor = torch.zeros((), dtype=t.dtype, device=t.device, requires_grad=True)
+    return t + anchor
+
+
+def _replace_first(out, t: Tensor):
+    """``out`` (as :func:`first_tensor` reads it) with its state tensor replaced by ``t``."""
+    if isinstance(out, Tensor):
+        return t
+    if hasattr(out, "to_tuple") and callable(out.to_tuple):
+        out[next(iter(out.keys()))] = t
+        return out
+    if isinstance(out, tuple):
+        return (t, *out[1:])
+    return [t, *out[1:]]
+
+
 class _StopForward(Exception):
     def __init__(self, out: Tensor):
         super().__init__("stopped after the block")
@@ -317,6 +338,14 @@ class BlockTaps:
                         f"block {b.name!r}: its module ran {calls[id(m)][2]} times in one forward pass (shared or "
                         "recurrent use); L-MSA needs each block to map one state to the next once per forward"
                     )
+        seq = list(self.blocks.values())
+        for a, b in zip(seq, seq[1:]):
+            if calls[id(a.exit)][1] > calls[id(b.entry)][0]:
+                raise RuntimeError(
+                    f"block {a.name!r} finishes after block {b.name!r} starts in the model's forward pass (one of "
+                    f"its modules, {a.names_of_modules}, runs later); L-MSA needs blocks that map one state to the "
+                    "next in order. Pass blocks=[...] grouping the modules as they run"
+                )
         self._attach()
         self.discovered = True
 
@@ -372,11 +401,19 @@ class BlockTaps:
                     raise RuntimeError(f"block {name!r}: its exit ran without its entry (or twice) in one forward")
                 t = first_tensor(output, f"block {name!r}")
                 cap.out = t.detach().clone()
+                new_output = None
+                if not t.requires_grad and t.is_floating_point():
+                    # nothing before this output trains (its weights and all upstream are
+                    # frozen): route the backward through it anyway, so the co-state exists
+                    # without computing any weight gradient upstream
+                    t = _costate_path(t)
+                    new_output = _replace_first(output, t)
                 if t.requires_grad:
                     def set_p(g, cap=cap):
                         cap.p = -g.detach()
                     t.register_hook(set_p)
                 self.captures[name].append(cap)
+                return new_output
             return None
 
         return post
