@@ -178,7 +178,10 @@ def block_score(
         used = float(rho)
     if not math.isfinite(used) or rnorm == 0.0:
         return BlockScore(float(loss), used, rgn, rnorm)
-    new = [t.detach() + d.to(t.dtype) / used for t, d in zip(theta, r)]
+    # the step's weights overwrite the direction: one block-sized tensor per block, not two
+    new = [d.div_(used).add_(t.detach()) if d.dtype == t.dtype else t.detach() + d.to(t.dtype) / used
+           for t, d in zip(theta, r)]
+    del r
     j = float(loss_after(new))
     if not math.isfinite(j):
         j = math.inf  # the step diverged: never select this block
