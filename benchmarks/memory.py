@@ -24,7 +24,10 @@ Every arm runs in its own child process (``ddp_spawn``: the main process and 2 s
 so each peak RSS is that arm's alone. A callback on every rank counts bytes from the tensors:
 
 * ``grads``: ``p.grad`` of every parameter at ``on_before_optimizer_step`` (after the backward,
-  before frozen gradients are dropped: what was computed and, under DDP, all-reduced);
+  before frozen gradients are dropped: what was computed and, under DDP, all-reduced), or, if
+  larger, the gradients L-MSA forms outside the backward in the step: a block's direction ``r_n``
+  on a measurement batch (one block at a time) and the Hamiltonian's gradient that its inner Adam
+  steps on;
 * ``state``: every tensor in the optimizers' ``state`` after the step (L-MSA's inner Adam included);
 * ``trained``: the parameters updated in the step (those with a gradient the optimizer used, or
   whose values changed: L-MSA moves its block outside the optimizer); ``need`` = 12 bytes per
@@ -96,6 +99,42 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# the largest gradient L-MSA holds outside the backward during the current batch, in bytes
+_TRANSIENT = [0]
+
+
+def _note_transient(tensors) -> None:
+    _TRANSIENT[0] = max(_TRANSIENT[0], sum(_nbytes(t) for t in tensors if t is not None))
+
+
+class MeteredAdam(torch.optim.Adam):
+    """L-MSA's inner Adam (lr 1e-4, the paper's), noting the gradient it steps on."""
+
+    def __init__(self, params):
+        super().__init__(params, lr=1e-4)
+
+    def step(self, closure=None):
+        _note_transient(p.grad for g in self.param_groups for p in g["params"])
+        return super().step(closure)
+
+
+def _meter_lmsa_directions() -> None:
+    """Note each block direction ``r_n`` the L-MSA metric forms (in this process: every rank)."""
+    from lalr_lightning.core import msa
+
+    if getattr(msa.block_direction, "metered", False):
+        return
+    inner = msa.block_direction
+
+    def block_direction(*a, **k):
+        r = inner(*a, **k)
+        _note_transient(r)
+        return r
+
+    block_direction.metered = True
+    msa.block_direction = block_direction
+
+
 # --------------------------------------------------------------------------- the arm, in a child
 
 
@@ -120,12 +159,14 @@ class Meter(Callback):
     """Counts parameter, gradient and optimizer-state bytes, trained parameters, step times and
     the loss on its rank; writes them as JSON to ``out`` (``{rank}`` filled in) at fit end."""
 
-    def __init__(self, out: str, threads: int | None = None):
-        self.out, self.threads = out, threads
+    def __init__(self, out: str, threads: int | None = None, lmsa: bool = False):
+        self.out, self.threads, self.lmsa = out, threads, lmsa
 
     def setup(self, trainer, pl_module, stage):
         if self.threads:
             torch.set_num_threads(self.threads)
+        if self.lmsa:
+            _meter_lmsa_directions()
         self._t_setup = time.perf_counter()
 
     def on_train_start(self, trainer, pl_module):
@@ -164,6 +205,7 @@ class Meter(Callback):
             # in the parameters' dtype: a float64 sum would copy every tensor and raise the RSS by GiBs
             self._sums = [p.detach().sum() for p in self._params(pl_module)]
         self._cur = {}
+        _TRANSIENT[0] = 0
         self._t0 = time.perf_counter()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
@@ -181,6 +223,8 @@ class Meter(Callback):
         trained = sum(p.numel() for p, c in zip(params, changed)
                       if c or (id(p) in in_opt and p.grad is not None))
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self._cur["transient"] = _TRANSIENT[0]
+        self._cur["grads"] = max(self._cur["grads"], _TRANSIENT[0])
         self._cur.update(
             time=dt, trained=trained, state=self._state_bytes(trainer),
             grads_after=sum(_nbytes(p.grad) for p in params if p.grad is not None),
@@ -234,7 +278,7 @@ def build_callbacks(args, arm: str) -> list[Callback]:
         k = args.surgical_k or max(1, layers // 4)
         return [SurgicalBlocks(select=list(range(k)))]
     if arm == "lmsa":
-        return [LMSAStepper()]
+        return [LMSAStepper(inner_optimizer=MeteredAdam)]
     return []
 
 
@@ -246,7 +290,7 @@ def run_arm(args, arm: str, mode: str, out_dir: str) -> dict:
     cores = os.cpu_count() or 1
     module = build_module(args, arm)
     out = os.path.join(out_dir, f"{arm}-{mode}-{{rank}}.json")
-    meter = Meter(out, threads=max(1, cores // world) if world > 1 else None)
+    meter = Meter(out, threads=max(1, cores // world) if world > 1 else None, lmsa=arm == "lmsa")
     data = torch.utils.data.DataLoader(
         Batches(MODELS[args.model]["vocab_size"], args.batch, args.seq, args.steps, world, args.seed),
         batch_size=None)
@@ -285,7 +329,8 @@ def summarize(args, arm: str, mode: str, ranks: list[dict], main_kb: int) -> dic
         fit_start_rss_kb=[r["rss_fit_start_kb"] for r in ranks],
         step_s=statistics.median(timed), tokens_per_s=tokens / statistics.median(timed),
         loss=sum(last) / len(last), setup_s=r0["setup_s"],
-        per_step=[dict(trained=s["trained"], grads=s["grads"], state=s["state"]) for s in r0["steps"]],
+        per_step=[dict(trained=s["trained"], grads=s["grads"], state=s["state"], transient=s.get("transient", 0))
+                  for s in r0["steps"]],
     )
 
 
