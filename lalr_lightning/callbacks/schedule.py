@@ -123,6 +123,12 @@ class BlockSchedule(LayerSelection):
     def _middle(self) -> list[str]:
         return [b.name for b in self.layers if b.role == "block"]
 
+    def switching_units(self):
+        """LIFT: every block; LISA: the middle blocks (its stem and head always train)."""
+        if self.schedule == "lisa":
+            return [b for b in self.layers if b.role == "block"]
+        return list(self.layers)
+
     # ------------------------------------------------------------------ when
 
     def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
