@@ -354,3 +354,96 @@ def test_a_checkpoint_restored_after_the_wrap_wins_or_is_refused(monkeypatch):
     late = SpectrumSelect(top_percent=25)
     with pytest.raises(RuntimeError, match="restores it after wrapping the model.*resume from the same initial weights"):
         make_trainer([late, RestoreAfterFitStart(late, state)], max_steps=1).fit(FlagsAtConfigure(seed=5))
+
+
+# ----------------------------------------------------------------------------- DDP: switching blocks averaged by hand
+
+#: bytes DDP's buckets hold with save_compute=True: LISA's stem (embedding) and head (final norm
+#: and lm_head) of the tiny LLaMA; for LIFT on the MLP, whose blocks are every parameter, the
+#: smallest one stays in DDP (net.6.bias, 4 entries), as DDP refuses a model with nothing to reduce
+KEPT_IN_DDP = {"llama": 4 * (2912 + 2944), "mlp": 4 * 4}
+
+
+class AveragedByHand(Callback):
+    """On every rank under DDP: at fit start the ranks' weights are equal (``perturb``: rank 1's
+    were changed before the wrap) and DDP's buckets hold ``bucket_bytes``; at every
+    ``on_before_optimizer_step`` the frozen units have no gradient (``save_compute``), and every gradient equals
+    the mean over ranks of the local gradients, computed here again from the step's
+    micro-batches; one averaging by hand per optimizer step; after each step equal weights."""
+
+    def __init__(self, cb: LayerSelection, bucket_bytes: int, perturb: tuple[str, ...] = ()):
+        self.cb, self.bucket_bytes, self.perturb, self.batches, self.checked = cb, bucket_bytes, perturb, [], 0
+
+    def setup(self, trainer, pl_module, stage):
+        if trainer.global_rank == 1:  # before the wrap: DDP broadcasts what it holds, HandSync the rest
+            with torch.no_grad():
+                for n, p in pl_module.named_parameters():
+                    if n.startswith(self.perturb):
+                        p.add_(1.0)
+
+    @staticmethod
+    def _equal_on_ranks(trainer, pl_module):
+        flat = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
+        both = trainer.strategy.all_gather(flat)
+        assert torch.equal(both[0], both[1])
+
+    def on_fit_start(self, trainer, pl_module):
+        self._equal_on_ranks(trainer, pl_module)
+        assert trainer.strategy.model._get_ddp_logging_data()["total_parameter_size_bytes"] == self.bucket_bytes
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches.append(batch)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        off = {id(p) for u in self.cb.layers if u.name not in self.cb.selected for p in u.params.values()}
+        with_grad = [p for p in pl_module.parameters() if p.grad is not None]
+        if self.cb.save_compute:  # without, DDP computes them all, and the frozen ones are dropped at the step
+            assert not any(id(p) in off for p in with_grad)
+            assert {id(p) for p in pl_module.parameters()} - off == {id(p) for p in with_grad}
+        loss = sum(pl_module.training_step(b, 0) for b in self.batches) / len(self.batches)
+        local = torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, with_grad)])
+        mean = trainer.strategy.all_gather(local).mean(0)
+        got = torch.cat([p.grad.reshape(-1) for p in with_grad])
+        assert torch.allclose(got, mean, rtol=1e-5, atol=1e-7), (got - mean).abs().max()
+        sync = self.cb._handsync
+        assert (sync is None) == (not self.cb.save_compute)
+        if sync is not None:
+            assert sync.averaged == trainer.global_step + 1  # once per optimizer step, after the last micro-batch
+        self.batches = []
+        self.checked += 1
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._equal_on_ranks(trainer, pl_module)
+        pl_module.log("steps_checked", float(self.checked), reduce_fx="max")
+
+
+def _ddp_fit(kind: str, save_compute: bool, accumulate: int, steps: int = 6) -> nn.Module:
+    module = LM() if kind == "llama" else MLP(samples=32)
+    cb = _schedule(kind, save_compute=save_compute)
+    full = 4 * sum(p.numel() for p in module.parameters())
+    perturb = ("model.model.embed_tokens", "model.model.layers.2") if kind == "llama" else ("net.2",)
+    check = AveragedByHand(cb, KEPT_IN_DDP[kind] if save_compute else full, perturb if save_compute else ())
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         accumulate_grad_batches=accumulate, callbacks=[cb, check])
+    trainer.fit(module)
+    assert trainer.callback_metrics["steps_checked"] == steps
+    return module
+
+
+@pytest.mark.parametrize(("kind", "accumulate"), [("llama", 1), ("llama", 2), ("mlp", 2)])
+def test_ddp_switching_blocks_stay_out_of_ddps_buckets_and_train_as_under_ddp(kind, accumulate):
+    """LISA (tiny LLaMA) and LIFT (MLP) under ddp_spawn, with and without gradient accumulation:
+    with save_compute DDP's buckets hold only what always trains, the switching blocks'
+    gradients are averaged by hand (AveragedByHand checks them against the ranks' own), ranks
+    that start different are made equal, and the weights after 6 steps with switches equal
+    those of save_compute=False, where DDP all-reduces everything."""
+    new = _ddp_fit(kind, True, accumulate)
+    old = _ddp_fit(kind, False, accumulate)
+    start = LM() if kind == "llama" else MLP()
+    for (n, a), b in zip(new.named_parameters(), old.parameters()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), n
+    trained = {id(p) for s in range(3) for u in _units(kind, new) if u.name in _chosen(kind, new, s)
+               for p in u.params.values()}
+    moved = {id(a) for a, c in zip(new.parameters(), start.parameters()) if not torch.equal(a, c)}
+    assert moved == trained and len(trained) > len(list(new.parameters())) // 2  # the switches took effect
