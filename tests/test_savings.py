@@ -468,3 +468,35 @@ def test_ddp_resume_mid_interval_equals_the_uninterrupted_run(tmp_path):
     resumed = fit(LM(seed=7, samples=20), ckpt_path=str(tmp_path / "epoch=0-step=3.ckpt"))
     for (n, a), b in zip(full.named_parameters(), resumed.parameters()):
         assert torch.allclose(a, b, rtol=0, atol=1e-7), n
+
+
+def test_hand_sync_leaves_every_alias_of_a_shared_parameter_out_of_ddp_and_gives_the_ignore_list_back(tmp_path):
+    """A tied embedding and head (one parameter, two names): DDP itself, wrapping in a 1-rank
+    group, registers neither alias; the user's own ignore list is kept and given back."""
+    import torch.distributed as dist
+
+    from lalr_lightning.core.handsync import HandSync
+
+    module = tiny_lm("llama", True, hidden=32, layers=2)
+    emb, up = module.model.embed_tokens.weight, module.model.layers[0].mlp.up_proj.weight
+    assert module.lm_head.weight is emb
+    module._ddp_params_and_buffers_to_ignore = ["model.norm.weight"]
+    sync = HandSync(module, [emb, up, emb])
+    assert sync.names == ["lm_head.weight", "model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight"]
+    sync.exclude()
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ddp = nn.parallel.DistributedDataParallel(module)
+        held = ddp._get_ddp_logging_data()["total_parameter_size_bytes"]
+        norm = module.model.norm.weight
+        assert held == 4 * sum(p.numel() for p in module.parameters() if all(p is not q for q in (emb, up, norm)))
+    finally:
+        dist.destroy_process_group()
+    sync.stop()
+    assert module._ddp_params_and_buffers_to_ignore == ["model.norm.weight"]
+    del module._ddp_params_and_buffers_to_ignore
+    sync = HandSync(module, [up])
+    sync.exclude()
+    sync.stop()
+    assert not hasattr(module, "_ddp_params_and_buffers_to_ignore")
