@@ -198,9 +198,10 @@ class LayerSelection(LayerwiseCallback):
         always = {id(p) for u in self.layers if u.name not in names for p in u.params.values()}
         out = {id(p): p for u in switching for p in u.params.values() if id(p) not in always}
         if not any(p.requires_grad and id(p) not in out for p in module.parameters()):
-            if not out:
-                return
-            del out[id(min(out.values(), key=lambda p: p.numel()))]
+            trainable = [p for p in out.values() if p.requires_grad]
+            if not trainable:
+                return  # nothing trains at all; DDP says so at the wrap
+            del out[id(min(trainable, key=lambda p: p.numel()))]
         if out:
             self._handsync = HandSync(module, out.values())
             self._handsync.exclude()

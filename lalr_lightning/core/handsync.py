@@ -165,11 +165,15 @@ class HandSync:
         self._hooks = []
 
     def stop(self) -> None:
-        """Remove the hooks and give DDP's ignore list of ``module`` back."""
+        """Remove the hooks and take this object's names out of DDP's ignore list of ``module``
+        (the names that were there before stay; an ignore list that did not exist goes)."""
         self.stop_hooks()
         if not self._excluded:
             return
+        before = set(()) if self._saved is _MISSING else set(self._saved)
+        mine = set(self.names) - before
+        now = [n for n in getattr(self.module, _IGNORE, ()) if n not in mine]
         self.module.__dict__.pop(_IGNORE, None)
-        if self._saved is not _MISSING:
-            setattr(self.module, _IGNORE, self._saved)
+        if now or self._saved is not _MISSING:
+            setattr(self.module, _IGNORE, now)
         self._saved, self._excluded = _MISSING, False
