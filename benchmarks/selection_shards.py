@@ -5,7 +5,7 @@
   DDP does not ignore), the gradients averaged by hand instead (a switching selection's active
   blocks, kept out of DDP: ``core/handsync.py``), the gradient entries on rank 0 at
   ``on_before_optimizer_step`` and the AdamW state entries after the last step, against the
-  parameters the arm trains.
+  parameters the arm trains (half its AdamW state entries: two moments each).
 * FSDP (torch ``FullyShardedDataParallel``, ``use_orig_params=True`` as Lightning sets it, one
   unit per decoder layer; Lightning runs FSDP on GPUs only): a Spectrum-like freeze made before
   the wrap; per rank the flat gradient shards, the original parameters' gradients and AdamW's
@@ -89,8 +89,8 @@ def ddp_table() -> None:
     print("DDP, 2 ranks: bytes held per rank (fp32) after 3 steps; with gradient_as_bucket_view=True the\n"
           "gradients are views into the buckets (no memory of their own)\n")
     print("| arm | trained | gradients | DDP buckets | averaged by hand | AdamW state | "
-          "buckets / what the trained need |")
-    print("|---|---|---|---|---|---|---|")
+          "buckets / what the trained need | (buckets + by hand) / need |")
+    print("|---|---|---|---|---|---|---|---|")
     for arm, (make, view) in ARMS.items():
         out = os.path.join(tempfile.mkdtemp(), "ddp.json")
         strategy = DDPStrategy(start_method="spawn", gradient_as_bucket_view=view)
@@ -98,9 +98,10 @@ def ddp_table() -> None:
                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                    callbacks=[*make(), Count(out)]).fit(LM())
         r = json.load(open(out))
-        trained = r["grads"]
+        trained = r["adamw"] // 2  # two AdamW moments per trained entry (LISA releases what stops training)
         print(f"| {arm} | {trained:,} of {r['params']:,} | {4 * r['grads']:,} | {r['bucket_bytes']:,} | "
-              f"{4 * r['by_hand']:,} | {4 * r['adamw']:,} | {r['bucket_bytes'] / (4 * trained):.2f} |")
+              f"{4 * r['by_hand']:,} | {4 * r['adamw']:,} | {r['bucket_bytes'] / (4 * trained):.2f} | "
+              f"{(r['bucket_bytes'] + 4 * r['by_hand']) / (4 * trained):.2f} |")
 
 
 def _fsdp_worker(rank: int, port: int, out) -> None:
