@@ -184,6 +184,9 @@ class LayerSelection(LayerwiseCallback):
                 rank_zero_info(f"{who}: DDP set to find_unused_parameters=True, so the blocks that do not train "
                                "get no weight gradient (save_compute=False keeps DDP's default)")
             self._keep_out_of_ddp()
+            if self._handsync is not None:
+                rank_zero_info(f"{who}: {len(self._handsync.params)} parameter tensors of the switching blocks kept out "
+                               "of DDP's gradient buckets; their gradients are averaged across ranks by hand")
             return True
         raise RuntimeError(f"{who} turns requires_grad on and off at every switch, which "
                            f"{type(strategy).__name__} cannot follow; use strategy='ddp' or pass save_compute=False")
