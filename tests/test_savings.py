@@ -400,7 +400,8 @@ class AveragedByHand(Callback):
         if self.cb.save_compute:  # without, DDP computes them all, and the frozen ones are dropped at the step
             assert not any(id(p) in off for p in with_grad)
             assert {id(p) for p in pl_module.parameters()} - off == {id(p) for p in with_grad}
-        loss = sum(pl_module.training_step(b, 0) for b in self.batches) / len(self.batches)
+        with trainer.precision_plugin.forward_context():  # autocast under bf16-mixed, as the step ran
+            loss = sum(pl_module.training_step(b, 0) for b in self.batches) / len(self.batches)
         local = torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, with_grad)])
         mean = trainer.strategy.all_gather(local).mean(0)
         got = torch.cat([p.grad.reshape(-1) for p in with_grad])
@@ -417,7 +418,7 @@ class AveragedByHand(Callback):
         pl_module.log("steps_checked", float(self.checked), reduce_fx="max")
 
 
-def _ddp_fit(kind: str, save_compute: bool, accumulate: int, steps: int = 6) -> nn.Module:
+def _ddp_fit(kind: str, save_compute: bool, accumulate: int, steps: int = 6, precision: str = "32-true") -> nn.Module:
     module = LM() if kind == "llama" else MLP(samples=32)
     cb = _schedule(kind, save_compute=save_compute)
     full = 4 * sum(p.numel() for p in module.parameters())
@@ -425,21 +426,23 @@ def _ddp_fit(kind: str, save_compute: bool, accumulate: int, steps: int = 6) -> 
     check = AveragedByHand(cb, KEPT_IN_DDP[kind] if save_compute else full, perturb if save_compute else ())
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         accumulate_grad_batches=accumulate, callbacks=[cb, check])
+                         accumulate_grad_batches=accumulate, precision=precision, callbacks=[cb, check])
     trainer.fit(module)
     assert trainer.callback_metrics["steps_checked"] == steps
     return module
 
 
-@pytest.mark.parametrize(("kind", "accumulate"), [("llama", 1), ("llama", 2), ("mlp", 2)])
-def test_ddp_switching_blocks_stay_out_of_ddps_buckets_and_train_as_under_ddp(kind, accumulate):
+@pytest.mark.parametrize(("kind", "accumulate", "precision"),
+                         [("llama", 1, "32-true"), ("llama", 2, "32-true"), ("mlp", 2, "32-true"),
+                          ("llama", 2, "bf16-mixed")])
+def test_ddp_switching_blocks_stay_out_of_ddps_buckets_and_train_as_under_ddp(kind, accumulate, precision):
     """LISA (tiny LLaMA) and LIFT (MLP) under ddp_spawn, with and without gradient accumulation:
     with save_compute DDP's buckets hold only what always trains, the switching blocks'
     gradients are averaged by hand (AveragedByHand checks them against the ranks' own), ranks
     that start different are made equal, and the weights after 6 steps with switches equal
-    those of save_compute=False, where DDP all-reduces everything."""
-    new = _ddp_fit(kind, True, accumulate)
-    old = _ddp_fit(kind, False, accumulate)
+    those of save_compute=False, where DDP all-reduces everything; under bf16 autocast too."""
+    new = _ddp_fit(kind, True, accumulate, precision=precision)
+    old = _ddp_fit(kind, False, accumulate, precision=precision)
     start = LM() if kind == "llama" else MLP()
     for (n, a), b in zip(new.named_parameters(), old.parameters()):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), n
@@ -500,3 +503,13 @@ def test_hand_sync_leaves_every_alias_of_a_shared_parameter_out_of_ddp_and_gives
     sync.exclude()
     sync.stop()
     assert not hasattr(module, "_ddp_params_and_buffers_to_ignore")
+
+
+def test_hand_sync_buckets_split_by_dtype_and_size():
+    from lalr_lightning.core.handsync import _buckets
+
+    ts = [torch.zeros(10), torch.zeros(10, dtype=torch.float64), torch.zeros(20), torch.zeros(30), torch.zeros(5)]
+    # float32 runs of at most 100 bytes (25 entries), in order; a tensor larger than that alone
+    assert _buckets(ts, cap=100) == [[0], [2], [3], [4], [1]]
+    assert _buckets(ts, cap=4 * 30) == [[0, 2], [3], [4], [1]]
+    assert _buckets(ts) == [[0, 2, 3, 4], [1]]
