@@ -1,9 +1,11 @@
 """What DDP and FSDP still hold when a selection freezes matrices (2 CPU ranks, gloo).
 
 * DDP (Lightning ``ddp_spawn``, the callbacks as a user runs them): per arm, the bytes of DDP's
-  gradient buckets (allocated at the wrap for every parameter that requires grad then), the
-  gradient entries on rank 0 at ``on_before_optimizer_step`` and the AdamW state entries after
-  the last step, against the parameters the arm trains.
+  gradient buckets (allocated at the wrap for every parameter that requires grad then and that
+  DDP does not ignore), the gradients averaged by hand instead (a switching selection's active
+  blocks, kept out of DDP: ``core/handsync.py``), the gradient entries on rank 0 at
+  ``on_before_optimizer_step`` and the AdamW state entries after the last step, against the
+  parameters the arm trains (half its AdamW state entries: two moments each).
 * FSDP (torch ``FullyShardedDataParallel``, ``use_orig_params=True`` as Lightning sets it, one
   unit per decoder layer; Lightning runs FSDP on GPUs only): a Spectrum-like freeze made before
   the wrap; per rank the flat gradient shards, the original parameters' gradients and AdamW's
@@ -35,6 +37,7 @@ ARMS = {  # arm: (callbacks, gradient_as_bucket_view)
     "SpectrumSelect(top_percent=25)": (lambda: [SpectrumSelect(top_percent=25)], False),
     "BlockSchedule('lisa', gamma=1)": (lambda: [BlockSchedule("lisa", gamma=1, every_n_steps=1)], False),
     "same, gradient_as_bucket_view=True": (lambda: [BlockSchedule("lisa", gamma=1, every_n_steps=1)], True),
+    "same, save_compute=False": (lambda: [BlockSchedule("lisa", gamma=1, every_n_steps=1, save_compute=False)], False),
     "SurgicalBlocks(select='first')": (lambda: [SurgicalBlocks(select="first")], False),
 }
 
@@ -68,6 +71,8 @@ class Count(Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self.grads = sum(p.grad.numel() for p in pl_module.parameters() if p.grad is not None)
+        syncs = [c._handsync for c in trainer.callbacks if getattr(c, "_handsync", None) is not None]
+        self.by_hand = sum(p.grad.numel() for s in syncs for p in s.params if p.grad is not None)
 
     def on_train_end(self, trainer, pl_module):
         if trainer.is_global_zero:
@@ -75,7 +80,7 @@ class Count(Callback):
             info = trainer.strategy.model._get_ddp_logging_data()
             with open(self.out, "w") as fh:
                 json.dump({"params": sum(p.numel() for p in pl_module.parameters()), "grads": self.grads,
-                           "bucket_bytes": int(info["total_parameter_size_bytes"]),
+                           "bucket_bytes": int(info["total_parameter_size_bytes"]), "by_hand": self.by_hand,
                            "adamw": sum(v.numel() for s in opt.state.values() for k, v in s.items() if k != "step")},
                           fh)
 
@@ -83,8 +88,9 @@ class Count(Callback):
 def ddp_table() -> None:
     print("DDP, 2 ranks: bytes held per rank (fp32) after 3 steps; with gradient_as_bucket_view=True the\n"
           "gradients are views into the buckets (no memory of their own)\n")
-    print("| arm | trained | gradients | DDP buckets | AdamW state | buckets / what the trained need |")
-    print("|---|---|---|---|---|---|")
+    print("| arm | trained | gradients | DDP buckets | averaged by hand | AdamW state | "
+          "buckets / what the trained need | (buckets + by hand) / need |")
+    print("|---|---|---|---|---|---|---|---|")
     for arm, (make, view) in ARMS.items():
         out = os.path.join(tempfile.mkdtemp(), "ddp.json")
         strategy = DDPStrategy(start_method="spawn", gradient_as_bucket_view=view)
@@ -92,9 +98,10 @@ def ddp_table() -> None:
                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                    callbacks=[*make(), Count(out)]).fit(LM())
         r = json.load(open(out))
-        trained = r["grads"]
+        trained = r["adamw"] // 2  # two AdamW moments per trained entry (LISA releases what stops training)
         print(f"| {arm} | {trained:,} of {r['params']:,} | {4 * r['grads']:,} | {r['bucket_bytes']:,} | "
-              f"{4 * r['adamw']:,} | {r['bucket_bytes'] / (4 * trained):.2f} |")
+              f"{4 * r['by_hand']:,} | {4 * r['adamw']:,} | {r['bucket_bytes'] / (4 * trained):.2f} | "
+              f"{(r['bucket_bytes'] + 4 * r['by_hand']) / (4 * trained):.2f} |")
 
 
 def _fsdp_worker(rank: int, port: int, out) -> None:

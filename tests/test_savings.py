@@ -354,3 +354,162 @@ def test_a_checkpoint_restored_after_the_wrap_wins_or_is_refused(monkeypatch):
     late = SpectrumSelect(top_percent=25)
     with pytest.raises(RuntimeError, match="restores it after wrapping the model.*resume from the same initial weights"):
         make_trainer([late, RestoreAfterFitStart(late, state)], max_steps=1).fit(FlagsAtConfigure(seed=5))
+
+
+# ----------------------------------------------------------------------------- DDP: switching blocks averaged by hand
+
+#: bytes DDP's buckets hold with save_compute=True: LISA's stem (embedding) and head (final norm
+#: and lm_head) of the tiny LLaMA; for LIFT on the MLP, whose blocks are every parameter, the
+#: smallest one stays in DDP (net.6.bias, 4 entries), as DDP refuses a model with nothing to reduce
+KEPT_IN_DDP = {"llama": 4 * (2912 + 2944), "mlp": 4 * 4}
+
+
+class AveragedByHand(Callback):
+    """On every rank under DDP: at fit start the ranks' weights are equal (``perturb``: rank 1's
+    were changed before the wrap) and DDP's buckets hold ``bucket_bytes``; at every
+    ``on_before_optimizer_step`` the frozen units have no gradient (``save_compute``), and every gradient equals
+    the mean over ranks of the local gradients, computed here again from the step's
+    micro-batches; one averaging by hand per optimizer step; after each step equal weights."""
+
+    def __init__(self, cb: LayerSelection, bucket_bytes: int, perturb: tuple[str, ...] = ()):
+        self.cb, self.bucket_bytes, self.perturb, self.batches, self.checked = cb, bucket_bytes, perturb, [], 0
+
+    def setup(self, trainer, pl_module, stage):
+        if trainer.global_rank == 1:  # before the wrap: DDP broadcasts what it holds, HandSync the rest
+            with torch.no_grad():
+                for n, p in pl_module.named_parameters():
+                    if n.startswith(self.perturb):
+                        p.add_(1.0)
+
+    @staticmethod
+    def _equal_on_ranks(trainer, pl_module):
+        flat = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
+        both = trainer.strategy.all_gather(flat)
+        assert torch.equal(both[0], both[1])
+
+    def on_fit_start(self, trainer, pl_module):
+        self._equal_on_ranks(trainer, pl_module)
+        assert trainer.strategy.model._get_ddp_logging_data()["total_parameter_size_bytes"] == self.bucket_bytes
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches.append(batch)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        off = {id(p) for u in self.cb.layers if u.name not in self.cb.selected for p in u.params.values()}
+        with_grad = [p for p in pl_module.parameters() if p.grad is not None]
+        if self.cb.save_compute:  # without, DDP computes them all, and the frozen ones are dropped at the step
+            assert not any(id(p) in off for p in with_grad)
+            assert {id(p) for p in pl_module.parameters()} - off == {id(p) for p in with_grad}
+        with trainer.precision_plugin.forward_context():  # autocast under bf16-mixed, as the step ran
+            loss = sum(pl_module.training_step(b, 0) for b in self.batches) / len(self.batches)
+        local = torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, with_grad)])
+        mean = trainer.strategy.all_gather(local).mean(0)
+        got = torch.cat([p.grad.reshape(-1) for p in with_grad])
+        assert torch.allclose(got, mean, rtol=1e-5, atol=1e-7), (got - mean).abs().max()
+        sync = self.cb._handsync
+        assert (sync is None) == (not self.cb.save_compute)
+        if sync is not None:
+            assert sync.averaged == trainer.global_step + 1  # once per optimizer step, after the last micro-batch
+        self.batches = []
+        self.checked += 1
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._equal_on_ranks(trainer, pl_module)
+        pl_module.log("steps_checked", float(self.checked), reduce_fx="max")
+
+
+def _ddp_fit(kind: str, save_compute: bool, accumulate: int, steps: int = 6, precision: str = "32-true") -> nn.Module:
+    module = LM() if kind == "llama" else MLP(samples=32)
+    cb = _schedule(kind, save_compute=save_compute)
+    full = 4 * sum(p.numel() for p in module.parameters())
+    perturb = ("model.model.embed_tokens", "model.model.layers.2") if kind == "llama" else ("net.2",)
+    check = AveragedByHand(cb, KEPT_IN_DDP[kind] if save_compute else full, perturb if save_compute else ())
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         accumulate_grad_batches=accumulate, precision=precision, callbacks=[cb, check])
+    trainer.fit(module)
+    assert trainer.callback_metrics["steps_checked"] == steps
+    return module
+
+
+@pytest.mark.parametrize(("kind", "accumulate", "precision"),
+                         [("llama", 1, "32-true"), ("llama", 2, "32-true"), ("mlp", 2, "32-true"),
+                          ("llama", 2, "bf16-mixed")])
+def test_ddp_switching_blocks_stay_out_of_ddps_buckets_and_train_as_under_ddp(kind, accumulate, precision):
+    """LISA (tiny LLaMA) and LIFT (MLP) under ddp_spawn, with and without gradient accumulation:
+    with save_compute DDP's buckets hold only what always trains, the switching blocks'
+    gradients are averaged by hand (AveragedByHand checks them against the ranks' own), ranks
+    that start different are made equal, and the weights after 6 steps with switches equal
+    those of save_compute=False, where DDP all-reduces everything; under bf16 autocast too."""
+    new = _ddp_fit(kind, True, accumulate, precision=precision)
+    old = _ddp_fit(kind, False, accumulate, precision=precision)
+    start = LM() if kind == "llama" else MLP()
+    for (n, a), b in zip(new.named_parameters(), old.parameters()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), n
+    trained = {id(p) for s in range(3) for u in _units(kind, new) if u.name in _chosen(kind, new, s)
+               for p in u.params.values()}
+    moved = {id(a) for a, c in zip(new.parameters(), start.parameters()) if not torch.equal(a, c)}
+    assert moved == trained and len(trained) > len(list(new.parameters())) // 2  # the switches took effect
+
+
+def test_ddp_resume_mid_interval_equals_the_uninterrupted_run(tmp_path):
+    """LISA with its blocks averaged by hand, under ddp_spawn: 3 steps per epoch (10 samples a
+    rank, batches of 4), a switch every 2, so the checkpoint after epoch 1 falls mid-interval;
+    the resumed run (other initial weights) ends where the uninterrupted one does."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(module, ckpt_path=None, save=False):
+        cbs = [BlockSchedule("lisa", gamma=1, every_n_steps=2, seed=1)]
+        if save:
+            cbs.append(ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1))
+        pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=3, logger=False,
+                   enable_checkpointing=save, enable_progress_bar=False, enable_model_summary=False,
+                   callbacks=cbs).fit(module, ckpt_path=ckpt_path)
+        return module
+
+    full = fit(LM(samples=20), save=True)
+    resumed = fit(LM(seed=7, samples=20), ckpt_path=str(tmp_path / "epoch=0-step=3.ckpt"))
+    for (n, a), b in zip(full.named_parameters(), resumed.parameters()):
+        assert torch.allclose(a, b, rtol=0, atol=1e-7), n
+
+
+def test_hand_sync_leaves_every_alias_of_a_shared_parameter_out_of_ddp_and_gives_the_ignore_list_back(tmp_path):
+    """A tied embedding and head (one parameter, two names): DDP itself, wrapping in a 1-rank
+    group, registers neither alias; the user's own ignore list is kept and given back."""
+    import torch.distributed as dist
+
+    from lalr_lightning.core.handsync import HandSync
+
+    module = tiny_lm("llama", True, hidden=32, layers=2)
+    emb, up = module.model.embed_tokens.weight, module.model.layers[0].mlp.up_proj.weight
+    assert module.lm_head.weight is emb
+    module._ddp_params_and_buffers_to_ignore = ["model.norm.weight"]
+    sync = HandSync(module, [emb, up, emb])
+    assert sync.names == ["lm_head.weight", "model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight"]
+    sync.exclude()
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ddp = nn.parallel.DistributedDataParallel(module)
+        held = ddp._get_ddp_logging_data()["total_parameter_size_bytes"]
+        norm = module.model.norm.weight
+        assert held == 4 * sum(p.numel() for p in module.parameters() if all(p is not q for q in (emb, up, norm)))
+    finally:
+        dist.destroy_process_group()
+    sync.stop()
+    assert module._ddp_params_and_buffers_to_ignore == ["model.norm.weight"]
+    del module._ddp_params_and_buffers_to_ignore
+    sync = HandSync(module, [up])
+    sync.exclude()
+    sync.stop()
+    assert not hasattr(module, "_ddp_params_and_buffers_to_ignore")
+
+
+def test_hand_sync_buckets_split_by_dtype_and_size():
+    from lalr_lightning.core.handsync import _buckets
+
+    ts = [torch.zeros(10), torch.zeros(10, dtype=torch.float64), torch.zeros(20), torch.zeros(30), torch.zeros(5)]
+    # float32 runs of at most 100 bytes (25 entries), in order; a tensor larger than that alone
+    assert _buckets(ts, cap=100) == [[0], [2], [3], [4], [1]]
+    assert _buckets(ts, cap=4 * 30) == [[0, 2], [3], [4], [1]]
+    assert _buckets(ts) == [[0, 2, 3, 4], [1]]

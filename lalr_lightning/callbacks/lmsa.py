@@ -115,9 +115,11 @@ class LMSAStepper(LayerSelection):
             blocks the module's optimizer trains (the selected ones with ``update="optimizer"``,
             none with ``update="msa"``), measurement batches included: the metric needs only the
             states and co-states, which reach every captured block output with its weights frozen,
-            and it forms each block's direction ``r_n`` one block at a time. Under DDP ``setup``
-            sets ``find_unused_parameters=True`` for it. Not with ``feasibility > 0`` (E-MSA needs
-            the input co-state of the selected block, which flows through the blocks before it).
+            and it forms each block's direction ``r_n`` one block at a time. Under DDP the blocks
+            are kept out of DDP's buckets and the gradients they get are averaged by hand once per
+            optimizer step (:mod:`lalr_lightning.core.handsync`; ``setup`` also sets
+            ``find_unused_parameters=True``). Not with ``feasibility > 0`` (E-MSA needs the input
+            co-state of the selected block, which flows through the blocks before it).
         optimizer_state: ``"release"`` (default): the module optimizer's state of blocks that
             stop training (``update="optimizer"``, at a re-selection) is freed, so it covers only
             the selected blocks and what trains outside the blocks; ``"keep"``: kept, and

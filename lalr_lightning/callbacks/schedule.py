@@ -54,9 +54,15 @@ class BlockSchedule(LayerSelection):
             LISA, whose stem is always trainable).
         norm_eval: norm layers of frozen blocks keep their statistics.
         save_compute: ``requires_grad`` follows the schedule, so the blocks that do not train
-            get no weight gradient; under DDP ``setup`` sets ``find_unused_parameters=True`` for
-            it (``static_graph=True`` and other multi-process strategies are refused: pass
-            ``False`` there, then frozen blocks' gradients are computed and dropped).
+            get no weight gradient. Under DDP the switching blocks (LISA: the middle blocks;
+            LIFT: every block, the smallest parameter staying in DDP) are kept out of DDP, so
+            its gradient buckets hold only what always trains (LISA's stem and head), and their
+            gradients are averaged across ranks by hand -- only the active blocks', once per
+            optimizer step, before any hook or clipping reads them -- and broadcast from rank 0
+            at fit start (``core.handsync``); ``setup`` sets ``find_unused_parameters=True``.
+            ``static_graph=True`` and other multi-process strategies are refused: pass ``False``
+            there, then every block stays in DDP and frozen blocks' gradients are computed,
+            all-reduced and dropped before the step (DDP's buckets the whole model's size).
         optimizer_state: ``"release"`` (default): the optimizer state (AdamW's two moments and
             step count) of a block that stops training is freed, so the state never exceeds
             what trains now, and the block starts afresh when drawn again -- the paper's
@@ -122,6 +128,12 @@ class BlockSchedule(LayerSelection):
 
     def _middle(self) -> list[str]:
         return [b.name for b in self.layers if b.role == "block"]
+
+    def switching_units(self):
+        """LIFT: every block; LISA: the middle blocks (its stem and head always train)."""
+        if self.schedule == "lisa":
+            return [b for b in self.layers if b.role == "block"]
+        return list(self.layers)
 
     # ------------------------------------------------------------------ when
 

@@ -11,9 +11,12 @@ costs less (``save_compute``, ``optimizer_state``):
   wraps the model, and turns ``requires_grad`` off there: the frozen matrices get no gradient,
   no DDP all-reduce and no optimizer state. A checkpoint's selection, restored after ``setup``
   but still before the wrap (single device, DDP), replaces it at no cost;
-* a *switching* selection (LIFT, LISA) turns ``requires_grad`` on and off at every switch --
-  under DDP with ``find_unused_parameters=True``, which ``setup`` configures -- and with
-  ``optimizer_state="release"`` frees the optimizer state of the blocks that stop training.
+* a *switching* selection (LIFT, LISA, L-MSA) turns ``requires_grad`` on and off at every
+  switch, and with ``optimizer_state="release"`` frees the optimizer state of the blocks that
+  stop training. Under DDP its switching blocks are kept out of DDP (set in ``setup``, before
+  the wrap), so DDP's gradient buckets hold only what always trains, and their gradients are
+  averaged across ranks by hand, only the active blocks', once per optimizer step
+  (:class:`~lalr_lightning.core.handsync.HandSync`); DDP gets ``find_unused_parameters=True``.
 
 ``requires_grad`` is given back at teardown. Logged at every logging step:
 ``<prefix>/selected/<block>`` (1 when the block trains).
@@ -33,6 +36,7 @@ from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
 from lalr_lightning.core.control import LayerControl
+from lalr_lightning.core.handsync import HandSync
 from lalr_lightning.core.layers import Layer, block_layers
 from lalr_lightning.core.norms import NORM_EVAL, norm_layers, set_norm_modes
 
@@ -92,6 +96,7 @@ class LayerSelection(LayerwiseCallback):
         self._toggle = False  # requires_grad may change after the wrap
         self._early: Decision | None = None  # decided in setup, committed at fit start
         self._restored_late = False  # the checkpoint came after on_fit_start (FSDP): applied at train start
+        self._handsync: HandSync | None = None  # DDP: the switching units' gradients averaged by hand
 
     # ------------------------------------------------------------------ views
 
@@ -125,8 +130,14 @@ class LayerSelection(LayerwiseCallback):
         return self.block_list
 
     #: whether the selection changes during training (then ``requires_grad`` follows it at
-    #: every switch, and under DDP ``setup`` configures ``find_unused_parameters=True``)
+    #: every switch, and under DDP the switching units are kept out of DDP's buckets)
     switches: ClassVar[bool] = False
+
+    def switching_units(self) -> list[Layer]:
+        """The units a switching selection turns on and off (LISA: the middle blocks, not its
+        always-trained stem and head): under DDP with ``save_compute`` their parameters are
+        kept out of DDP and their gradients averaged by hand."""
+        return list(self.layers)
 
     def decide_in_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Decision | None:
         """A static selection's decision, made in ``setup`` before the model is wrapped (the
@@ -136,6 +147,9 @@ class LayerSelection(LayerwiseCallback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._module, self._wrapped, self._early = pl_module, False, None
+            if self._handsync is not None:  # a fit that ended without teardown
+                self._handsync.stop()
+            self._handsync = None
         super().setup(trainer, pl_module, stage)
         if stage == "fit":
             self._toggle = self._prepare_toggle(trainer)
@@ -148,8 +162,8 @@ class LayerSelection(LayerwiseCallback):
 
     def _prepare_toggle(self, trainer: pl.Trainer) -> bool:
         """Whether ``requires_grad`` may change after the strategy wraps the model; under DDP a
-        switching selection makes it so (``find_unused_parameters=True``), other multi-process
-        strategies are refused."""
+        switching selection makes it so (its switching units kept out of DDP, the rest with
+        ``find_unused_parameters=True``), other multi-process strategies are refused."""
         strategy = trainer.strategy
         if isinstance(strategy, SingleDeviceStrategy):
             return True
@@ -169,11 +183,35 @@ class LayerSelection(LayerwiseCallback):
                 kwargs["find_unused_parameters"] = True
                 rank_zero_info(f"{who}: DDP set to find_unused_parameters=True, so the blocks that do not train "
                                "get no weight gradient (save_compute=False keeps DDP's default)")
+            self._keep_out_of_ddp()
+            if self._handsync is not None:
+                rank_zero_info(f"{who}: {len(self._handsync.params)} parameter tensors of the switching blocks kept out "
+                               "of DDP's gradient buckets; their gradients are averaged across ranks by hand")
             return True
         raise RuntimeError(f"{who} turns requires_grad on and off at every switch, which "
                            f"{type(strategy).__name__} cannot follow; use strategy='ddp' or pass save_compute=False")
 
+    def _keep_out_of_ddp(self) -> None:
+        """Keep the switching units' parameters out of DDP's buckets (before the wrap). DDP
+        refuses a model with nothing to reduce, so when they are all it has, the smallest one
+        stays in (a few bytes, toggled under ``find_unused_parameters=True``)."""
+        module = self._module
+        switching = self.switching_units()
+        names = {u.name for u in switching}
+        always = {id(p) for u in self.layers if u.name not in names for p in u.params.values()}
+        out = {id(p): p for u in switching for p in u.params.values() if id(p) not in always}
+        if not any(p.requires_grad and id(p) not in out for p in module.parameters()):
+            trainable = [p for p in out.values() if p.requires_grad]
+            if not trainable:
+                return  # nothing trains at all; DDP says so at the wrap
+            del out[id(min(trainable, key=lambda p: p.numel()))]
+        if out:
+            self._handsync = HandSync(module, out.values())
+            self._handsync.exclude()
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._handsync is not None:  # wrapped now: equal starting values, averaging from here on
+            self._handsync.start(trainer.strategy.model)
         self._wrapped = True
         self._norms = norm_layers(pl_module, self.block_list)
         self._ctls = self.controls(trainer)
@@ -280,7 +318,9 @@ class LayerSelection(LayerwiseCallback):
         if stage == "fit":
             for n in self._norms:
                 n.module.train(pl_module.training)
-            self._ctls, self._module = None, None
+            if self._handsync is not None:
+                self._handsync.stop()
+            self._ctls, self._module, self._handsync = None, None, None
 
 
 class SurgicalLayerSelect(Callback):
