@@ -521,7 +521,9 @@ def write_markdown(path: Path, args, results, lines, summary, load, end) -> None
                                       else " (assembled from the runs' --json files)."),
         "",
         "Bytes counted from the tensors on rank 0 (the ranks agree); grads at `on_before_optimizer_step` "
-        "(what the backward computed), AdamW state after the step; need = 12 bytes per trained parameter. "
+        "(what the backward computed) or, if larger, the gradients L-MSA forms outside the backward (a block's "
+        "direction on a measurement batch, the Hamiltonian's gradient), AdamW state after the step (L-MSA's inner "
+        "Adam included); need = 12 bytes per trained parameter. "
         "Peak RSS per process (`VmHWM`); under `ddp_spawn` the main process builds the model and spawns the ranks.",
         "",
         *lines,
