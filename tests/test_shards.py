@@ -3,9 +3,6 @@ rank's share of whole weights under FSDP (torch FSDP on CPU with gloo, 2 process
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -31,13 +28,14 @@ def _net():
     return nn.Sequential(*blocks, nn.Linear(48, 10))
 
 
-def _worker(rank, port, out):
+def _worker(rank, store, out):
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # a file store, not TCP: with TCP rank 0 hosts the store and may exit while rank 1 still
+    # tears down, which aborted rank 1 ("terminate called without an active exception") in CI
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     torch.set_num_threads(1)
     model = _net()
     layers = matrix_layers(model)  # found before wrapping, as the callbacks do in setup
@@ -53,18 +51,16 @@ def _worker(rank, port, out):
     if rank == 0:
         # numpy, not tensors: a tensor crosses the queue as a shared fd that dies with this process
         out.put((merged, {la.name: la.weight.numpy() for la in whole}))
+    dist.barrier()  # both ranks leave together
     dist.destroy_process_group()
 
 
-def test_fsdp_ranks_gather_their_share_and_the_merged_alphas_equal_one_process():
+def test_fsdp_ranks_gather_their_share_and_the_merged_alphas_equal_one_process(tmp_path):
     from torch.distributed.fsdp import FullyShardedDataParallel  # noqa: F401 - skip where FSDP is absent
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    mp.start_processes(_worker, args=(port, out), nprocs=2, start_method="spawn")
+    mp.start_processes(_worker, args=(str(tmp_path / "store"), out), nprocs=2, start_method="spawn")
     merged, weights = out.get(timeout=60)
     model = _net()
     expected = spectral.alphas(matrix_layers(model), fit="median")
