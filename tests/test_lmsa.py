@@ -671,10 +671,15 @@ class DDPNet(BlockNet):
         return loss
 
 
-def test_ddp_spawn_ranks_select_and_update_the_same_block():
+@pytest.mark.parametrize("update", ["msa", "optimizer"])
+def test_ddp_spawn_ranks_select_and_update_the_same_block(update):
+    """Both update modes under DDP (the blocks kept out of DDP's buckets, update="optimizer"'s
+    gradients averaged by hand): the ranks choose the same block and hold the same weights, and
+    only the chosen block moved."""
     model = DDPNet(n=32)
+    lmsa = LMSAStepper(inner_lr=1e-2) if update == "msa" else LMSAStepper(update="optimizer")
     trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=2, strategy="ddp_spawn", logger=False,
-                         callbacks=[LMSAStepper(inner_lr=1e-2), DDPCheck()], enable_progress_bar=False,
+                         callbacks=[lmsa, DDPCheck()], enable_progress_bar=False,
                          enable_model_summary=False, enable_checkpointing=False)
     trainer.fit(model)
     assert trainer.callback_metrics["ddp_checked"] == 1.0
