@@ -178,9 +178,9 @@ def block_score(
         used = float(rho)
     if not math.isfinite(used) or rnorm == 0.0:
         return BlockScore(float(loss), used, rgn, rnorm)
-    # the step's weights overwrite the direction: one block-sized tensor per block, not two
-    new = [d.div_(used).add_(t.detach()) if d.dtype == t.dtype else t.detach() + d.to(t.dtype) / used
-           for t, d in zip(theta, r)]
+    # the step's weights overwrite the direction (a gradient: the parameter's dtype), so each
+    # block holds one block-sized tensor, not two
+    new = [d.div_(used).add_(t.detach()) for t, d in zip(theta, r)]
     del r
     j = float(loss_after(new))
     if not math.isfinite(j):
