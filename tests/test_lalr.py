@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 from lalr_lightning.callbacks.lalr import LALRScheduleCallback
 from lalr_lightning.callbacks.tempbalance import TempBalanceCallback
 from lalr_lightning.core.lalr_metrics import lalr_layers, lalr_metrics, lalr_multipliers, minmax
+from tests._dist import ddp_spawn
 from tests._oracles import ShadowOracle
 from tests._toys import MemLogger, ToyMLP, make_trainer
 
@@ -415,7 +416,7 @@ class LALRSameOnEveryRank(Callback):
 
 
 def test_ddp_ranks_agree_on_phase_and_multipliers():
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=2, logger=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ddp_spawn(), max_epochs=2, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[LALRScheduleCallback(), LALRSameOnEveryRank()])
     trainer.fit(ToyMLP(opt="adamw", sched="step"))

@@ -20,6 +20,7 @@ from lalr_lightning.callbacks.lmsa import LMSAStepper
 from lalr_lightning.core import msa
 from lalr_lightning.core.layers import block_layers
 from lalr_lightning.core.taps import BlockTaps
+from tests._dist import ddp_spawn
 from tests._toys import MemLogger, ToyMLP, make_data, make_trainer
 
 
@@ -678,7 +679,7 @@ def test_ddp_spawn_ranks_select_and_update_the_same_block(update):
     only the chosen block moved."""
     model = DDPNet(n=32)
     lmsa = LMSAStepper(inner_lr=1e-2) if update == "msa" else LMSAStepper(update="optimizer")
-    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=2, strategy="ddp_spawn", logger=False,
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=2, strategy=ddp_spawn(), logger=False,
                          callbacks=[lmsa, DDPCheck()], enable_progress_bar=False,
                          enable_model_summary=False, enable_checkpointing=False)
     trainer.fit(model)

@@ -21,6 +21,7 @@ from lalr_lightning.callbacks import (
 from lalr_lightning.core import ntk
 from lalr_lightning.core.control import LayerControl, PostStep
 from lalr_lightning.core.probe import probe_inputs
+from tests._dist import ddp_spawn
 from tests._toys import MemLogger, ToyMLP, make_trainer
 from tests.test_proximal_math import gd_with_proximal_step
 
@@ -242,7 +243,7 @@ class WeightsEqualOnEveryRank(Callback):
 
 def test_ddp_spawn_ranks_take_the_same_decisions():
     prox = ProximalRegularizer(lam=1.0, granularity="layer", every_n_epochs=None)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=2, logger=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ddp_spawn(), max_epochs=2, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[prox, WeightsEqualOnEveryRank()])
     trainer.fit(ToyMLP(n=64, batch_size=8))

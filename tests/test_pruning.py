@@ -25,6 +25,7 @@ from lalr_lightning.core.pruning import (
     pruning_ratios,
 )
 from lalr_lightning.models.cnn import SmallCNN
+from tests._dist import ddp_spawn
 from tests._oracles import ShadowOracle
 from tests._toys import MemLogger, ToyMLP, make_trainer
 
@@ -369,7 +370,7 @@ class CheckRanksAgree(Callback):
 
 def test_ddp_ranks_hold_identical_masks():
     pruner = HTSRPruning(target_sparsity=0.5)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, logger=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ddp_spawn(), max_epochs=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[PerturbRank1(), pruner, CheckRanksAgree(pruner)])
     trainer.fit(ToyMLP(opt="sgd"))

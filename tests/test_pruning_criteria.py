@@ -15,6 +15,7 @@ from lalr_lightning.callbacks import HTSRPruning
 from lalr_lightning.core.criterion_pruning import criterion_prune, take_samples
 from lalr_lightning.core.layers import matrix_layers
 from lalr_lightning.core.llm_pruning import InputStats, prune_weight
+from tests._dist import ddp_spawn
 from tests._lm import tiny_lm
 from tests._toys import ToyMLP, make_trainer
 
@@ -275,7 +276,7 @@ class CheckRanksEqual(Callback):
 
 def test_ddp_spawn_ranks_hold_identical_masks_and_sparsegpt_weights():
     pruner = HTSRPruning(preset="alphapruning", target_sparsity=0.6, criterion="sparsegpt", n_calibration=N_CAL)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=2, logger=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ddp_spawn(), max_steps=2, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[PerturbPrunedOnRank1(), pruner, CheckRanksEqual(pruner)])
     trainer.fit(LM(lr=0.05))

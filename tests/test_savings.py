@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lalr_lightning.callbacks import BlockSchedule, LayerSelection, NTKSelect, SpectrumSelect
 from lalr_lightning.core.layers import block_layers, matrix_layers
 from lalr_lightning.core.selection import lift_block, lisa_sample
+from tests._dist import ddp_spawn
 from tests._lm import tiny_lm
 from tests._toys import ToyMLP, make_trainer
 
@@ -308,7 +309,7 @@ def test_ddp_frozen_matrices_get_no_gradient_and_ranks_stay_equal():
     no gradient (so no all-reduce), the others all get one."""
     spectrum = SpectrumSelect(top_percent=25)
     lisa = BlockSchedule("lisa", gamma=1, every_n_steps=1, seed=21)  # blocks 1, 2, 3 in three steps
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=3, logger=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ddp_spawn(), max_steps=3, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          accumulate_grad_batches=2, callbacks=[spectrum, lisa, NoGradientForFrozen()])
     trainer.fit(LM())
@@ -424,7 +425,7 @@ def _ddp_fit(kind: str, save_compute: bool, accumulate: int, steps: int = 6, pre
     full = 4 * sum(p.numel() for p in module.parameters())
     perturb = ("model.model.embed_tokens", "model.model.layers.2") if kind == "llama" else ("net.2",)
     check = AveragedByHand(cb, KEPT_IN_DDP[kind] if save_compute else full, perturb if save_compute else ())
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=steps, logger=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ddp_spawn(), max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          accumulate_grad_batches=accumulate, precision=precision, callbacks=[cb, check])
     trainer.fit(module)
@@ -462,7 +463,7 @@ def test_ddp_resume_mid_interval_equals_the_uninterrupted_run(tmp_path):
         cbs = [BlockSchedule("lisa", gamma=1, every_n_steps=2, seed=1)]
         if save:
             cbs.append(ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1))
-        pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=3, logger=False,
+        pl.Trainer(accelerator="cpu", devices=2, strategy=ddp_spawn(), max_epochs=3, logger=False,
                    enable_checkpointing=save, enable_progress_bar=False, enable_model_summary=False,
                    callbacks=cbs).fit(module, ckpt_path=ckpt_path)
         return module

@@ -22,6 +22,7 @@ from lalr_lightning.core.control import LayerControl
 from lalr_lightning.core.layers import block_layers
 from lalr_lightning.core.selection import eb_scores, lift_block, lisa_sample, relative_grad_norms, select_blocks
 from lalr_lightning.models.cnn import SmallResNet
+from tests._dist import ddp_spawn
 from tests._oracles import ShadowOracle
 from tests._toys import MemLogger, ToyMLP, make_trainer
 
@@ -359,7 +360,7 @@ def test_ddp_ranks_train_the_same_blocks_and_frozen_ones_stay_put():
     before = copy.deepcopy(model.state_dict())
     fixed = SurgicalLayerSelect(mode="blocks", select=[B1, B2, HEAD], name="fixed")
     lisa = SurgicalLayerSelect(mode="lisa", gamma=1, switch_every=1, seed=2, name="lisa")
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=4, logger=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ddp_spawn(), max_steps=4, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[fixed, lisa, SameSelectionOnEveryRank()])
     trainer.fit(model, _loader(n=64))

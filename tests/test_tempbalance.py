@@ -16,6 +16,7 @@ from lalr_lightning.callbacks import TempBalanceCallback
 from lalr_lightning.core.control import LayerControl
 from lalr_lightning.core.tempbalance import ASSIGN, assign_multipliers
 from lalr_lightning.models.cnn import SmallCNN
+from tests._dist import ddp_spawn
 from tests._oracles import ShadowOracle
 from tests._toys import make_trainer
 
@@ -235,7 +236,7 @@ class SameOnEveryRank(Callback):
 
 def test_ddp_ranks_use_identical_multipliers():
     tb = TempBalanceCallback()
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=2, logger=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ddp_spawn(), max_epochs=2, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[tb, SameOnEveryRank()])
     trainer.fit(_model(), _loader())
