@@ -1,17 +1,19 @@
 """Kept state follows its parameter: masks, anchors theta_0 and the other tensors a callback keeps
 live on their parameter's device and in its dtype when they are used, across Lightning's moves
-(setup to the accelerator, teardown back to the CPU before ``on_fit_end``) and a user's re-cast.
+(setup to the accelerator, teardown back to the CPU before ``on_fit_end``) and a user's re-cast;
+and the batches a callback draws itself are converted as Lightning converts training batches.
 
 On a CPU the device move is the meta device (what a move keeps: the Parameter objects); the GPU
 lane (tests/gpu) runs the real moves."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from lalr_lightning.callbacks import HTSRPruning, NTKDiagnostics, ProximalRegularizer
+from lalr_lightning.callbacks import AutoRGN, HTSRPruning, NTKDiagnostics, NTKSelect, ProximalRegularizer
 from lalr_lightning.core.control import LayerControl
 from lalr_lightning.core.placement import follow, placed
 from tests._toys import ToyMLP, make_trainer
@@ -98,3 +100,27 @@ def test_a_fit_whose_module_is_recast_after_the_decisions_uses_state_in_the_new_
         w = params[name].detach()
         assert torch.all(w[~keep] == 0), name
     assert any(not torch.equal(start[n].double(), params[n].detach()) for n in start)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: AutoRGN(n_batches=1),
+    lambda: NTKDiagnostics(probe_size=4),
+    lambda: NTKSelect(probe_size=4, max_layers=2),
+    lambda: ProximalRegularizer(lam=0.5, probe_size=4),
+    lambda: HTSRPruning(criterion="wanda", target_sparsity=0.5, n_calibration=8, layer_types=("linear",), head=True,
+                        min_evals=1, min_numel=1),
+], ids=["autorgn", "ntk", "ntkselect", "proximal", "wanda"])
+def test_callbacks_drawing_their_own_batches_convert_them_as_lightning_does_under_bf16_true(make):
+    """Lightning converts each training batch to the precision's input dtype before
+    training_step; a callback that draws batches from the loader itself (probes, Auto-RGN's
+    batches, calibration) must too, or a bfloat16 conv refuses the float32 input."""
+    from lalr_lightning.data.digits import DigitsDataModule
+    from lalr_lightning.models.cnn import SmallCNN
+
+    torch.manual_seed(0)
+    module = SmallCNN(num_classes=10, width=4)
+    cb = make()
+    trainer = make_trainer([cb], max_steps=2, limit_val_batches=0, precision="bf16-true")
+    trainer.fit(module, datamodule=DigitsDataModule(batch_size=16))
+    assert trainer.global_step == 2 and cb.history
+    assert all(p.dtype == torch.bfloat16 and torch.isfinite(p.float()).all() for p in module.parameters())

@@ -442,6 +442,13 @@ class LayerwiseCallback(Callback):
             raise RuntimeError(f"{type(self).__name__}: the LightningModule configured no optimizer")
         return [LayerControl.of(opt) for opt in trainer.optimizers]
 
+    @staticmethod
+    def device_batch(trainer: pl.Trainer, batch: Any) -> Any:
+        """A batch the callback drew from a loader itself, as Lightning hands batches to
+        ``training_step``: on the strategy's device, its floating tensors in the precision's input
+        dtype (bf16-true: a bfloat16 conv refuses a float32 input)."""
+        return trainer.precision_plugin.convert_input(trainer.strategy.batch_to_device(batch))
+
     def _per_param(self, per_layer: Mapping[str, Any]) -> tuple[dict, dict]:
         values, names = {}, {}
         for layer in self.layers:

@@ -113,7 +113,7 @@ class NTKDiagnostics(LayerwiseCallback):
     def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         """Every rank computes the same numbers (same probe, same weights); rank zero's are used."""
         x, _ = probe_inputs(pl_module, trainer.train_dataloader, self.probe_size,
-                            to_device=trainer.strategy.batch_to_device)
+                            to_device=lambda b: self.device_batch(trainer, b))
         params = {n: p.detach() for n, p in self._params.items()}
         k = ntk.empirical_ntk(pl_module, x, params, self._groups, mode=self.kernel,
                               max_jacobian_numel=self.max_jacobian_numel)

@@ -238,7 +238,7 @@ class ProximalRegularizer(LayerwiseCallback):
         ``theta_0`` on the probe batch (computed once per fit: they do not change)."""
         if self._unit_lambda_o is None:
             x, y = probe_inputs(pl_module, trainer.train_dataloader, self.probe_size,
-                                to_device=trainer.strategy.batch_to_device)
+                                to_device=lambda b: self.device_batch(trainer, b))
             theta0 = {n: placed(a, self._params[n]) for n, a in self._placed_anchor().items()}
             self._unit_lambda_o = estimate_lambda_o(pl_module, x, y, 1.0, theta0)["lambda_o"]
         return self._unit_lambda_o / r if r > 0 else math.nan

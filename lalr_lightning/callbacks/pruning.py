@@ -518,9 +518,7 @@ class HTSRPruning(LayerwiseCallback):
     def _forward(self, batch) -> None:
         """Run a model without transformer blocks on one calibration batch: ``x`` of a
         ``(x, ...)`` batch, a tensor batch, or a dict's entries as keyword arguments."""
-        from lightning.fabric.utilities.apply_func import move_data_to_device
-
-        batch = move_data_to_device(batch, self._model.device)
+        batch = self.device_batch(self._trainer, batch)
         try:
             if isinstance(batch, dict):
                 self._model(**batch)
