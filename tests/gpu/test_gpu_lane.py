@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -217,8 +218,9 @@ def test_offline_configs_run_on_the_accelerator(config, configs_dir, accelerator
     logs = sorted(configs_dir.rglob("metrics.csv"), key=lambda p: p.stat().st_mtime)
     assert logs, config
     df = pd.read_csv(logs[-1])
-    loss = [c for c in df.columns if "loss" in c]
-    assert loss and df[loss].stack().map(float).notna().all(), config
+    loss = df[[c for c in df.columns if "loss" in c]].to_numpy(dtype=float).ravel()
+    logged = loss[~np.isnan(loss)]  # metrics.csv is sparse: a row per logging call
+    assert logged.size and np.isfinite(logged).all(), config
 
 
 # ---------------------------------------------------------------------------- prune / perplexity
