@@ -41,7 +41,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lalr_lightning.callbacks import distributed
 from lalr_lightning.callbacks.distributed import SpawnHandoff, check_strategy
-from lalr_lightning.callbacks.planning import Planner
+from lalr_lightning.callbacks.planning import Planner, _NoFit
 from lalr_lightning.core.control import LayerControl
 from lalr_lightning.core.decision import Decision
 from lalr_lightning.core.errors import DivergenceError, reject_stray
