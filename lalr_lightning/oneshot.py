@@ -746,6 +746,7 @@ def prune_checkpoint(
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     # 1. arguments, the architecture and every tensor: nothing is written, nothing calibrated yet
     sparsity = _check_prune_args(sparsity, criterion, n, m, preset, metric, epsilon, blocksize, percdamp)
+    given = dict(blocksize=blocksize, percdamp=percdamp)  # prune_model checks them again (None: not given)
     blocksize, percdamp = 128 if blocksize is None else int(blocksize), 0.01 if percdamp is None else float(percdamp)
     for flag, value in (("--n-samples", n_samples), ("--seq-len", seq_len), ("--batch-size", batch_size)):
         if isinstance(value, bool) or int(value) != value or value < 1:
@@ -789,7 +790,7 @@ def prune_checkpoint(
         if in_memory:
             report = _prune_in_memory(model_dir, tmp, samples, cdtype, dev, ckpt.stored_dtype(), sparsity=sparsity,
                                       criterion=criterion, n=n, m=m, preset=preset, metric=metric, epsilon=epsilon,
-                                      batch_size=batch_size, blocksize=blocksize, percdamp=percdamp)
+                                      batch_size=batch_size, **given)
         else:
             report = _prune_streamed(sm, tmp, samples, settings, sparsity, criterion, n, m, batch_size, blocksize,
                                      percdamp, say)
