@@ -89,7 +89,7 @@ class OutputClaim:
         try:
             self.out.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise OSError(e.errno, f"cannot create {self.out.parent} to hold --out ({e.strerror})") from None
+            raise OSError(f"cannot create {self.out.parent} to hold --out: {e.strerror or e}") from None
         while True:
             if fcntl is None:  # pragma: no cover - Windows
                 try:
@@ -166,8 +166,8 @@ class OutputClaim:
             os.rename(self.tmp, self.out)  # replaces an empty directory, never a full one
         except OSError as e:
             (self.tmp / _MARK).write_text(f"{os.getpid()}\n")
-            raise OSError(e.errno, f"cannot move the finished output into --out {self.out} ({e.strerror}); another "
-                                   "run wrote it meanwhile, or it is on another filesystem") from None
+            raise OSError(f"cannot move the finished output into --out {self.out} ({e.strerror or e}); another run "
+                          "wrote it meanwhile, or it is on another filesystem") from None
         self.committed = True
 
     def __exit__(self, exc_type, exc, tb) -> None:
