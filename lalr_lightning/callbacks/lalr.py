@@ -105,6 +105,7 @@ class LALRScheduleCallback(LayerwiseCallback):
     score_key = "metric"
     decides_from_weights = True  # plan(model): the decision without a fit
     heatmap = ("multipliers", "LALR LR multipliers (epoch:phase)", "x scheduled LR")
+    esd_plots = True
     readable = LayerwiseCallback.readable + ("multipliers", "phase", "metrics")
 
     def __init__(

@@ -176,6 +176,7 @@ class HTSRPruning(LayerwiseCallback):
     score_key = "metric"
     logs_lr = False
     decides_from_weights = True  # plan(model): the decision without a fit
+    esd_plots = True
     deprecated = {"exclude_head": "head"}
     volatile_settings = ("make_permanent", "calibration")  # a resumed run does not calibrate again
     readable = LayerwiseCallback.readable + ("ratios", "sparsity", "channels", "masks", "excluded")

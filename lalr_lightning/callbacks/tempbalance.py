@@ -83,6 +83,7 @@ class TempBalanceCallback(LayerwiseCallback):
     score_key = "alpha"
     decides_from_weights = True  # plan(model): the decision without a fit
     heatmap = ("multipliers", "TempBalance LR multipliers", "x scheduled LR")
+    esd_plots = True
     deprecated = {"exclude_first_last": "first, head"}
     readable = LayerwiseCallback.readable + ("multipliers", "excluded")
 
