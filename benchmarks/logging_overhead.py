@@ -6,17 +6,19 @@ Two workloads:
 * ``quickstart``: ``configs/quickstart.yaml``'s SmallCNN (width 32) on scikit-learn's digits,
   TempBalance every epoch, 10 epochs (10 decisions, 3 balanced layers);
 * ``resnet18``: a short run, timm's ResNet-18 (10 classes) on random 32x32 images, 6 optimizer
-  steps, TempBalance at fit start (1 decision, 19 balanced layers): the run of issue 26.
+  steps, TempBalance every 2 steps (3 decisions, 19 balanced layers), like the run of issue 26.
 
 Arms: ``none`` (``logger=False``), ``csv``, then TensorBoard and offline W&B with
 ``figures="never"`` (scalars and decision tables), ``"first_last"`` (ESD plots of the first and
 last decision, heatmap at the last) and ``"every"`` (ESD plots and heatmap at every decision).
 Each fit is timed from the first callback's ``on_fit_start`` to the last one's ``on_fit_end``
-(W&B's process start-up and shut-down are outside it). A *decision* is TempBalance's own
-``update`` (measure, decide, apply, record) in the ``none`` arm. Printed per arm: seconds per
-fit, the ratio to ``none``, and the seconds the logger adds per decision as a share of a
-decision. Arms are interleaved within each repeat, so a load change on a shared machine hits all
-alike; medians over repeats.
+(W&B's process start-up and shut-down are outside it), and inside it the time the dashboards take
+(``LayerwiseCallback._publish``: tables, heatmaps, ESD plots, settings, summary). A *decision* is
+TempBalance's own ``update`` without the dashboards (measure, decide, apply, record, scalars).
+Printed per arm: seconds per fit and its ratio to ``none``; the dashboards' seconds per fit, per
+decision, and per decision as a multiple of a decision of the same fit. The dashboards' share is
+measured inside each fit, so it holds on a loaded machine where the fit times, compared across
+fits, move by tens of percent. Arms are interleaved within each repeat; medians over repeats.
 
     python benchmarks/logging_overhead.py [--repeats 3] [--workloads quickstart resnet18] [--threads 1]
 """
@@ -61,18 +63,26 @@ class _Clock(Callback):
 
 
 class _Timed(TempBalanceCallback):
-    """TempBalance that adds up the time of its decisions (``update``)."""
+    """TempBalance that times its decisions (``update``) and its dashboards (``_publish``)."""
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
-        self.decision_s: list[float] = []
+        self.update_s: list[float] = []
+        self.publish_s: list[float] = []
 
     def update(self, trainer, pl_module):
-        t0 = time.perf_counter()
+        t0, published = time.perf_counter(), sum(self.publish_s)
         try:
             return super().update(trainer, pl_module)
+        finally:  # the decision alone: what its own dashboards took is counted apart
+            self.update_s.append(time.perf_counter() - t0 - (sum(self.publish_s) - published))
+
+    def _publish(self, trainer, event, decision=None):
+        t0 = time.perf_counter()
+        try:
+            return super()._publish(trainer, event, decision)
         finally:
-            self.decision_s.append(time.perf_counter() - t0)
+            self.publish_s.append(time.perf_counter() - t0)
 
 
 class _ResNet(pl.LightningModule):
@@ -110,6 +120,12 @@ def _workload(name: str):
     raise ValueError(f"unknown workload {name!r}; valid: quickstart, resnet18")
 
 
+def _callback(workload: str, figures: str) -> _Timed:
+    if workload == "resnet18":
+        return _Timed(figures=figures, every_n_steps=2)
+    return _Timed(figures=figures)
+
+
 def _logger(arm: str, work: Path):
     kind = arm.split(":")[0]
     if kind == "none":
@@ -127,11 +143,11 @@ def _logger(arm: str, work: Path):
     return WandbLogger(save_dir=str(work), project="overhead")
 
 
-def run(workload: str, arm: str, work: Path) -> tuple[float, list[float]]:
-    """(seconds of the fit, seconds of each decision) of one fit."""
+def run(workload: str, arm: str, work: Path) -> tuple[float, list[float], float]:
+    """(seconds of the fit, seconds of each decision, seconds of the dashboards) of one fit."""
     model, data, opts = _workload(workload)
     figures = arm.split(":")[1] if ":" in arm else "never"
-    tb = _Timed(figures=figures)
+    tb = _callback(workload, figures)
     marks: dict = {}
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=_logger(arm, work), enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False,
@@ -141,7 +157,7 @@ def run(workload: str, arm: str, work: Path) -> tuple[float, list[float]]:
         import wandb
 
         wandb.finish()
-    return marks["end"] - marks["start"], tb.decision_s
+    return marks["end"] - marks["start"], tb.update_s, sum(tb.publish_s)
 
 
 def main() -> None:
@@ -162,24 +178,26 @@ def main() -> None:
         os.chdir(tmp)  # Lightning's and W&B's side files stay in the temporary directory
         for workload in args.workloads:
             fits: dict[str, list[float]] = {a: [] for a in args.arms}
+            dashboards: dict[str, list[float]] = {a: [] for a in args.arms}
             decisions: dict[str, list[float]] = {a: [] for a in args.arms}
             n_dec = 0
             for r in range(args.repeats):
                 for arm in args.arms:  # interleaved
-                    fit, dec = run(workload, arm, Path(tmp) / f"{workload}-{r}-{arm.replace(':', '-')}")
+                    fit, dec, dash = run(workload, arm, Path(tmp) / f"{workload}-{r}-{arm.replace(':', '-')}")
                     fits[arm].append(fit)
-                    decisions[arm] += dec
+                    dashboards[arm].append(dash)
+                    decisions[arm].append(statistics.median(dec))
                     n_dec = len(dec)
-            base = statistics.median(fits["none"]) if "none" in fits else float("nan")
-            decision = statistics.median(decisions["none"]) if "none" in decisions else float("nan")
+            base = statistics.median(fits[args.arms[0]])
             print(f"\n{workload}: {n_dec} decision(s) per fit, {args.repeats} fit(s) per arm (medians); "
-                  f"a decision takes {decision:.3f} s")
-            print(f"{'arm':<24}{'fit s':>9}{'vs none':>9}{'added s/decision':>18}{'x a decision':>14}")
+                  f"a decision takes {statistics.median(decisions[args.arms[0]]):.3f} s ({args.arms[0]})")
+            print(f"{'arm':<24}{'fit s':>8}{'vs ' + args.arms[0]:>9}{'dashboards s':>14}{'per decision':>14}"
+                  f"{'x a decision':>14}")
             for arm in args.arms:
-                f = statistics.median(fits[arm])
-                added = (f - base) / max(n_dec, 1)
-                print(f"{arm:<24}{f:>9.3f}{f / base:>9.2f}{added:>18.3f}{added / decision:>14.2f}")
-
+                f, d = statistics.median(fits[arm]), statistics.median(dashboards[arm])
+                shares = [dash / max(n_dec, 1) / dec for dash, dec in zip(dashboards[arm], decisions[arm])]
+                print(f"{arm:<24}{f:>8.2f}{f / base:>9.2f}{d:>14.3f}{d / max(n_dec, 1):>14.3f}"
+                      f"{statistics.median(shares):>14.2f}")
 
 if __name__ == "__main__":
     main()
