@@ -10,8 +10,8 @@ This class does the rest, the same way for all of them:
 2. decide on rank zero and broadcast, so ranks cannot drift apart (an error raised there is
    raised on every rank, so none waits forever);
 3. store the decision, append it to a bounded ``history``, apply it;
-4. log every per-layer number as ``<prefix>/<quantity>/<layer>``, and a layers x decisions
-   heatmap at fit end;
+4. log every per-layer number as ``<prefix>/<quantity>/<layer>``, and, as the ``figures``
+   setting says, a layers x decisions heatmap and ESD plots (:mod:`lalr_lightning.dashboards`);
 5. keep it all in a versioned ``state_dict`` that knows it was restored and refuses a
    checkpoint written with other settings (naming the setting; ``strict_resume=False`` opts out).
 

@@ -96,7 +96,7 @@ class LALRScheduleCallback(LayerwiseCallback):
     ``history``. Logged every epoch: ``<prefix>/svd/<layer>``, ``<prefix>/ce/<layer>``,
     ``<prefix>/cs/<layer>`` (final metrics), ``<prefix>/multiplier/<layer>``,
     ``<prefix>/phase`` (index in ``("svd", "ce", "cs")``, sequential mode), and
-    ``lr_eff/<layer>`` at every logging step; at fit end a layers x epochs heatmap of the
+    ``lr_eff/<layer>`` at every logging step; with ``figures`` set, a layers x epochs heatmap of the
     multipliers goes to image loggers (W&B, TensorBoard).
     """
 

@@ -167,7 +167,7 @@ class HTSRPruning(LayerwiseCallback):
     ``masks`` (parameter name -> bool keep-mask), ``excluded`` (layer -> reason).
     Logged: ``<prefix>/ratio/<layer>``, ``<prefix>/sparsity/<layer>``,
     ``<prefix>/metric/<layer>``, ``<prefix>/overall_sparsity`` (over all pruned layers' weights) at each
-    pruning event and at fit end; a heatmap of the per-layer ratios and sparsities at fit end.
+    pruning event and at fit end; with ``figures`` set, a heatmap of the per-layer ratios and sparsities.
     """
 
     log_prefix = "pruning"

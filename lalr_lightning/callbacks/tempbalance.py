@@ -79,7 +79,8 @@ class TempBalanceCallback(LayerwiseCallback):
     Readable: ``multipliers`` and ``scores`` (layer name -> multiplier / alpha, eligible layers
     only), ``excluded`` (layer -> why it is left alone), ``history``.
     Logged: ``<prefix>/alpha/<layer>``, ``<prefix>/multiplier/<layer>`` at each update,
-    ``lr_eff/<layer>`` at every logging step, and a layers x updates heatmap at fit end.
+    ``lr_eff/<layer>`` at every logging step; with ``figures`` set (``"first_last"``, ``"every"``),
+    a layers x updates heatmap and the ESD plots (docs/dashboards.md).
     """
 
     log_prefix = "tempbalance"
