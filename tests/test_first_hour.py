@@ -198,6 +198,9 @@ def test_the_wandb_example_puts_the_checkpoint_under_its_project(tmp_path, monke
     pattern = shlex.split(report)[4]
     assert pattern == "lightning_logs/wandb/offline-run-<time>-<id>"
     (folder,) = tmp_path.glob(pattern.replace("<time>", "*").replace("<id>", run_id))
+    from tests.test_dashboards import _wait_for_exit
+
+    _wait_for_exit(next(folder.glob("run-*.wandb")))  # wandb's core process may still be writing
     assert report_main([str(folder), "--out", "report.html"]) == 0
     assert '<section id="tempbalance">' in (tmp_path / "report.html").read_text()
     capsys.readouterr()
