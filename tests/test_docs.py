@@ -72,7 +72,7 @@ def _collected(request) -> int:
     selection (the full run, CI's), else ``pytest --collect-only`` in a subprocess."""
     config, items = request.config, request.session.items
     files = {Path(str(item.path)).resolve() for item in items}
-    everything = {p.resolve() for p in (ROOT / "tests").glob("test_*.py")}
+    everything = {p.resolve() for p in (ROOT / "tests").rglob("test_*.py")}
     selected = (config.getoption("keyword") or config.getoption("markexpr") or config.getoption("deselect")
                 or config.getoption("lf", default=False) or any("::" in str(a) for a in config.args))
     if files == everything and not selected:
