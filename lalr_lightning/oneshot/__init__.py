@@ -737,10 +737,10 @@ def prune_checkpoint(
     architecture, every tensor the config implies (present, with its shape) and every value
     (finite), the calibration file and whether its activations fit. The output is written to a
     temporary sibling of ``out_dir`` and renamed into place once complete and checked
-    (:class:`lalr_lightning.outdir.OutputClaim`): a failure or an interrupt leaves no ``out_dir``
+    (:class:`lalr_lightning.oneshot.outdir.OutputClaim`): a failure or an interrupt leaves no ``out_dir``
     (or the empty one that was there), and a second run into the same ``out_dir`` is refused.
     """
-    from lalr_lightning.outdir import OutputClaim
+    from lalr_lightning.oneshot.outdir import OutputClaim
 
     say = log or (lambda s: None)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
