@@ -67,7 +67,9 @@ _CHILD_PPL = _HWM + r"""
 import json, sys, time
 import torch
 from transformers import AutoModelForCausalLM
-from lalr_lightning.oneshot import _encode, _load_tokenizer, perplexity
+from lalr_lightning.oneshot import perplexity
+from lalr_lightning.oneshot.checkpoint import _load_tokenizer
+from lalr_lightning.oneshot.text import _encode
 from pathlib import Path
 model_dir, data, seq, windows = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 if int(sys.argv[5]):

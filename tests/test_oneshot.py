@@ -1,4 +1,4 @@
-"""The one-shot ``prune`` and ``perplexity`` commands (lalr_lightning/oneshot.py) on tiny
+"""The one-shot ``prune`` and ``perplexity`` commands (lalr_lightning/oneshot/) on tiny
 Hugging Face directories built offline."""
 
 from __future__ import annotations
@@ -221,18 +221,18 @@ def test_bad_inputs_give_one_line_errors(files, tmp_path, capsys):
 
 
 def test_streaming_holds_one_block_at_a_time(files, tmp_path, monkeypatch):
-    from lalr_lightning import oneshot
+    from lalr_lightning.oneshot.checkpoint import _Streamed
 
     root, models = files
     seen = []
-    load = oneshot._Streamed.block
+    load = _Streamed.block
 
     def block(self, i):  # before each block is loaded, no other block (nor the head) holds weights
         seen.append([j for j, b in enumerate(self.blocks) if any(p.device.type != "meta" for p in b.parameters())])
         assert self.model.get_output_embeddings().weight.device.type == "meta"
         return load(self, i)
 
-    monkeypatch.setattr(oneshot._Streamed, "block", block)
+    monkeypatch.setattr(_Streamed, "block", block)
     prune_checkpoint(models["llama"], tmp_path / "o", criterion="sparsegpt", preset="alphapruning",
                      calibration=root / "calib.txt", n_samples=2, seq_len=16)
     assert len(seen) == 4 and all(s == [] for s in seen)  # 2 blocks x (metric pass, pruning pass)

@@ -19,8 +19,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lalr_lightning import oneshot
 from lalr_lightning.cli import main
+from lalr_lightning.oneshot import prune
+from lalr_lightning.oneshot.checkpoint import _Streamed
 from tests._lm import WORDS, save_tiny_lm, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -308,7 +309,7 @@ def test_bad_arguments_and_models_are_refused_before_calibration(files, tmp_path
     def no_calibration(*a, **k):
         raise AssertionError("calibration started")
 
-    monkeypatch.setattr(oneshot, "calibration_samples", no_calibration)
+    monkeypatch.setattr(prune, "calibration_samples", no_calibration)
     code, _, err = _run(_args(root, models[family], tmp_path / "out", *extra), capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1 and phrase in err, err  # nothing ran before it
     _no_trace_of(tmp_path / "out")
@@ -421,7 +422,7 @@ def test_ctrl_c_half_way_leaves_no_out_and_the_rerun_works(files, tmp_path, caps
     leftover temporary directory is swept by the next run, which succeeds."""
     root, models = files
     out = tmp_path / "out"
-    load = oneshot._Streamed.block
+    load = _Streamed.block
 
     def interrupted(self, i):
         if i == 1:
@@ -429,11 +430,11 @@ def test_ctrl_c_half_way_leaves_no_out_and_the_rerun_works(files, tmp_path, caps
             raise KeyboardInterrupt
         return load(self, i)
 
-    monkeypatch.setattr(oneshot._Streamed, "block", interrupted)
+    monkeypatch.setattr(_Streamed, "block", interrupted)
     code, _, err = _run(_args(root, models["llama"], out), capsys)
     assert code == 130 and err.strip().splitlines()[-1].endswith(f"interrupted; nothing was written to --out {out}")
     _no_trace_of(out)
-    monkeypatch.setattr(oneshot._Streamed, "block", load)
+    monkeypatch.setattr(_Streamed, "block", load)
     # a run killed with SIGKILL cannot clean up: its temporary directory is removed by the next run
     stale = tmp_path / ".out.partial-999999-deadbeef"
     stale.mkdir()
