@@ -14,7 +14,7 @@ mask, position ids, rotary position embeddings). Then, for each block in order:
 
 ``materialize(index)`` / ``release(index, block)`` let a caller that streams the weights from disk
 build a block just before step 1 and free it after step 3, so only one block's weights and the
-calibration activations are in memory (``lalr_lightning/oneshot.py``).
+calibration activations are in memory (``lalr_lightning/oneshot/prune.py``).
 
 API (pure PyTorch; ``transformers`` is only touched through the model object):
 
