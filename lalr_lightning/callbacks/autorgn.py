@@ -196,7 +196,7 @@ class AutoRGN(LayerSelection):
             for batch in loader:
                 if n >= self.n_batches:
                     break
-                batch = trainer.strategy.batch_to_device(batch)
+                batch = self.device_batch(trainer, batch)
                 loss = (self.loss_fn or batch_loss)(pl_module, batch)
                 grads = torch.autograd.grad(loss, params, allow_unused=True)
                 self.check_finite(trainer, {u.name: g for u, g in zip(units, grads) if g is not None},

@@ -162,9 +162,12 @@ class NTKSelect(LayerSelection):
 
     def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict:
         """The per-layer kernels on the probe batch (every rank computes the same ones)."""
-        loader = self._loader if self._loader is not None else trainer.train_dataloader
+        in_setup = self._loader is not None
+        loader = self._loader if in_setup else trainer.train_dataloader
         self._loader = None
-        x, _ = probe_inputs(pl_module, loader, self.probe_size, to_device=trainer.strategy.batch_to_device)
+        # in setup the precision plugin has not converted the module yet (bf16-true): nor the batch
+        to_device = trainer.strategy.batch_to_device if in_setup else (lambda b: self.device_batch(trainer, b))
+        x, _ = probe_inputs(pl_module, loader, self.probe_size, to_device=to_device)
         k = ntk.empirical_ntk(pl_module, x, {n: p.detach() for n, p in self._params.items()}, self._groups,
                               mode=self.kernel)
         self.check_finite(trainer, k.S, "the per-layer NTK on the probe batch")

@@ -34,6 +34,7 @@ from lalr_lightning.core.anchor import check_anchor, load_anchor, snapshot, trai
 from lalr_lightning.core.control import PostStep
 from lalr_lightning.core.layers import Layer
 from lalr_lightning.core.ntk import estimate_lambda_o, layer_groups
+from lalr_lightning.core.placement import follow, placed
 from lalr_lightning.core.probe import probe_inputs
 from lalr_lightning.core.shards import ShardLayout, all_sum, local_tensor
 
@@ -203,8 +204,10 @@ class ProximalRegularizer(LayerwiseCallback):
         layout = self._layout
         check_anchor(self._anchor, {n: torch.empty(layout.shape(p), device="meta") for n, p in self._params.items()},
                      "the checkpoint")
-        self._anchor = {n: layout.local(p, self._anchor[n]).to("cpu" if self.offload_anchor else p.device)
-                        for n, p in self._params.items()}
+        self._anchor = {n: layout.local(p, self._anchor[n]) for n, p in self._params.items()}
+        if self.offload_anchor:
+            self._anchor = {n: a.cpu() for n, a in self._anchor.items()}
+        self._placed_anchor()  # in each parameter's dtype
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
@@ -237,7 +240,8 @@ class ProximalRegularizer(LayerwiseCallback):
         if not names:
             return
         params = {n: local_tensor(self._params[n]) for n in names}
-        anchors = {n: local_tensor(self._anchor[n]) for n in names}
+        anchor = self._placed_anchor()
+        anchors = {n: local_tensor(anchor[n]) for n in names}
         if self.selective:
             groups = {g: [n for n in m if n in params] for g, m in self._groups.items()}
             grads = {n: None if self._params[n].grad is None else local_tensor(self._params[n].grad) for n in names}
@@ -250,12 +254,17 @@ class ProximalRegularizer(LayerwiseCallback):
             self._steps[n] += 1
             self._pulled[n] += int(pull[n])
 
+    def _placed_anchor(self) -> dict[str, torch.Tensor]:
+        """``theta_0`` in each parameter's dtype and (unless offloaded) on its device: Lightning
+        moves the model after the snapshot (back to the CPU before ``on_fit_end``)."""
+        return follow(self._anchor, self._params, device=not self.offload_anchor)
+
     # ------------------------------------------------------------------ measurements
 
     def current_distances(self) -> tuple[dict[str, float], float]:
         """(``{layer: ||theta - theta_0||}``, the norm over all regularized parameters)."""
         d = proximal.deltas({n: local_tensor(p) for n, p in self._params.items()},
-                            {n: local_tensor(a) for n, a in self._anchor.items()})
+                            {n: local_tensor(a) for n, a in self._placed_anchor().items()})
         per_layer = proximal.distances(d, self._groups, reduce=all_sum if self._sharded else None)
         return per_layer, math.sqrt(math.fsum(v * v for v in per_layer.values()))
 
@@ -271,8 +280,8 @@ class ProximalRegularizer(LayerwiseCallback):
         ``theta_0`` on the probe batch (computed once per fit: they do not change)."""
         if self._unit_lambda_o is None:
             x, y = probe_inputs(pl_module, trainer.train_dataloader, self.probe_size,
-                                to_device=trainer.strategy.batch_to_device)
-            theta0 = {n: a.to(self._params[n].device) for n, a in self._anchor.items()}
+                                to_device=lambda b: self.device_batch(trainer, b))
+            theta0 = {n: placed(a, self._params[n]) for n, a in self._placed_anchor().items()}
             self._unit_lambda_o = estimate_lambda_o(pl_module, x, y, 1.0, theta0)["lambda_o"]
         return self._unit_lambda_o / r if r > 0 else math.nan
 
