@@ -92,6 +92,24 @@ def run_pair(fn: Callable[..., None], workdir: str | Path, *args: Any, timeout_s
     return out
 
 
+def run_pair_once(name: str, tmp_path_factory, fn: Callable[..., None], *args: Any,
+                  timeout_s: int = 120) -> dict[int, dict]:
+    """:func:`run_pair` once per test session, whatever the number of pytest-xdist workers: a
+    module's tests may be spread over the workers, and each would run its module fixture; the
+    first to come runs the pair, the others wait for it and read its records. ``fn`` gets its
+    work directory as its first argument after ``record``."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # shared by the session's workers
+    work, done = root / f"pair_{name}", root / f"pair_{name}.pt"
+    with FileLock(str(root / f"pair_{name}.lock")):
+        if not done.exists():
+            torch.save(run_pair(fn, work, str(work), *args, timeout_s=timeout_s), done)
+    return torch.load(done, weights_only=False)
+
+
 def _pair_main(rank: int, fn, workdir: str, args: tuple, timeout_s: int) -> None:
     # Lightning takes the processes as launched from outside (LOCAL_RANK set) and joins the group
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2", RANK=str(rank), MASTER_ADDR="127.0.0.1",

@@ -1,5 +1,6 @@
 """Every shipped config's callbacks parse and build through jsonargparse, as LightningCLI builds
-them (so a renamed or rejected argument shows up here, not on a user's cluster)."""
+them (so a renamed or rejected argument shows up here, not on a user's cluster); the offline
+Wanda configs and the multi-GPU FSDP configs run through the CLI (the FSDP ones on 2 CPU ranks)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch.distributed
 import yaml
 from jsonargparse import ArgumentParser
 from lightning.pytorch.callbacks import Callback
@@ -77,7 +79,7 @@ TINY = {
 }
 
 
-def _configs_pair(rank, record, names, tiny, work):
+def _configs_pair(rank, record, work, names):
     import warnings
 
     from lalr_lightning.callbacks import LayerwiseCallback
@@ -85,6 +87,10 @@ def _configs_pair(rank, record, names, tiny, work):
     from lalr_lightning.core.shards import fsdp_units
 
     warnings.filterwarnings("ignore")
+    tiny = f"{work}/tiny.yaml"
+    if rank == 0:
+        Path(tiny).write_text(yaml.safe_dump(TINY))
+    torch.distributed.barrier()
     for name in names:
         cli = LalrCLI(args=["fit", "--config", str(CONFIGS[0].parent / name), "--config", tiny,
                             "--data.init_args.cache_dir", f"{work}/cache",
@@ -101,12 +107,9 @@ def _configs_pair(rank, record, names, tiny, work):
 
 @pytest.fixture(scope="module")
 def fsdp_runs(tmp_path_factory):
-    from _dist import run_pair
+    from _dist import run_pair_once
 
-    work = tmp_path_factory.mktemp("fsdp_configs")
-    tiny = work / "tiny.yaml"
-    tiny.write_text(yaml.safe_dump(TINY))
-    return run_pair(_configs_pair, work, FSDP_CONFIGS, str(tiny), str(work), timeout_s=300)
+    return run_pair_once("fsdp_configs", tmp_path_factory, _configs_pair, FSDP_CONFIGS, timeout_s=300)
 
 
 @pytest.mark.parametrize("name", FSDP_CONFIGS)

@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from _dist import ddp, fsdp1, fsdp2, run_pair
+from _dist import ddp, fsdp1, fsdp2, run_pair_once
 from _lm import tiny_lm
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
@@ -163,7 +163,7 @@ def _fit(kind, make_cb, model_cls, epochs, ckpt_in=None, ckpt_dir=None):
     return _plain(decision), getattr(cap, "weights", {})
 
 
-def _strategy_pair(rank, record, kinds, workdir):
+def _strategy_pair(rank, record, workdir, kinds):
     warnings.filterwarnings("ignore")
     for name, (make, model_cls, epochs) in _cases().items():
         for kind in kinds:
@@ -182,8 +182,7 @@ def runs(tmp_path_factory):
     """Every case under DDP and each sharded kind: {rank: {(case, kind[, "resumed"]): (decision, weights)}}."""
     from torch.distributed.fsdp import FullyShardedDataParallel  # noqa: F401 -- skip where FSDP is absent
 
-    work = tmp_path_factory.mktemp("fsdp")
-    return run_pair(_strategy_pair, work, ("ddp", *KINDS), str(work))
+    return run_pair_once("fsdp", tmp_path_factory, _strategy_pair, ("ddp", *KINDS))
 
 
 def _get(runs, rank, key):
