@@ -11,6 +11,7 @@ compare them here.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import warnings
@@ -31,20 +32,31 @@ KINDS = ("fsdp1_wrap", "fsdp1", "fsdp2")
 
 
 class LM(pl.LightningModule):
-    """A tiny LLaMA (4 decoder layers, untied head) trained with SGD + momentum on fixed tokens;
-    under FSDP2 it shards each decoder layer and then the whole model in ``configure_model``."""
+    """A tiny causal LM (4 decoder layers; LLaMA with an untied head, or GPT-2 / OPT with tied
+    embeddings) trained with SGD + momentum on fixed tokens; under FSDP2 it shards each decoder
+    layer and then the whole model in ``configure_model``."""
 
-    def __init__(self, fsdp2: bool = False, lr: float = 0.05):
+    def __init__(self, fsdp2: bool = False, lr: float = 0.05, family: str = "llama", tied: bool = False):
         super().__init__()
-        self.model = tiny_lm("llama", False, hidden=32, layers=4)
+        self.model = tiny_lm(family, tied, hidden=32, layers=4)
         self.fsdp2, self.lr = fsdp2, lr
+
+    @property
+    def units(self) -> list[nn.Module]:
+        """The decoder layers: one FSDP unit each."""
+        m = self.model
+        if hasattr(m, "transformer"):  # GPT-2
+            return list(m.transformer.h)
+        if hasattr(m.model, "decoder"):  # OPT
+            return list(m.model.decoder.layers)
+        return list(m.model.layers)  # LLaMA
 
     def configure_model(self):
         if self.fsdp2:
             from torch.distributed.fsdp import fully_shard
 
             mesh = self.device_mesh["data_parallel"]
-            for layer in self.model.model.layers:
+            for layer in self.units:
                 fully_shard(layer, mesh=mesh)
             fully_shard(self.model, mesh=mesh)
 
@@ -69,14 +81,17 @@ class MLP(pl.LightningModule):
         self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
         self.fsdp2, self.lr = fsdp2, lr
 
+    @property
+    def units(self) -> list[nn.Module]:
+        return [m for m in self.net if isinstance(m, nn.Linear)]
+
     def configure_model(self):
         if self.fsdp2:
             from torch.distributed.fsdp import fully_shard
 
             mesh = self.device_mesh["data_parallel"]
-            for layer in self.net:
-                if isinstance(layer, nn.Linear):
-                    fully_shard(layer, mesh=mesh)
+            for layer in self.units:
+                fully_shard(layer, mesh=mesh)
             fully_shard(self, mesh=mesh)
 
     def forward(self, x):
@@ -111,6 +126,9 @@ def _cases():
         "wanda": (lambda: C.HTSRPruning(criterion="wanda", n_calibration=8, **prune), LM, 2),
         "sparsegpt": (lambda: C.HTSRPruning(criterion="sparsegpt", n_calibration=8, **prune), LM, 2),
         "proximal": (lambda: C.ProximalRegularizer(lam=0.5, every_n_epochs=None), LM, 2),
+        "tempbalance_gpt2": (lambda: C.TempBalanceCallback(min_evals=5, every_n_steps=2),
+                             functools.partial(LM, family="gpt2", tied=True), 2),
+        "magnitude_opt": (lambda: C.HTSRPruning(**prune), functools.partial(LM, family="opt", tied=True), 2),
         "ntkselect_mlp": (lambda: C.NTKSelect(probe_size=8, max_layers=1, kappa_max=1e6), MLP, 2),
         "tempbalance_mlp": (lambda: C.TempBalanceCallback(min_evals=3, first=True, every_n_steps=2), MLP, 2),
         "proximal_mlp": (lambda: C.ProximalRegularizer(lam=0.5, granularity="global", every_n_epochs=None), MLP, 2),
@@ -142,10 +160,9 @@ class _Capture(pl.Callback):
 
 
 def _fit(kind, make_cb, model_cls, epochs, ckpt_in=None, ckpt_dir=None):
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
+    model = model_cls(fsdp2=kind == "fsdp2")
     strategy = {"ddp": lambda: ddp(),
-                "fsdp1_wrap": lambda: fsdp1(wrap={LlamaDecoderLayer} if model_cls is LM else {nn.Linear}),
+                "fsdp1_wrap": lambda: fsdp1(wrap={type(model.units[0])}),  # a unit per decoder layer / Linear
                 "fsdp1": lambda: fsdp1(),
                 "fsdp2": lambda: fsdp2(save_distributed_checkpoint=False)}[kind]()
     cb, cap = make_cb(), _Capture()
@@ -154,7 +171,7 @@ def _fit(kind, make_cb, model_cls, epochs, ckpt_in=None, ckpt_dir=None):
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False,
                          enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[cb, cap, *saves])
-    trainer.fit(model_cls(fsdp2=kind == "fsdp2"), ckpt_path=ckpt_in)
+    trainer.fit(model, ckpt_path=ckpt_in)
     decision = {"history": [{k: v for k, v in h.items() if k not in ("epoch", "step")} for h in cb.history],
                 "scores": cb.scores, "decision": getattr(cb, cb.decision_attr)}
     for extra in ("masks", "distances", "regularized_fraction", "sparsity"):
