@@ -272,6 +272,7 @@ class HTSRPruning(LayerwiseCallback):
                 "is sharded) or strategy='ddp'")
         if self.masks:
             return  # kept from an earlier fit: enforced at fit start
+        self._model.to(trainer.strategy.root_device)  # where the strategy shards it next (and the batches go)
         self._level, self._trainer = 1.0, trainer
         try:
             decision = self.decide_everywhere(trainer, self.measure(trainer, self._model))
