@@ -5,7 +5,11 @@
   weights of its own share only where the strategy shards them (:func:`measure_shards`);
 * deciding on rank zero and broadcasting, so ranks cannot drift apart (:func:`decide_on_zero`);
 * handing a ``ddp_spawn`` worker's final state back to the callback object in the main process
-  (:class:`SpawnHandoff`).
+  (:class:`SpawnHandoff`);
+* where the strategy shards the weights (FSDP1's ``FSDPStrategy``, FSDP2's
+  ``ModelParallelStrategy``): the root to gather through (:func:`model_root`), how to cut tensors
+  kept next to the weights like them (:func:`shard_layout`), and following the parameters FSDP2
+  puts in place of the old ones after ``setup`` (:func:`rebind`).
 
 :class:`~lalr_lightning.callbacks.base.LayerwiseCallback` calls these at the steps of its cycle;
 the pure parts (who measures what, gathering one unit's whole weights) are
@@ -78,8 +82,8 @@ def parameter_names(module: torch.nn.Module) -> dict[int, str]:
 
 def rebind(obj: Any, names: Mapping[int, str], module: torch.nn.Module) -> Any:
     """``obj`` with every parameter named in ``names`` (``parameter_names`` taken before the
-    strategy replaced them) swapped for the parameter of that name in ``module`` now. Dicts,
-    lists and :class:`Layer` parameter tables are changed in place; tuples and sets rebuilt."""
+    strategy replaced them) swapped for the parameter of that name in ``module`` now, in place
+    in dicts, lists and :class:`Layer` parameter tables (where the callbacks keep parameters)."""
     live = dict(module.named_parameters(remove_duplicate=False))
 
     def swap(x: Any) -> Any:
@@ -93,10 +97,6 @@ def rebind(obj: Any, names: Mapping[int, str], module: torch.nn.Module) -> Any:
                 x[k] = swap(x[k])
         elif isinstance(x, list):
             x[:] = [swap(v) for v in x]
-        elif isinstance(x, tuple):
-            return type(x)(swap(v) for v in x) if not hasattr(x, "_fields") else type(x)(*(swap(v) for v in x))
-        elif isinstance(x, (set, frozenset)):
-            return type(x)(swap(v) for v in x)
         return x
 
     return swap(obj)
