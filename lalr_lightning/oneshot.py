@@ -75,12 +75,17 @@ def read_text(path: str | os.PathLike, text_field: str = "text") -> tuple[list[s
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"no such file: {p}")
-    if p.suffix.lower() == ".txt":
-        return [p.read_text(encoding="utf-8")], True
-    if p.suffix.lower() not in (".json", ".jsonl", ".ndjson"):
+    if p.suffix.lower() not in (".txt", ".json", ".jsonl", ".ndjson"):
         raise ValueError(f"{p}: calibration and evaluation text must be a .txt, .json or .jsonl file")
+    try:
+        if p.suffix.lower() == ".txt":
+            return [p.read_text(encoding="utf-8")], True
+        records = read_records(str(p))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{p} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); give a text "
+                         "file (.txt) or JSON lines (.jsonl) in UTF-8") from None
     docs = []
-    for i, rec in enumerate(read_records(str(p))):
+    for i, rec in enumerate(records):
         text = rec.get(text_field) if isinstance(rec, dict) else None
         if not isinstance(text, str):
             raise ValueError(f"{p}: record {i} has no string field {text_field!r}; name the field with --text-field")
@@ -138,6 +143,11 @@ def calibration_samples(tokenizer, path, n_samples: int, seq_len: int, seed: int
 # ----------------------------------------------------------------------------- checkpoint access
 
 
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0].strip() if lines else type(e).__name__
+
+
 def _load_config(model_dir: Path):
     from transformers import AutoConfig
 
@@ -146,7 +156,10 @@ def _load_config(model_dir: Path):
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} has no config.json; give a Hugging Face model directory "
                                 "(save_pretrained's output)")
-    return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    try:
+        return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as e:  # transformers raises OSError / ValueError / KeyError by what is wrong
+        raise ValueError(f"{model_dir / 'config.json'}: not a readable Hugging Face config ({_first_line(e)})") from None
 
 
 def _load_tokenizer(model_dir: Path):
@@ -155,13 +168,27 @@ def _load_tokenizer(model_dir: Path):
     try:
         return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     except Exception as e:  # transformers raises OSError / ValueError / TypeError by tokenizer kind
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{model_dir}: cannot load its tokenizer ({first}); save the tokenizer next to the "
+        raise ValueError(f"{model_dir}: cannot load its tokenizer ({_first_line(e)}); save the tokenizer next to the "
                          "weights (tokenizer.save_pretrained(MODEL_DIR))") from None
 
 
+def _finite(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is finite. A NaN or Inf anywhere makes the sum NaN or Inf, and
+    one reduction is ~100x faster than ``isfinite(t).all()`` on a CPU (no bool tensor); a sum that
+    overflows although every value is finite is settled by the exact check."""
+    return not t.is_floating_point() or bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
+def _unreadable(file, e: BaseException) -> ValueError:
+    # safetensors' SafetensorError is a bare Exception: one line naming the file instead of its traceback
+    return ValueError(f"{file}: not a readable safetensors file ({_first_line(e)}); the file is damaged or "
+                      "incomplete: copy or download it again")
+
+
 class _Checkpoint:
-    """The tensors of a safetensors model directory, by key, read one at a time."""
+    """The tensors of a safetensors model directory, by key, read one at a time. Every shard's
+    header is read here (a damaged file is one line naming it); :meth:`check_values` reads every
+    value."""
 
     def __init__(self, model_dir: Path):
         from safetensors import safe_open
@@ -170,20 +197,63 @@ class _Checkpoint:
 
         self.files = safetensors_files(model_dir)
         self.where: dict[str, tuple[Path, str]] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
         for f in self.files:
-            with safe_open(str(f), framework="pt") as h:
-                for k in h.keys():
-                    self.where[k] = (f, h.get_slice(k).get_dtype())
+            try:
+                with safe_open(str(f), framework="pt") as h:
+                    for k in h.keys():
+                        sl = h.get_slice(k)
+                        self.where[k] = (f, sl.get_dtype())
+                        self.shapes[k] = tuple(sl.get_shape())
+            except Exception as e:  # noqa: BLE001 -- SafetensorError, OSError
+                raise _unreadable(f, e) from None
+        index = model_dir / _INDEX
+        if index.is_file():  # the index must name every tensor where it is
+            weight_map = json.loads(index.read_text())["weight_map"]  # readable: safetensors_files parsed it
+            wrong = [k for k, f in weight_map.items() if k not in self.where or self.where[k][0].name != f]
+            if wrong:
+                raise ValueError(f"{index} names {len(wrong)} tensor(s) its shards do not hold where it says "
+                                 f"(first: {wrong[0]!r} in {weight_map[wrong[0]]}); the index and the shards do not match")
 
     def get(self, key: str, device="cpu") -> torch.Tensor:
         from safetensors import safe_open
 
         f, _ = self.where[key]
-        with safe_open(str(f), framework="pt", device=str(device)) as h:
-            return h.get_tensor(key)
+        try:
+            with safe_open(str(f), framework="pt", device=str(device)) as h:
+                return h.get_tensor(key)
+        except Exception as e:  # noqa: BLE001 -- SafetensorError, OSError
+            raise _unreadable(f, e) from None
 
     def dtype(self, key: str) -> torch.dtype:
         return _ST_DTYPES.get(self.where[key][1], torch.float32)
+
+    def stored_dtype(self) -> torch.dtype | None:
+        return next((self.dtype(k) for k in self.where if self.dtype(k).is_floating_point), None)
+
+    def check_values(self, keys=None, log=None) -> None:
+        """Read every tensor (of ``keys``; default all) once and refuse a non-finite one, naming it."""
+        from safetensors import safe_open
+
+        todo = set(self.where if keys is None else keys)
+        t0 = time.perf_counter()
+        for f in self.files:
+            mine = [k for k in self.where if self.where[k][0] == f and k in todo]
+            try:
+                with safe_open(str(f), framework="pt") as h:
+                    for k in mine:
+                        t = h.get_tensor(k)
+                        if not _finite(t):
+                            bad = int((~torch.isfinite(t)).sum())
+                            raise ValueError(f"{k} in {f.name} holds {bad} NaN or Inf value(s) of {t.numel()}: the "
+                                             "checkpoint itself is broken (nothing has run yet); fix or re-export it")
+                        del t
+            except ValueError:
+                raise
+            except Exception as e:  # noqa: BLE001 -- SafetensorError, OSError
+                raise _unreadable(f, e) from None
+        if log is not None and time.perf_counter() - t0 > 2:  # say where the time went on a large checkpoint
+            log(f"checked {len(todo)} tensors: all finite ({time.perf_counter() - t0:.1f} s)")
 
 
 @dataclass
@@ -215,19 +285,41 @@ class PruneReport:
         return sum(self.ratios[k] * self.numels[k] for k in self.ratios) / max(total, 1)
 
 
+def _meta_model(config, dtype: torch.dtype) -> nn.Module:
+    """The causal LM of ``config`` on the meta device (no memory), or one line saying why not."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # e.g. BERT's "add is_decoder=True" advice: the block check below speaks
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except (ValueError, KeyError, TypeError):  # no causal-LM class for this config (T5, ...)
+        raise ValueError(f"{getattr(config, 'model_type', '?')} ({type(config).__name__}) is not a causal language "
+                         "model: AutoModelForCausalLM has no class for it; prune and perplexity take decoder-only LMs "
+                         "(LLaMA, OPT, GPT-2, GPT-NeoX layouts)") from None
+    finally:
+        hf_logging.set_verbosity(level)
+    return model.eval()
+
+
 class _Streamed:
     """A causal LM built on the meta device whose tensors are loaded from the checkpoint on demand."""
 
-    def __init__(self, model_dir: Path, config, device: torch.device, dtype: torch.dtype):
-        from transformers import AutoModelForCausalLM
+    def __init__(self, model_dir: Path, config, device: torch.device, dtype: torch.dtype,
+                 ckpt: _Checkpoint | None = None, blocks: bool = True):
+        from lalr_lightning.core.calibration import _check_uniform_attention
 
-        self.ckpt = _Checkpoint(model_dir)
+        self.ckpt = ckpt or _Checkpoint(model_dir)
+        self.model_dir = model_dir
         self.config = config
         self.device, self.dtype = device, dtype
-        with torch.device("meta"):
-            self.model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        self.model.eval()
-        self.path, self.blocks = decoder_blocks(self.model)
+        self.model = _meta_model(config, dtype)
+        self.path, self.blocks = None, nn.ModuleList()
+        if blocks:  # streaming needs the block layout; checking what a directory holds does not (perplexity)
+            self.path, self.blocks = decoder_blocks(self.model)
+            _check_uniform_attention(self.model)
         names = set(self.model.state_dict(keep_vars=True))
         prefix = getattr(self.model, "base_model_prefix", "") or ""
         # checkpoints written by a base model (GPT-2 on the Hub: "h.0...") lack the head's prefix
@@ -237,6 +329,44 @@ class _Streamed:
 
     def key(self, name: str) -> str:
         return name[len(self.prefix) + 1:] if self.strip and name.startswith(self.prefix + ".") else name
+
+    def validate(self) -> None:
+        """Refuse a checkpoint that lacks a tensor the config implies (a tied head may be stored
+        once, under either name), holds one with another shape, or holds more blocks than the
+        config has: each would give a model with randomly initialised or dropped weights."""
+        named = self.model.state_dict(keep_vars=True)
+        where = self.ckpt.where
+        missing = []
+        for name, t in named.items():
+            key = self.key(name)
+            if key not in where:
+                if not any(u is t and self.key(o) in where for o, u in named.items() if o != name):
+                    missing.append(key)
+                continue
+            shape = self.ckpt.shapes[key]
+            if shape != tuple(t.shape):
+                raise ValueError(
+                    f"{key} has shape {shape} in {where[key][0].name}, but config.json implies {tuple(t.shape)}: the "
+                    "config does not describe these weights (check hidden_size, intermediate_size, the head counts "
+                    "and vocab_size)")
+        if missing:
+            head = self.model.get_output_embeddings()
+            untied = head is not None and any(self.key(n) in missing and u is head.weight for n, u in named.items())
+            hint = (" config.json has tie_word_embeddings=False, so the output head is a tensor of its own;"
+                    if untied else "")
+            raise ValueError(
+                f"{self.model_dir}: the weights do not cover the model: {len(missing)} tensor(s) that "
+                f"{type(self.model).__name__} needs are not in the checkpoint ({', '.join(missing[:3])}"
+                f"{', ...' if len(missing) > 3 else ''});{hint} a model built from it would hold randomly "
+                "initialised tensors")
+        if self.path is None:
+            return
+        pre = self.key(self.path) + "."
+        found = {int(k[len(pre):].split(".", 1)[0]) for k in where
+                 if k.startswith(pre) and k[len(pre):].split(".", 1)[0].isdigit()}
+        if found and max(found) >= len(self.blocks):
+            raise ValueError(f"the checkpoint holds blocks {self.path}.0-{max(found)}, config.json describes "
+                             f"{len(self.blocks)} (num_hidden_layers): the config does not match the weights")
 
     def _load_module(self, module: nn.Module, qual: str) -> None:
         """Load every persistent tensor of ``module`` (qualified name ``qual``) from the checkpoint;
@@ -256,7 +386,6 @@ class _Streamed:
                 owner._parameters[attr] = nn.Parameter(value, requires_grad=False)
             else:
                 owner._buffers[attr] = value
-
     def _rebuild(self, root: nn.Module, name: str, sub: nn.Module) -> None:
         try:
             with torch.device(self.device):
@@ -306,20 +435,64 @@ class _Streamed:
     def free(self, i: int) -> None:
         self.blocks[i].to("meta")
 
+    def free_stem(self) -> None:
+        """Drop what :meth:`load_stem` loaded (the embedding and the rest): once the first block's
+        inputs are captured the calibration needs only the blocks, and the output copies the
+        stem's tensors from the checkpoint."""
+        inside = {id(m) for m in self.blocks.modules()}
+        for mod in self.model.modules():
+            if id(mod) in inside:
+                continue
+            for table in (mod._parameters, mod._buffers):
+                for k, t in table.items():
+                    if t is not None and t.device.type != "meta":
+                        table[k] = nn.Parameter(t.to("meta"), requires_grad=False) if isinstance(t, nn.Parameter) \
+                            else t.to("meta")
+
 
 # ----------------------------------------------------------------------------- ratios
 
 
-def _check_prune_args(sparsity: float, criterion: str, n: int, m: int, preset, metric) -> None:
-    llm_pruning.check_nm(n, m)
+def _check_prune_args(sparsity: float | None, criterion: str, n: int, m: int, preset, metric, epsilon=None,
+                      blocksize: int | None = None, percdamp: float | None = None) -> float:
+    """Every argument of a prune that needs no file, checked before anything is read or written;
+    returns the target sparsity (``n / m`` for N:M; 0.5 when left out)."""
+    from lalr_lightning.core.pruning import PRUNING_METRICS
+
+    n, m = llm_pruning.check_nm(n, m)
     if criterion not in llm_pruning.CRITERIA:
         raise ValueError(f"unknown criterion {criterion!r}; valid: {', '.join(llm_pruning.CRITERIA)}")
     if m and (preset is not None or metric is not None):
         raise ValueError(f"N:M sparsity prunes every layer to n/m = {n}/{m}; per-layer ratios (--preset / --metric) "
                          "do not apply (AlphaPruning's ratios are for unstructured sparsity)")
+    if m and sparsity is not None and not math.isclose(float(sparsity), n / m):
+        raise ValueError(f"N:M sparsity {n}:{m} prunes exactly n/m = {n / m:g} of every layer; --sparsity {sparsity} "
+                         "does not apply: leave it out")
+    sparsity = n / m if m else 0.5 if sparsity is None else float(sparsity)
     if not m and not (0.0 <= sparsity < 1.0):
         raise ValueError(f"--sparsity must be in [0, 1) (the fraction of the blocks' linear weights set to zero), "
                          f"got {sparsity}")
+    if metric is not None and metric not in PRUNING_METRICS:
+        raise ValueError(f"unknown --metric {metric!r}; valid: {', '.join(PRUNING_METRICS)}")
+    if epsilon is not None:
+        if preset is None and metric is None:
+            raise ValueError("--epsilon spreads per-layer ratios (--preset or --metric); uniform pruning has none: "
+                             "leave it out or add --preset alphapruning")
+        if not 0.0 <= float(epsilon) <= 1.0:  # NaN fails too
+            raise ValueError(f"--epsilon must be in [0, 1] (ratios spread over [1 - eps, 1 + eps] x the target), "
+                             f"got {epsilon}")
+    used = criterion == "sparsegpt"
+    for flag, value in (("--blocksize", blocksize), ("--percdamp", percdamp)):
+        if value is not None and not used:
+            raise ValueError(f"{flag} is SparseGPT's; --criterion {criterion} does not use it: leave it out")
+    if blocksize is not None and (isinstance(blocksize, bool) or int(blocksize) != blocksize or blocksize < 1):
+        raise ValueError(f"--blocksize must be an integer >= 1 (SparseGPT's columns per block), got {blocksize}")
+    if percdamp is not None and not (0.0 <= float(percdamp) < math.inf):
+        raise ValueError(f"--percdamp must be >= 0 (SparseGPT adds percdamp x mean(diag H) to the diagonal), "
+                         f"got {percdamp}")
+    if used and m and (blocksize or 128) % m:
+        raise ValueError(f"N:M sparsity with m={m} needs --blocksize ({blocksize or 128}) to be a multiple of m")
+    return sparsity
 
 
 def _ratio_settings(preset, metric, epsilon):
@@ -379,8 +552,11 @@ def _pruner(report: PruneReport, qual_of, criterion: str, n: int, m: int, blocks
             st = None if stats is None else stats.pop(name)
             new, _ = llm_pruning.prune_weight(w, criterion, report.ratios[qual], st, n=n, m=m,
                                               blocksize=blocksize, percdamp=percdamp)
-            set_weight_matrix(mod, new)
             del st
+            set_weight_matrix(mod, new)
+            del new
+            if not _finite(weight_matrix(mod)):  # e.g. SparseGPT's update overflowing float16
+                raise ValueError(f"pruning made {qual} non-finite in {w.dtype}; prune with --dtype float32")
             report.sparsity[qual] = float((weight_matrix(mod) == 0).sum()) / w.numel()
     return prune_block
 
@@ -393,7 +569,7 @@ def prune_model(
     model: nn.Module,
     samples: torch.Tensor | None,
     *,
-    sparsity: float = 0.5,
+    sparsity: float | None = None,
     criterion: str = "wanda",
     n: int = 0,
     m: int = 0,
@@ -401,13 +577,15 @@ def prune_model(
     metric: str | None = None,
     epsilon: float | None = None,
     batch_size: int = 8,
-    blocksize: int = 128,
-    percdamp: float = 0.01,
+    blocksize: int | None = None,
+    percdamp: float | None = None,
 ) -> PruneReport:
     """Prune a loaded Hugging Face causal LM in place, block by block (the in-memory twin of
     :func:`prune_checkpoint`; the same ratios and masks). ``samples``: ``(n, seq_len)`` token ids
-    (None for magnitude)."""
-    _check_prune_args(sparsity, criterion, n, m, preset, metric)
+    (None for magnitude). ``sparsity``: default 0.5 (``n / m`` with N:M, which fixes it);
+    ``blocksize`` / ``percdamp``: SparseGPT's (default 128 and 0.01)."""
+    sparsity = _check_prune_args(sparsity, criterion, n, m, preset, metric, epsilon, blocksize, percdamp)
+    blocksize, percdamp = 128 if blocksize is None else int(blocksize), 0.01 if percdamp is None else float(percdamp)
     settings = _ratio_settings(preset, metric, epsilon)
     t0 = time.perf_counter()
     path, blocks = decoder_blocks(model)
@@ -420,8 +598,6 @@ def prune_model(
         if settings is not None:
             report.metric.update(_block_metric(blk, f"{path}.{i}", settings[0], settings[2], settings[3]))
     report.ratios = _ratios(settings, report.metric, groups, report.numels, sparsity)
-    if m:
-        report.ratios = {k: n / m for k in report.numels}
     needs = llm_pruning.needs_stats(criterion)
     if needs and samples is None:
         raise ValueError(f"criterion {criterion!r} needs calibration samples")
@@ -429,14 +605,14 @@ def prune_model(
     was_training = model.training
     model.eval()
     try:
+        inputs = []
         if needs:
             device = next(model.parameters()).device
             inputs = capture_block_inputs(model, _batches(samples, batch_size), device=device)
-        else:
-            inputs = []
         run_blocks(blocks, inputs, _pruner(report, lambda i, k: f"{path}.{i}.{k}", criterion, n, m, blocksize,
                                            percdamp),
                    stats=needs, hessian=criterion == "sparsegpt")
+        del inputs
     finally:
         model.train(was_training)
         if use_cache is not None:
@@ -446,7 +622,10 @@ def prune_model(
 
 
 def _resolve_device(device: str | None) -> torch.device:
-    dev = torch.device(device or "cpu")
+    try:
+        dev = torch.device(device or "cpu")
+    except RuntimeError as e:
+        raise ValueError(f"--device {device}: {_first_line(e)}; use cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device} but no CUDA GPU is available; use --device cpu")
     return dev
@@ -467,6 +646,34 @@ def _check_out(model_dir: Path, out_dir: Path) -> None:
         raise ValueError(f"--out {out_dir} exists and is not an empty directory; choose a new one")
 
 
+def _available_bytes(device: torch.device) -> int | None:
+    """Memory a new allocation can take on ``device`` now (None: unknown)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+
+
+def _check_calibration_memory(n_samples: int, seq_len: int, hidden: int, dtype: torch.dtype,
+                              device: torch.device) -> None:
+    """Refuse a calibration whose activations (one copy: ``run_blocks`` replaces each batch by
+    its output) cannot fit, before drawing it: a clear line instead of an allocator's."""
+    size = torch.finfo(dtype).bits // 8
+    need = n_samples * seq_len * (hidden * size + 8)  # hidden states and the token ids
+    free = _available_bytes(device)
+    if free is not None and need > free:
+        raise ValueError(
+            f"--n-samples {n_samples} x --seq-len {seq_len} calibration tokens need {need / 2**30:.1f} GiB for their "
+            f"activations (hidden {hidden} x {size} bytes each, plus the ids) and {device} has {free / 2**30:.1f} GiB "
+            "free; lower --n-samples or --seq-len")
+
+
 def _copy_side_files(model_dir: Path, out_dir: Path, overwrite: bool = True) -> None:
     """config, generation config, tokenizer files: everything but the weights and their index."""
     for f in model_dir.iterdir():
@@ -481,11 +688,29 @@ def _write_report(out_dir: Path, report: PruneReport, settings: dict) -> None:
          "metric_values": report.metric}, indent=2) + "\n")
 
 
+def _verify_output(out_dir: Path, source: _Checkpoint | None, config) -> None:
+    """The written directory before it is renamed into place: every shard readable, every tensor
+    the config implies present with its shape (and, for a streamed prune, exactly the source's
+    tensors in their stored dtypes)."""
+    written = _Checkpoint(out_dir)
+    check = _Streamed(out_dir, config, torch.device("cpu"), torch.float32, ckpt=written)
+    check.validate()
+    if source is None:
+        return
+    lost = sorted(set(source.where) - set(written.where))
+    extra = sorted(set(written.where) - set(source.where))
+    changed = [k for k in source.where if k in written.where
+               and (written.shapes[k] != source.shapes[k] or written.where[k][1] != source.where[k][1])]
+    if lost or extra or changed:
+        raise RuntimeError(f"the written model differs from the source in its tensors (missing {lost[:3]}, extra "
+                           f"{extra[:3]}, other shape or dtype {changed[:3]}); please report this")
+
+
 def prune_checkpoint(
     model_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
     *,
-    sparsity: float = 0.5,
+    sparsity: float | None = None,
     criterion: str = "wanda",
     n: int = 0,
     m: int = 0,
@@ -500,18 +725,32 @@ def prune_checkpoint(
     device: str | None = None,
     dtype: str = "auto",
     batch_size: int = 8,
-    blocksize: int = 128,
-    percdamp: float = 0.01,
+    blocksize: int | None = None,
+    percdamp: float | None = None,
     in_memory: bool = False,
     log=None,
 ) -> PruneReport:
     """Prune the causal LM in ``model_dir`` and write the pruned model to ``out_dir`` (module
-    docstring). Returns the :class:`PruneReport`; ``log`` receives progress lines."""
-    from safetensors.torch import save_file
+    docstring). Returns the :class:`PruneReport`; ``log`` receives progress lines.
+
+    Everything that can be checked is checked before the first block: the arguments, the
+    architecture, every tensor the config implies (present, with its shape) and every value
+    (finite), the calibration file and whether its activations fit. The output is written to a
+    temporary sibling of ``out_dir`` and renamed into place once complete and checked
+    (:class:`lalr_lightning.outdir.OutputClaim`): a failure or an interrupt leaves no ``out_dir``
+    (or the empty one that was there), and a second run into the same ``out_dir`` is refused.
+    """
+    from lalr_lightning.outdir import OutputClaim
 
     say = log or (lambda s: None)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    _check_prune_args(sparsity, criterion, n, m, preset, metric)
+    # 1. arguments, the architecture and every tensor: nothing is written, nothing calibrated yet
+    sparsity = _check_prune_args(sparsity, criterion, n, m, preset, metric, epsilon, blocksize, percdamp)
+    given = dict(blocksize=blocksize, percdamp=percdamp)  # prune_model checks them again (None: not given)
+    blocksize, percdamp = 128 if blocksize is None else int(blocksize), 0.01 if percdamp is None else float(percdamp)
+    for flag, value in (("--n-samples", n_samples), ("--seq-len", seq_len), ("--batch-size", batch_size)):
+        if isinstance(value, bool) or int(value) != value or value < 1:
+            raise ValueError(f"{flag} must be an integer >= 1, got {value}")
     settings = _ratio_settings(preset, metric, epsilon)
     dev = _resolve_device(device)
     config = _load_config(model_dir)
@@ -519,35 +758,63 @@ def prune_checkpoint(
     needs = llm_pruning.needs_stats(criterion)
     if needs and calibration is None:
         raise ValueError(f"criterion {criterion!r} needs --calibration FILE (text or JSON lines, e.g. a C4 shard)")
+    if calibration is not None and not Path(calibration).is_file():
+        raise FileNotFoundError(f"no such calibration file: {calibration}" + (
+            "" if needs else f" (--criterion {criterion} does not read one: leave --calibration out)"))
+    if not needs and calibration is not None:
+        say(f"note: --criterion {criterion} prunes by the weights alone; --calibration {calibration} (and --n-samples, "
+            "--seq-len, --seed, --batch-size) are not used")
     max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if needs and max_pos and seq_len > max_pos:
         raise ValueError(f"--seq-len {seq_len} exceeds the model's {max_pos} positions; lower --seq-len")
-    ckpt_probe = _Checkpoint(model_dir)
-    stored = next((ckpt_probe.dtype(k) for k in ckpt_probe.where if ckpt_probe.dtype(k).is_floating_point), None)
-    cdtype = _resolve_dtype(dtype, dev, stored)
-    samples = None
+    ckpt = _Checkpoint(model_dir)
+    cdtype = _resolve_dtype(dtype, dev, ckpt.stored_dtype())
+    sm = _Streamed(model_dir, config, dev, cdtype, ckpt=ckpt)
+    sm.validate()
+    ckpt.check_values(log=say)
     if needs:
-        tokenizer = _load_tokenizer(model_dir)
-        samples = calibration_samples(tokenizer, calibration, n_samples, seq_len, seed, text_field)
-        say(f"calibration: {samples.shape[0]} windows of {samples.shape[1]} tokens from {calibration}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = {"criterion": criterion, "sparsity": n / m if m else sparsity, "n": n, "m": m, "preset": preset,
+        hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 0
+        _check_calibration_memory(int(n_samples), int(seq_len), int(hidden), cdtype, dev)
+    written = {"criterion": criterion, "sparsity": sparsity, "n": n, "m": m, "preset": preset,
                "metric": None if settings is None else settings[0], "epsilon": None if settings is None else settings[1]}
-    t0 = time.perf_counter()
-    if in_memory:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype=cdtype).to(dev)
-        report = prune_model(model, samples, sparsity=sparsity, criterion=criterion, n=n, m=m, preset=preset,
-                             metric=metric, epsilon=epsilon, batch_size=batch_size, blocksize=blocksize,
-                             percdamp=percdamp)
-        model.to(stored or torch.float32).save_pretrained(str(out_dir))
-        _copy_side_files(model_dir, out_dir, overwrite=False)  # save_pretrained wrote the config
+    # 2. claim --out (or learn who holds it), then work in a temporary sibling
+    claim = OutputClaim(out_dir, command=f"prune {model_dir} --out {out_dir} --criterion {criterion} --sparsity "
+                                         f"{sparsity:g}", log=say)
+    with claim as tmp:
+        samples = None
+        if needs:
+            tokenizer = _load_tokenizer(model_dir)
+            samples = calibration_samples(tokenizer, calibration, n_samples, seq_len, seed, text_field)
+            say(f"calibration: {samples.shape[0]} windows of {samples.shape[1]} tokens from {calibration}")
+        t0 = time.perf_counter()
+        if in_memory:
+            report = _prune_in_memory(model_dir, tmp, samples, cdtype, dev, ckpt.stored_dtype(), sparsity=sparsity,
+                                      criterion=criterion, n=n, m=m, preset=preset, metric=metric, epsilon=epsilon,
+                                      batch_size=batch_size, **given)
+        else:
+            report = _prune_streamed(sm, tmp, samples, settings, sparsity, criterion, n, m, batch_size, blocksize,
+                                     percdamp, say)
+        _copy_side_files(model_dir, tmp, overwrite=not in_memory)  # save_pretrained wrote its own config
         report.seconds = time.perf_counter() - t0
-        _write_report(out_dir, report, written)
-        return report
+        _write_report(tmp, report, written)
+        _verify_output(tmp, None if in_memory else ckpt, config)
+        claim.commit()
+    return report
 
-    sm = _Streamed(model_dir, config, dev, cdtype)
+
+def _prune_in_memory(model_dir: Path, tmp: Path, samples, cdtype, dev, stored, **kw) -> PruneReport:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype=cdtype).to(dev)
+    report = prune_model(model, samples, **kw)
+    model.to(stored or torch.float32).save_pretrained(str(tmp))
+    return report
+
+
+def _prune_streamed(sm: _Streamed, tmp: Path, samples, settings, sparsity, criterion, n, m, batch_size, blocksize,
+                    percdamp, say) -> PruneReport:
+    from safetensors.torch import save_file
+
     nb = len(sm.blocks)
     report = PruneReport()
     groups = []
@@ -559,8 +826,7 @@ def prune_checkpoint(
         for i in range(nb):
             report.metric.update(_block_metric(sm.block(i), f"{sm.path}.{i}", settings[0], settings[2], settings[3]))
             sm.free(i)
-    report.ratios = {k: n / m for k in report.numels} if m else _ratios(settings, report.metric, groups,
-                                                                         report.numels, sparsity)
+    report.ratios = _ratios(settings, report.metric, groups, report.numels, sparsity)
     width = len(str(nb + 1))
     total = nb + 1
 
@@ -573,7 +839,10 @@ def prune_checkpoint(
     def write(j: int, tensors: dict[str, torch.Tensor]) -> None:
         nonlocal size
         name = shard(j)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / name), metadata={"format": "pt"})
+        try:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / name), metadata={"format": "pt"})
+        except Exception as e:  # noqa: BLE001 -- OSError (full disk), SafetensorError
+            raise OSError(f"cannot write {tmp / name}: {_first_line(e)}") from None
         weight_map.update({k: name for k in tensors})
         size += sum(v.numel() * v.element_size() for v in tensors.values())
 
@@ -588,24 +857,20 @@ def prune_checkpoint(
         sm.free(i)
         say(f"block {i + 1}/{nb} pruned")
 
-    use = sm.model
-    if needs:
+    stats = llm_pruning.needs_stats(criterion)
+    inputs = []
+    if stats:
         sm.load_stem()
-        inputs = capture_block_inputs(use, _batches(samples, batch_size), device=dev)
-    else:
-        inputs = []
+        inputs = capture_block_inputs(sm.model, _batches(samples, batch_size), device=sm.device)
+        sm.free_stem()
+    # run_blocks replaces each batch by the block's output in this list: one copy of the activations
     run_blocks(nb, inputs, _pruner(report, lambda i, k: f"{sm.path}.{i}.{k}", criterion, n, m, blocksize, percdamp),
-               stats=needs, hessian=criterion == "sparsegpt", materialize=sm.block, release=release)
+               stats=stats, hessian=criterion == "sparsegpt", materialize=sm.block, release=release)
     del inputs
     block_keys = {k for i in range(nb) for k in sm.block_keys(i)}
-    rest = {k: sm.ckpt.get(k) for k in sm.ckpt.where if k not in block_keys}
-    write(1, rest)
-    del rest
-    (out_dir / _INDEX).write_text(json.dumps({"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))},
-                                             indent=2) + "\n")
-    _copy_side_files(model_dir, out_dir)
-    report.seconds = time.perf_counter() - t0
-    _write_report(out_dir, report, written)
+    write(1, {k: sm.ckpt.get(k) for k in sm.ckpt.where if k not in block_keys})
+    (tmp / _INDEX).write_text(json.dumps({"metadata": {"total_size": size},
+                                          "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
     return report
 
 
@@ -618,7 +883,8 @@ def perplexity(model: nn.Module, ids: torch.Tensor, seq_len: int, batch_size: in
     """(perplexity, windows) of a causal LM on the token sequence ``ids`` (1-D or ``(1, N)``):
     ``N // seq_len`` non-overlapping windows, the remainder dropped; each window's mean next-token
     NLL (over its ``seq_len - 1`` predictions) weighted by ``seq_len``, as ``lib/eval.py``.
-    ``max_windows``: only the first ones (the reference's C4 evaluation keeps 256)."""
+    ``max_windows``: only the first ones (the reference's C4 evaluation keeps 256). A loss that is
+    not finite is an error naming the windows, never a ``nan`` perplexity."""
     ids = ids.reshape(-1)
     windows = ids.numel() // seq_len
     if max_windows is not None:
@@ -637,12 +903,53 @@ def perplexity(model: nn.Module, ids: torch.Tensor, seq_len: int, batch_size: in
             stop = min(start + batch_size, windows)
             x = ids[start * seq_len:stop * seq_len].reshape(stop - start, seq_len).to(device)
             logits = model(input_ids=x, use_cache=False).logits.float()
-            nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
-            total += float(nll) * seq_len * (stop - start)
+            nll = float(torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                          x[:, 1:].reshape(-1)))
+            if not math.isfinite(nll):
+                dtype = next(model.parameters()).dtype
+                fix = ("evaluate with --dtype float32" if dtype in (torch.float16, torch.bfloat16)
+                       else "the weights are finite but too large for it: check how they were produced")
+                raise ValueError(f"the loss of window(s) {start}-{stop - 1} is {nll}: the forward overflows "
+                                 f"{str(dtype).replace('torch.', '')} (a perplexity would be meaningless); {fix}")
+            total += nll * seq_len * (stop - start)
     finally:
         model.train(was_training)
     ppl = math.exp(float(total) / (windows * seq_len))
     return ppl, windows
+
+
+def _check_loaded(model: nn.Module, sm: _Streamed, dtype: torch.dtype) -> None:
+    """Every floating tensor of the loaded model finite, or one line naming the first that is not and
+    whether the checkpoint holds the bad value or the cast to ``dtype`` made it."""
+    for name, t in model.state_dict().items():
+        if _finite(t):
+            continue
+        key = sm.key(name)
+        stored = sm.ckpt.get(key) if key in sm.ckpt.where else None
+        if stored is None or not _finite(stored):
+            raise ValueError(f"{key} holds NaN or Inf values in the checkpoint: the model is broken, a perplexity "
+                             "of it means nothing; fix or re-export the weights")
+        raise ValueError(f"{key} overflows {dtype} (its largest |value| is {float(stored.abs().max()):.3g}); "
+                         "evaluate with --dtype float32")
+
+
+def _load_evaluated(model_dir: Path, config, dev: torch.device, dtype_name: str):
+    """The model to evaluate, loaded only from a checkpoint that covers it (no randomly
+    initialised tensor) and whose values are finite in the compute dtype."""
+    from transformers import AutoModelForCausalLM
+
+    ckpt = _Checkpoint(model_dir)
+    dtype = _resolve_dtype(dtype_name, dev, ckpt.stored_dtype())
+    sm = _Streamed(model_dir, config, dev, dtype, ckpt=ckpt, blocks=False)
+    sm.validate()
+    model, info = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype=dtype,
+                                                       output_loading_info=True)
+    if info.get("missing_keys") or info.get("mismatched_keys"):  # validate() should have said so already
+        raise ValueError(f"{model_dir}: the weights do not cover the model (missing "
+                         f"{sorted(info.get('missing_keys') or [])[:3]}, mismatched "
+                         f"{[k[0] if isinstance(k, tuple) else k for k in info.get('mismatched_keys') or []][:3]})")
+    _check_loaded(model, sm, dtype)
+    return model.to(dev)
 
 
 # ----------------------------------------------------------------------------- commands
@@ -657,32 +964,78 @@ def _quiet_transformers() -> None:
         pass
 
 
-def _fail(prog: str, e: BaseException) -> int:
-    lines = str(e).strip().splitlines()
-    print(f"{prog}: error: {lines[0] if lines else type(e).__name__}", file=sys.stderr)
+def _fail(prog: str, e: BaseException, device: str | None = None, after: str = "") -> int:
+    line = _first_line(e)
+    if isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in line:
+        line = (f"out of memory on {device or 'cpu'} ({line.split(':', 1)[0] or type(e).__name__}); lower "
+                "--batch-size, --n-samples or --seq-len")
+    print(f"{prog}: error: {line}{'; ' + after if after else ''}", file=sys.stderr)
     return 2
 
 
+def _outcome(out: Path) -> str:
+    """What a failed ``prune`` left at ``--out`` (never a partial model; see outdir.py)."""
+    if not out.exists():
+        return f"nothing was written to --out {out}"
+    if out.is_dir() and not any(out.iterdir()):
+        return f"--out {out} was left empty"
+    return ""
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, handled as Ctrl-C: the temporary output is removed on the way out."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated
+
+
+_EPILOG = ("Wanda and SparseGPT need --calibration; magnitude reads no data. N:M (--n, --m) fixes every layer at "
+           "n/m, so --sparsity, --preset and --metric do not apply to it. The model is written to a temporary "
+           "directory next to --out and renamed into place once every tensor is written and checked: a failed or "
+           "interrupted run leaves no --out, and a second run into the same --out is refused while the first runs.")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (no usage block), as every other error of the CLI."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def prune_main(argv: Sequence[str] | None = None, prog: str = "python -m lalr_lightning prune") -> int:
-    p = argparse.ArgumentParser(
+    from lalr_lightning.core.pruning import PRUNING_METRICS
+
+    p = _Parser(
         prog=prog,
         description="Prune a Hugging Face causal LM one shot, block by block (Wanda, SparseGPT or magnitude; "
                     "uniform or HT-SR per-layer ratios; unstructured or N:M), streaming one block at a time, "
                     "and write the pruned model directory (docs/llm_pruning.md).",
+        epilog=_EPILOG,
     )
     p.add_argument("model", help="Hugging Face model directory (config.json, safetensors, tokenizer)")
-    p.add_argument("--out", required=True, help="new directory for the pruned model")
-    p.add_argument("--sparsity", type=float, default=0.5,
-                   help="target fraction of the blocks' linear weights set to zero, in [0, 1) (default 0.5)")
-    p.add_argument("--criterion", default="wanda", choices=llm_pruning.CRITERIA, help="default: wanda")
+    p.add_argument("--out", required=True, help="new directory for the pruned model (must not exist, or be empty)")
+    p.add_argument("--sparsity", type=float, default=None,
+                   help="target fraction of the blocks' linear weights set to zero, in [0, 1) (default 0.5); "
+                        "not with --n/--m (N:M fixes it at n/m)")
+    p.add_argument("--criterion", default="wanda", choices=llm_pruning.CRITERIA,
+                   help="wanda: |W| x input-feature norm, needs --calibration; sparsegpt: OBS reconstruction from the "
+                        "calibration Hessian, needs --calibration; magnitude: |W| alone, reads no data "
+                        "(default: wanda)")
     p.add_argument("--preset", default=None, choices=["alphapruning"],
                    help="per-layer ratios from AlphaPruning's recipe (alpha by the peak fit, averaged per block, "
                         "epsilon 0.3); default: uniform")
-    p.add_argument("--metric", default=None, help="per-layer ratios from this HT-SR metric (e.g. alpha, stable_rank)")
-    p.add_argument("--epsilon", type=float, default=None, help="spread of the ratios, [1-eps, 1+eps] (default 0.3)")
-    p.add_argument("--n", type=int, default=0, help="N:M sparsity: prune n of every m consecutive weights")
+    p.add_argument("--metric", default=None, choices=PRUNING_METRICS,
+                   help="per-layer ratios from this HT-SR metric; default: uniform")
+    p.add_argument("--epsilon", type=float, default=None,
+                   help="spread of the per-layer ratios, [1-eps, 1+eps] x target, eps in [0, 1] (default 0.3); "
+                        "only with --preset or --metric")
+    p.add_argument("--n", type=int, default=0,
+                   help="N:M sparsity: prune n of every m consecutive input weights of each row (with --m)")
     p.add_argument("--m", type=int, default=0, help="N:M sparsity: the group size m")
-    p.add_argument("--calibration", default=None, help="text (.txt) or JSON lines (.jsonl, 'text' field) file")
+    p.add_argument("--calibration", default=None,
+                   help="calibration text for wanda and sparsegpt (required by them; magnitude does not read it): "
+                        ".txt (one text, drawn from as WikiText) or .jsonl (one document per record, as C4)")
     p.add_argument("--text-field", default="text", help="JSON field holding the text (default: text)")
     p.add_argument("--n-samples", type=int, default=128, help="calibration windows (default 128)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per calibration window (default 2048)")
@@ -690,14 +1043,23 @@ def prune_main(argv: Sequence[str] | None = None, prog: str = "python -m lalr_li
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 (default cpu)")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="compute dtype (auto: the checkpoint's on CUDA, float32 on CPU)")
-    p.add_argument("--batch-size", type=int, default=8, help="calibration windows per forward (default 8)")
-    p.add_argument("--blocksize", type=int, default=128, help="SparseGPT's column block size (default 128)")
-    p.add_argument("--percdamp", type=float, default=0.01, help="SparseGPT's dampening (default 0.01)")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="calibration windows per forward (default 8); memory grows with it, the result does not "
+                        "depend on it beyond float rounding")
+    p.add_argument("--blocksize", type=int, default=None, help="SparseGPT's column block size (default 128); "
+                                                              "sparsegpt only")
+    p.add_argument("--percdamp", type=float, default=None, help="SparseGPT's dampening, >= 0 (default 0.01); "
+                                                               "sparsegpt only")
     p.add_argument("--in-memory", action="store_true", help="load the whole model instead of streaming blocks")
     args = p.parse_args(argv)
     _quiet_transformers()
-    if args.batch_size < 1:
-        return _fail(prog, ValueError(f"--batch-size must be >= 1, got {args.batch_size}"))
+    out = Path(args.out).absolute()
+    import signal
+    import threading
+
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         report = prune_checkpoint(
             args.model, args.out, sparsity=args.sparsity, criterion=args.criterion, n=args.n, m=args.m,
@@ -706,18 +1068,27 @@ def prune_main(argv: Sequence[str] | None = None, prog: str = "python -m lalr_li
             device=args.device, dtype=args.dtype, batch_size=args.batch_size, blocksize=args.blocksize,
             percdamp=args.percdamp, in_memory=args.in_memory, log=lambda s: print(s, file=sys.stderr),
         )
-    except (FileNotFoundError, ValueError, ImportError, RuntimeError, OSError) as e:
-        return _fail(prog, e)
+    except KeyboardInterrupt as e:
+        what = "terminated" if isinstance(e, _Terminated) else "interrupted"
+        print(f"{prog}: {what}; {_outcome(out) or 'nothing was written'}", file=sys.stderr)
+        return 130
+    except (FileNotFoundError, ValueError, ImportError, RuntimeError, OSError, MemoryError) as e:
+        return _fail(prog, e, args.device, _outcome(out))
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     print(report.table())
-    print(f"\npruned model -> {Path(args.out).resolve()} ({report.seconds:.1f} s)")
+    print(f"\npruned model -> {out.resolve()} ({report.seconds:.1f} s)")
     return 0
 
 
 def perplexity_main(argv: Sequence[str] | None = None, prog: str = "python -m lalr_lightning perplexity") -> int:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog=prog,
         description="Perplexity of a Hugging Face causal LM on a text file: non-overlapping windows of --seq-len "
                     "tokens over the whole tokenized text (the Wanda / SparseGPT / AlphaPruning evaluation).",
+        epilog="The directory's weights must cover the model and be finite (nothing is randomly initialised); a "
+               "loss that is not finite is an error, never a nan perplexity.",
     )
     p.add_argument("model", help="Hugging Face model directory")
     p.add_argument("--data", required=True, help=".txt (tokenized verbatim) or .json/.jsonl (records joined by "
@@ -745,17 +1116,15 @@ def perplexity_main(argv: Sequence[str] | None = None, prog: str = "python -m la
         tokenizer = _load_tokenizer(model_dir)
         docs, _ = read_text(args.data, args.text_field)
         ids = _encode(tokenizer, "\n\n".join(docs))
-        ckpt = _Checkpoint(model_dir)
-        stored = next((ckpt.dtype(k) for k in ckpt.where if ckpt.dtype(k).is_floating_point), None)
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True,
-                                                     dtype=_resolve_dtype(args.dtype, dev, stored)).to(dev)
+        model = _load_evaluated(model_dir, config, dev, args.dtype)
         t0 = time.perf_counter()
         ppl, windows = perplexity(model, ids, args.seq_len, args.batch_size, args.max_windows)
         dt = time.perf_counter() - t0
-    except (FileNotFoundError, ValueError, ImportError, RuntimeError, OSError) as e:
-        return _fail(prog, e)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except (FileNotFoundError, ValueError, ImportError, RuntimeError, OSError, MemoryError) as e:
+        return _fail(prog, e, args.device)
     print(f"perplexity {ppl:.4f} ({windows} windows of {args.seq_len} tokens, {windows * args.seq_len / dt:.0f} "
           f"tokens/s)")
     return 0

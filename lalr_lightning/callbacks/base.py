@@ -41,7 +41,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lalr_lightning.callbacks import distributed
 from lalr_lightning.callbacks.distributed import SpawnHandoff, check_strategy
-from lalr_lightning.callbacks.planning import Planner
+from lalr_lightning.callbacks.planning import Planner, _NoFit
 from lalr_lightning.core.control import LayerControl
 from lalr_lightning.core.decision import Decision
 from lalr_lightning.core.errors import DivergenceError, reject_stray
@@ -298,6 +298,10 @@ class LayerwiseCallback(Planner, SpawnHandoff, Callback):
             return math.isfinite(float(v))
 
         bad = [k for k, v in named.items() if not finite(v)]
+        if bad and isinstance(trainer, _NoFit):  # plan(): nothing was trained, the model came this way
+            shown = ", ".join(bad[:5]) + (", ..." if len(bad) > 5 else "")
+            raise ValueError(f"{type(self).__name__}.plan(): {what} of {shown} hold NaN or Inf in the model as given "
+                             "(nothing has been trained); check the checkpoint or the code that built the model")
         if bad:
             raise DivergenceError(type(self).__name__, what, bad,
                                   epoch=None if trainer is None else trainer.current_epoch,
