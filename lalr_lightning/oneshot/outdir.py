@@ -113,11 +113,12 @@ class OutputClaim:
                 if not same:
                     os.close(fd)
                     continue
+            # ours from here: an interrupt while the holder's note is written still gives it back
+            self._fd = fd
             os.ftruncate(fd, 0)
             os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
                                      "command": self.command}).encode())
             os.fsync(fd)
-            self._fd = fd
             return
 
     def _unlock(self) -> None:
@@ -145,15 +146,15 @@ class OutputClaim:
                 self.log(f"removed {d}, left by an earlier run that was killed")
 
     def __enter__(self) -> Path:
-        self._lock()
         try:
+            self._lock()
             self._check_free()
             self._sweep()
             self.tmp = self.out.parent / f".{self.out.name}{_PARTIAL}{os.getpid()}-{uuid.uuid4().hex[:8]}"
             self.tmp.mkdir()
             (self.tmp / _MARK).write_text(f"{os.getpid()}\n")
-        except BaseException:
-            self._unlock()
+        except BaseException:  # an interrupt too: the with block's exit will not run
+            self.__exit__(None, None, None)
             raise
         return self.tmp
 
