@@ -44,7 +44,8 @@ from lalr_lightning.core.errors import DivergenceError
 from lalr_lightning.core.layers import Layer
 from lalr_lightning.core.shards import assign_shares, gather_objects, whole_weights
 
-__all__ = ["Decision", "LayerwiseCallback", "SettingsMismatchError", "check_strategy", "renamed", "warn_deprecated"]
+__all__ = ["Decision", "LayerwiseCallback", "SettingsMismatchError", "check_strategy", "renamed", "stop_on_sigterm",
+           "warn_deprecated"]
 
 
 #: settings of what is logged only: a resumed run may change them
@@ -65,6 +66,20 @@ def check_strategy(trainer: pl.Trainer, who: str, *, fsdp: bool = False) -> None
         )
     if "FSDP" in name and not fsdp:
         raise RuntimeError(f"{who} reads whole weight matrices, which FSDP shards across ranks; use strategy='ddp'")
+
+
+def stop_on_sigterm(trainer: pl.Trainer):
+    """A check for long measurements to call between chunks of work: it raises Lightning's
+    ``SIGTERMException`` once the trainer received SIGTERM (Lightning's handler only sets a flag,
+    which its loops read between batches; a measurement in a hook would otherwise run to its end).
+    Ctrl-C needs nothing: ``KeyboardInterrupt`` is raised between the chunks."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    def check() -> None:
+        if getattr(trainer, "received_sigterm", False):
+            raise SIGTERMException()
+
+    return check
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep

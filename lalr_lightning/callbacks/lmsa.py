@@ -104,8 +104,9 @@ class LMSAStepper(LayerSelection):
         blocks, join_stem, head: how to find the blocks (:func:`core.layers.block_layers`).
             With ``head=False`` the head's parameters are left to the module's optimizer.
         loss_fn: ``f(pl_module, batch) -> loss``, the training objective, used to run the
-            rest of the network on an updated block. Default: the module's
-            ``loss(output, target)`` (:func:`~lalr_lightning.core.loss.batch_loss`).
+            rest of the network on an updated block. Default
+            (:func:`~lalr_lightning.core.loss.batch_loss`): the module's ``loss(output, target)``,
+            else the loss its own ``training_step`` returns (its logging silenced).
         norm_eval: ``"frozen"`` (default): norm layers of blocks that do not train keep their
             running statistics; ``"all"``: every such norm layer in eval; ``"none"``: modes as
             Lightning sets them (:mod:`lalr_lightning.core.norms`).
@@ -273,21 +274,15 @@ class LMSAStepper(LayerSelection):
         return self.measurements.get("rgn", {})
 
     def _loss(self, pl_module: pl.LightningModule, batch: Any) -> torch.Tensor:
-        return self.loss_fn(pl_module, batch) if self.loss_fn is not None else batch_loss(pl_module, batch,
-                                                                                          fallback=None)
+        return batch_loss(pl_module, batch, self.loss_fn)
 
     # ------------------------------------------------------------------ setup
 
     def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not pl_module.automatic_optimization:
             raise RuntimeError("LMSAStepper needs automatic optimization (it acts around Lightning's optimizer step)")
-        if self.loss_fn is None and not callable(getattr(pl_module, "loss", None)):
-            raise TypeError(
-                f"LMSAStepper: {type(pl_module).__name__} has no loss(output, target) method; pass loss_fn=f with "
-                "f(pl_module, batch) -> the scalar training loss"
-            )
         try:
-            self.layers = self.find_blocks(pl_module, head=self.head, min_blocks=1)
+            self.layers = self.find_blocks(pl_module, head=self.head, min_blocks=1, trainer=trainer)
         except ValueError as err:
             raise ValueError(f"LMSAStepper: {err}") from err
         for layer in self.layers:

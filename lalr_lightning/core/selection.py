@@ -81,6 +81,26 @@ def rgn_multipliers(rgn: Mapping[str, float]) -> dict[str, float]:
     return {k: (1.0 if not math.isfinite(v) else v / top) for k, v in rgn.items()}
 
 
+def zero_gradient_warning(multipliers: Mapping[str, float], scores: Mapping[str, float], weights: Sequence[str],
+                          zero_excluded: Sequence[str], exclude: Sequence[str], excluded_multiplier: float) -> str | None:
+    """One line when most weight matrices (``weights``: the tensor names of the conv/linear
+    weights) get multiplier 0 because their measured gradient is exactly 0 (score 0), naming the
+    cause when it is visible: excluded tensors that are all zeros (timm zero-initialises the last
+    BatchNorm of each residual branch) and that the exclusion keeps from moving, so nothing flows
+    into their branches. ``None`` when at most half of them are affected."""
+    dead = [w for w in weights if multipliers.get(w, 1.0) == 0.0 and scores.get(w) == 0.0]
+    if not weights or 2 * len(dead) <= len(weights):
+        return None
+    head = (f"AutoRGN: {len(dead)} of {len(weights)} weight matrices get multiplier 0.0 and do not train "
+            f"(e.g. {dead[0]}): their measured gradient is exactly 0")
+    if zero_excluded and excluded_multiplier == 0.0:
+        return (f"{head}, because {len(zero_excluded)} excluded tensors are all zeros (e.g. {zero_excluded[0]}; timm "
+                f"zero-initialises the last BatchNorm of each residual branch) and exclude={tuple(exclude)!r} keeps them "
+                "at excluded_multiplier=0.0, so they never move and no gradient reaches their branches; pass exclude=() "
+                "or excluded_multiplier=1.0 to train them (the branches then get gradients from the next measurement)")
+    return f"{head} on the measured batches; check that the loss depends on them"
+
+
 def eb_multipliers(scores: Mapping[str, float], threshold: float = 0.95) -> dict[str, float]:
     """1 for tensors whose eb score is at least ``threshold``, else 0 (frozen), as the reference."""
     return {k: (1.0 if v >= threshold else 0.0) for k, v in scores.items()}

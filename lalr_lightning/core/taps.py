@@ -56,6 +56,10 @@ def first_tensor(out, where: str = "block") -> Tensor:
 
 
 def _clone_tree(obj):
+    if type(obj).__name__.endswith("Cache"):
+        # a Hugging Face KV cache (LLaMA makes one even in training when the config says use_cache):
+        # re-running the block with it would append to it; a block's state is its hidden input
+        return None
     if isinstance(obj, Tensor):
         return obj.detach().clone()
     if isinstance(obj, tuple):
