@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lalr_lightning.callbacks.base import Decision
+from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
 from lalr_lightning.callbacks.selection import LayerSelection
 from lalr_lightning.core import msa
 from lalr_lightning.core.control import LayerControl
@@ -395,8 +395,29 @@ class LMSAStepper(LayerSelection):
         self.taps.seed = self.seed * 1_000_003 + trainer.global_step
         if not self.taps.discovered:
             self.taps.discover(lambda: self._loss(pl_module, batch))
+            self._report_cost(pl_module)
         self.taps.set_capture(self._capture_names())
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    #: a measurement holding more than this many bytes of states and co-states warns (with its size)
+    warn_bytes: int = 2 * 2**30
+
+    def _report_cost(self, pl_module: pl.LightningModule) -> None:
+        """State, before the first measurement, what it holds and runs: every block's states and
+        co-states of a batch, and one forward pass of the model per block and batch; warn when
+        the states exceed :attr:`warn_bytes`, naming the largest (a language model's logits)."""
+        sizes = self.taps.capture_bytes()
+        total = sum(sizes.values())
+        big = max(sizes, key=sizes.get)
+        text = (f"L-MSA: measuring holds the states and co-states of {len(sizes)} blocks, about {total / 2**20:.3g} MiB "
+                f"per batch (the most: {big!r}, {sizes[big] / 2**20:.3g} MiB), and runs the model once per block and "
+                f"batch ({len(sizes)} x n_batches={self.n_batches} forward passes per selection)")
+        if total > self.warn_bytes:
+            head = self.layers[-1].role == "head" and big == self.layers[-1].name
+            rank_zero_warn(text + ("; head=False leaves the head to the module's optimizer and its outputs (the logits) "
+                                   "out of the measurement" if head else "; a smaller batch holds less"))
+        else:
+            rank_zero_info(text)
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         names = self._capture_names()
@@ -470,7 +491,9 @@ class LMSAStepper(LayerSelection):
                                   "learning rate or check the data and loss_fn")
         last = taps.captures[self.layers[-1].name][-1]
         out_dim = self.output_dim or int(last.out[0].numel())
+        check = stop_on_sigterm(trainer)
         for layer in self.layers:
+            check()
             cap = taps.captures[layer.name][-1]
             name = layer.name
             score = msa.block_score(
@@ -547,7 +570,8 @@ class LMSAStepper(LayerSelection):
                     i += g.numel()
                 return out
         self._last_h = msa.maximize_hamiltonian(terms, params, self._inner, steps=self.inner_steps, rho=self.rho,
-                                                feasibility=self.feasibility, reduce_grads=reduce)
+                                                feasibility=self.feasibility, reduce_grads=reduce,
+                                                check=stop_on_sigterm(trainer))
         if trainer.loggers and trainer._logger_connector.should_update_logs and self._last_h:
             self.log_values(trainer, {f"{self.prefix}/hamiltonian_first": self._last_h[0],
                                       f"{self.prefix}/hamiltonian_last": self._last_h[-1]})
