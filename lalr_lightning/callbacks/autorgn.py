@@ -21,8 +21,8 @@ Decided here (the paper and the reference are explicit about the rest):
 * the measurement is a *separate* forward/backward pass over the first ``n_batches`` batches
   of a fresh iterator over the train loader, before the epoch trains, at the epoch-start
   weights and with no update -- as the reference code does; every batch of the epoch then
-  trains. Buffers (norm layers' running statistics) are restored after the pass, so measuring
-  leaves the model exactly as it was;
+  trains. Buffers (norm layers' running statistics) and the global random state are restored
+  after the pass, so measuring leaves the model and the epoch's data order exactly as they were;
 * tensors whose name contains one of ``exclude`` (``"bn"``) are excluded as in the reference,
   whose re-built optimizer holds only the other tensors: they get ``excluded_multiplier``
   (0 = not trained, the reference; 1.0 trains them at the scheduled LR). The substring rule is
@@ -45,7 +45,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lalr_lightning.callbacks.base import Decision
+from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.core.layers import matrix_layers
 from lalr_lightning.core.loss import batch_loss
@@ -148,7 +148,7 @@ class AutoRGN(LayerSelection):
         self._measured_epoch: int | None = None
         self._block_of: dict[str, str] = {}
         self._weights: list[str] = []  # the conv/linear weight tensors (the degeneracy warning counts them)
-        self._zero_excluded: list[str] = []
+        self._zero_scales: list[str] = []
 
     @property
     def score_key(self) -> str:
@@ -202,14 +202,21 @@ class AutoRGN(LayerSelection):
         if not units:
             raise ValueError(f"every trainable tensor is excluded by exclude={list(self.exclude)}; nothing to measure")
         params = [next(iter(u.params.values())) for u in units]
-        self._zero_excluded = [u.name for u in self.layers if self._excluded(u.name) and u.name.endswith("weight")
-                               and not any(bool(p.detach().any()) for p in u.params.values())]
+        # norm scales at zero (timm's zero_init_last) block their branch's gradient: the warning names them
+        self._zero_scales = [u.name for u in self.layers if u.name.endswith("weight") and all(
+            p.ndim == 1 and not bool(p.detach().any()) for p in u.params.values())]
         total = torch.zeros(len(units), dtype=torch.float64)
         n = 0
-        with torch.enable_grad(), preserve_buffers(pl_module):
+        check = stop_on_sigterm(trainer)
+        device = pl_module.device
+        rng = [device.index or 0] if device.type == "cuda" else []
+        # buffers and the random state (the loader's shuffle, dropout) are put back: the epoch that
+        # follows trains as it would without the measurement
+        with torch.enable_grad(), preserve_buffers(pl_module), torch.random.fork_rng(devices=rng):
             for batch in loader:
                 if n >= self.n_batches:
                     break
+                check()
                 batch = trainer.strategy.batch_to_device(batch)
                 loss = batch_loss(pl_module, batch, self.loss_fn, batch_idx=n)
                 grads = torch.autograd.grad(loss, params, allow_unused=True)
@@ -233,8 +240,7 @@ class AutoRGN(LayerSelection):
                 rank_zero_warn(f"eb_criterion: no tensor reaches eb_threshold={self.eb_threshold} (max score "
                                f"{max(scores.values()):.3g}); all measured tensors are frozen this epoch")
         values = {u.name: mults.get(u.name, self.excluded_multiplier) for u in self.layers}
-        note = zero_gradient_warning(values, scores, self._weights, self._zero_excluded, self.exclude,
-                                     self.excluded_multiplier)
+        note = zero_gradient_warning(values, scores, self._weights, self._zero_scales, self.exclude)
         if note is not None:
             rank_zero_warn(note)
         return Decision(values=values, scores=dict(scores))

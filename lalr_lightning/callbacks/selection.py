@@ -350,7 +350,8 @@ def forward_trace(trainer: pl.Trainer, pl_module: pl.LightningModule, loss_fn=No
         except Exception as err:  # noqa: BLE001 -- any failure: say what to add instead
             raise ValueError(
                 f"cannot find the blocks of {type(pl_module).__name__}: no timm group_matcher, repeated children or "
-                f"Sequential trunk, and no batch to run its forward pass on in setup ({type(err).__name__}: {err}); "
+                f"Sequential trunk, and no batch to run its forward pass on in setup ({type(err).__name__}: "
+                f"{str(err).splitlines()[0][:120] if str(err) else ''}); "
                 f"set {type(pl_module).__name__}.example_input_array, or pass blocks=[...], e.g. "
                 f"blocks={suggest_blocks(pl_module)!r}"
             ) from None

@@ -429,7 +429,7 @@ def ntk_cost(
     mode: str = "trace",
     positions: str = "all",
     outputs: int | str | None = None,
-    budget: int = DEFAULT_BUDGET,
+    budget: int | None = None,
     output_fn: Callable[[Any], Tensor] | None = None,
 ) -> NTKCost:
     """The size of ``J`` before computing it, from one forward pass of one sample.
@@ -439,7 +439,9 @@ def ntk_cost(
     that fit, ``budget // (N P)``, at least 1 (the trace kernel of the projection is an unbiased
     estimate of the exact one); ``"all"``: every output, whatever the size; an integer ``k``:
     ``k`` random directions (all outputs when ``k >= C``). ``full`` and ``sum`` never project.
+    ``budget`` defaults to :data:`DEFAULT_BUDGET`.
     """
+    budget = DEFAULT_BUDGET if budget is None else int(budget)
     if mode not in MODES:
         raise ValueError(f"unknown NTK mode {mode!r}; valid: {', '.join(map(repr, MODES))}")
     _check_positions(positions)
