@@ -25,13 +25,18 @@ import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lalr_lightning.callbacks import (AutoRGN, BlockSchedule, HTSRPruning, LMSAStepper, NTKDiagnostics,
-                                      ProximalRegularizer, SurgicalBlocks)
+from lalr_lightning.callbacks import (
+    AutoRGN,
+    BlockSchedule,
+    HTSRPruning,
+    LMSAStepper,
+    NTKDiagnostics,
+    ProximalRegularizer,
+    SurgicalBlocks,
+)
 from lalr_lightning.core import ntk
 from lalr_lightning.core.criterion_pruning import criterion_prune
-from lalr_lightning.core.forward_blocks import forward_units, trace_modules
 from lalr_lightning.core.layers import Layer, block_layers, matrix_layers, suggest_blocks
-from lalr_lightning.core.loss import batch_loss, call_model, forward_module, output_tensor, split_batch, step_loss
 from tests._anymodule import MODULES, AttrCNN, HFCausalLM, HFClassifier, TimmClassifier, callbacks
 from tests._toys import MemLogger, make_trainer
 
@@ -188,6 +193,8 @@ class _StepOnly(pl.LightningModule):
 
 
 def test_the_loss_chain_loss_fn_then_loss_then_training_step():
+    from lalr_lightning.core.loss import batch_loss, call_model, forward_module, output_tensor, split_batch, step_loss
+
     m = _StepOnly()
     x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
     own = 2 * F.cross_entropy(m.net(x), y)
@@ -266,6 +273,8 @@ class Registered(nn.Module):
 
 
 def test_blocks_from_the_forward_pass():
+    from lalr_lightning.core.forward_blocks import forward_units, trace_modules
+
     cnn = AttrCNN()
     trace = trace_modules(cnn, lambda: cnn(torch.randn(2, 1, 8, 8)))
     assert forward_units(cnn, trace) == [["c1", "b1"], ["c2", "b2"], ["f1"], ["f2"], ["f3"]]
@@ -358,6 +367,8 @@ class _LastToken(nn.Module):
 
 
 def test_an_lm_is_measured_at_its_last_real_token():
+    from lalr_lightning.core.loss import split_batch
+
     module = HFCausalLM(layers=1, hidden=16)
     batch = next(iter(module.train_dataloader()))
     x, _ = split_batch(module, batch)  # sample 1 is padded at the end

@@ -19,9 +19,9 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
 from lalr_lightning.core import spectral
 from lalr_lightning.core.criterion_pruning import criterion_prune, load_weights, sample_count, take_samples
-from lalr_lightning.core.loss import call_model, split_batch, step_loss
 from lalr_lightning.core.layers import DEFAULT_KINDS, check_kinds
 from lalr_lightning.core.llm_pruning import CRITERIA, check_nm, needs_stats
+from lalr_lightning.core.loss import call_model, split_batch, step_loss
 from lalr_lightning.core.pruning import (
     DIRECTIONS,
     OVERFLOW,
