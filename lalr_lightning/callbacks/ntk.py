@@ -54,11 +54,12 @@ class NTKDiagnostics(LayerwiseCallback):
             ``input_ids``): ``"last"`` (default) measures each sample's last real token,
             ``"all"`` every position.
         outputs: how many outputs per sample ``J`` holds (``trace`` kernel): ``None`` (default)
-            every output while ``J`` stays within ``ntk.DEFAULT_BUDGET`` gradient entries, else the
-            outputs projected onto as many random directions as fit (an unbiased estimate of the
-            trace kernel); ``"all"`` every output, or an integer: that many directions -- beyond
-            the budget with a warning that gives the estimated size and time. The choice is
-            logged once per fit (``core.ntk.ntk_cost``).
+            every output while the Jacobian's estimated time stays within ``ntk.DEFAULT_SECONDS``
+            (10 s), else the outputs projected onto as many random directions as fit (an unbiased
+            estimate of the trace kernel); ``"all"`` every output, or an integer: that many
+            directions -- beyond the budget with a warning that gives the estimated size and time.
+            The estimate times a few rows of the real computation before the first measurement;
+            the choice is logged, made once and kept in the checkpoint (``core.ntk.ntk_cost``).
         name, strict_resume: as every callback of the package.
 
     The cost is estimated before the first measurement and stated in the log; a SIGTERM or
@@ -100,7 +101,7 @@ class NTKDiagnostics(LayerwiseCallback):
         self.max_jacobian_numel = max_jacobian_numel
         self.positions = ntk._check_positions(positions)
         self.outputs = ntk._check_outputs(outputs)
-        self._cost: ntk.NTKCost | None = None
+        self._chosen: int | str | None = "unset"  # the outputs used, chosen at the first measurement
         self.etas: dict[str, float] = {}
         self.kappa = self.gap = self.kl = math.nan
         self._params: dict[str, torch.nn.Parameter] = {}
@@ -110,7 +111,6 @@ class NTKDiagnostics(LayerwiseCallback):
     def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._params = trainable(pl_module, type(self).__name__)
         self._groups = ntk.layer_groups(pl_module, self._params)
-        self._cost = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.restored and self._anchor is not None:
@@ -132,14 +132,15 @@ class NTKDiagnostics(LayerwiseCallback):
         x, _ = probe_inputs(pl_module, trainer.train_dataloader, self.probe_size,
                             to_device=trainer.strategy.batch_to_device)
         params = {n: p.detach() for n, p in self._params.items()}
-        if self._cost is None:  # once per fit: the size of J, stated before computing it
-            self._cost = ntk.ntk_cost(pl_module, x, params, mode=self.kernel, positions=self.positions,
-                                      outputs=self.outputs)
-            text, warn = self._cost.report(type(self).__name__, self.outputs)
+        if self._chosen == "unset":  # once: the size and time of J, stated before computing it
+            cost = ntk.ntk_cost(pl_module, x, params, mode=self.kernel, positions=self.positions,
+                                outputs=self.outputs)
+            text, warn = cost.report(type(self).__name__, self.outputs)
             (rank_zero_warn if warn else rank_zero_info)(text)
+            self._chosen = cost.outputs
         k = ntk.empirical_ntk(pl_module, x, params, self._groups, mode=self.kernel,
                               max_jacobian_numel=self.max_jacobian_numel, positions=self.positions,
-                              outputs=self._cost.outputs, check=stop_on_sigterm(trainer))
+                              outputs=self._chosen, check=stop_on_sigterm(trainer))
         self.check_finite(trainer, {"K": k.K}, "the NTK on the probe batch")
         sigma = self.sigma * float(torch.trace(k.K)) / k.K.shape[0]
         eig = torch.linalg.eigvalsh(k.K)
@@ -161,9 +162,10 @@ class NTKDiagnostics(LayerwiseCallback):
 
     def _state(self) -> dict:
         return {"anchor": None if self._anchor is None else {n: t.detach().cpu() for n, t in self._anchor.items()},
-                "kappa": self.kappa, "gap": self.gap, "kl": self.kl}
+                "kappa": self.kappa, "gap": self.gap, "kl": self.kl, "outputs_used": self._chosen}
 
     def _load_state(self, state: dict) -> None:
         self._anchor = None if state.get("anchor") is None else dict(state["anchor"])
         self.kappa, self.gap, self.kl = (float(state.get(k, math.nan)) for k in ("kappa", "gap", "kl"))
+        self._chosen = state.get("outputs_used", "unset")  # a resumed run measures the same outputs
 

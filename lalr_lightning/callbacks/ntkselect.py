@@ -62,8 +62,9 @@ class NTKSelect(LayerSelection):
         kernel: ``"trace"``, ``"full"`` or ``"sum"`` (:func:`~lalr_lightning.core.ntk.empirical_ntk`).
         positions, outputs: which outputs the kernel is taken over, as for
             :class:`~lalr_lightning.callbacks.ntk.NTKDiagnostics` (a language model: its last real
-            token by default; outputs beyond ``ntk.DEFAULT_BUDGET`` gradient entries projected
-            onto random directions, stated in the log). A SIGTERM or Ctrl-C stops the measurement.
+            token by default; when the Jacobian's estimated time exceeds ``ntk.DEFAULT_SECONDS``,
+            the outputs projected onto random directions, stated in the log). A SIGTERM or Ctrl-C
+            stops the measurement.
         norm_eval: ``frozen``, ``all`` or ``none`` (:mod:`lalr_lightning.core.norms`).
         save_compute: turn ``requires_grad`` off for the frozen layers: before the model is
             wrapped when the probe can be drawn in ``setup`` (then under DDP they get no

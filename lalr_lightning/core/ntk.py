@@ -52,10 +52,11 @@ from .taps import call_with_params
 __all__ = [
     "MODES",
     "POSITIONS",
-    "DEFAULT_BUDGET",
+    "DEFAULT_SECONDS",
     "NTK",
     "NTKCost",
     "ntk_cost",
+    "projection",
     "NTKSelection",
     "LinearizationGap",
     "trainable_parameters",
@@ -77,9 +78,9 @@ MODES = ("trace", "full", "sum")
 #: which positions of token outputs ``[N, T, V]`` count as outputs: every one, or each sample's last
 #: real token (the next-token prediction at the end of the sequence)
 POSITIONS = ("all", "last")
-#: the default bound on the Jacobian's size, ``N x C x P`` gradient entries (:func:`ntk_cost`): about 2 s
-#: of a 784 k-parameter LM's backward passes on one CPU core per 2**28 (benchmarks/any_module.py)
-DEFAULT_BUDGET = 2**30
+#: the seconds the default output choice keeps the Jacobian to (:func:`ntk_cost`); the NTK of a
+#: 0.7 M-parameter LM then takes about this on 2 CPU cores (benchmarks/results/any_module.md)
+DEFAULT_SECONDS = 10.0
 
 Inputs = Tensor | Sequence[Tensor] | Mapping[str, Tensor]
 
@@ -357,9 +358,8 @@ class NTK:
 class NTKCost:
     """What an :func:`empirical_ntk` call will compute (:func:`ntk_cost`): ``J`` has
     ``num_samples x rows_per_sample`` rows of ``num_params`` entries; ``outputs`` is what to pass
-    as ``empirical_ntk(outputs=...)`` (``None``: every output, exact); ``seconds`` is an estimate
-    from the time of one single-sample forward pass (three per Jacobian row: one forward and the
-    backward)."""
+    as ``empirical_ntk(outputs=...)`` (``None``: every output, exact); ``seconds`` is the
+    estimate from timing a few rows of one sample; ``budget`` the seconds the default keeps to."""
 
     num_samples: int
     num_outputs: int
@@ -368,7 +368,7 @@ class NTKCost:
     mode: str
     positions: str
     seconds: float
-    budget: int
+    budget: float
     tokens: bool = False  # the outputs are per token and were taken at the last one
 
     @property
@@ -384,16 +384,16 @@ class NTKCost:
 
     @property
     def over_budget(self) -> bool:
-        return self.entries > self.budget
+        return self.seconds > self.budget
 
     def describe(self) -> str:
-        """One phrase: ``J: 16 samples x 64 of 500 outputs (random projections) x 784,000 parameters
-        = 8.0e+08 entries (3.2 GB in fp32), about 6 s``."""
+        """One phrase: ``J: 16 samples x 5 random projections of 500 outputs at the last token x
+        718,976 parameters = 5.8e+07 entries (0.21 GiB in fp32), about 9 s``."""
         rows = self.rows_per_sample
         if self.mode == "sum":
             what = "the summed output"
         elif rows < self.num_outputs:
-            what = f"{rows} random projections of {self.num_outputs} outputs"
+            what = f"{rows} random projection{'s' if rows != 1 else ''} of {self.num_outputs} outputs"
         else:
             what = f"{self.num_outputs} outputs"
         where = " at the last token" if self.tokens else ""
@@ -404,12 +404,13 @@ class NTKCost:
         """(one line for the log, whether it is a warning): a warning when ``asked`` (the user's
         ``outputs``) takes ``J`` beyond the budget."""
         if asked is not None and self.over_budget:
-            return (f"{who}(outputs={asked!r}): {self.describe()}, beyond the default budget of {self.budget:.2g} "
-                    "entries; outputs=None keeps it there", True)
+            return (f"{who}(outputs={asked!r}): {self.describe()}, beyond the default's budget of {self.budget:.3g} s; "
+                    "outputs=None keeps it there", True)
         text = f"{who}: {self.describe()}"
         if self.outputs is not None and asked is None:
             text += (f"; the {self.num_outputs} outputs per sample are projected onto {self.outputs} random directions "
-                     f"to stay within {self.budget:.2g} entries (outputs='all' measures every output)")
+                     f"(an unbiased estimate of the trace kernel) to stay within {self.budget:.3g} s; outputs='all' "
+                     "measures every output, outputs=k more directions")
         return text, False
 
 
@@ -429,45 +430,69 @@ def ntk_cost(
     mode: str = "trace",
     positions: str = "all",
     outputs: int | str | None = None,
-    budget: int | None = None,
+    seconds: float | None = None,
     output_fn: Callable[[Any], Tensor] | None = None,
 ) -> NTKCost:
-    """The size of ``J`` before computing it, from one forward pass of one sample.
+    """The size and time of ``J`` before computing it, from timing the computation on one sample
+    (three short runs: a warm-up, one row, a few rows; the estimate errs on the slow side).
 
-    ``outputs``: ``None`` keeps every output when ``J`` stays within ``budget`` gradient entries
-    and otherwise (``trace`` mode) projects the ``C`` outputs onto the most random directions
-    that fit, ``budget // (N P)``, at least 1 (the trace kernel of the projection is an unbiased
-    estimate of the exact one); ``"all"``: every output, whatever the size; an integer ``k``:
-    ``k`` random directions (all outputs when ``k >= C``). ``full`` and ``sum`` never project.
-    ``budget`` defaults to :data:`DEFAULT_BUDGET`.
+    ``outputs``: ``None`` keeps every output when the estimate stays within ``seconds`` (default
+    :data:`DEFAULT_SECONDS`) and otherwise (``trace`` mode) projects the ``C`` outputs onto as many
+    random directions as fit, at least 1; ``"all"``: every output, whatever the time; an integer
+    ``k``: ``k`` directions (all outputs when ``k >= C``). ``full`` and ``sum`` never project. The
+    estimate times the real computation (a vmapped backward per row), so it follows the machine
+    and its load: the choice is made once per fit and stated by the callbacks.
     """
-    budget = DEFAULT_BUDGET if budget is None else int(budget)
     if mode not in MODES:
         raise ValueError(f"unknown NTK mode {mode!r}; valid: {', '.join(map(repr, MODES))}")
     _check_positions(positions)
     outputs = _check_outputs(outputs)
+    budget = DEFAULT_SECONDS if seconds is None else float(seconds)
     params = _check_params(model, params)
     n = _num_samples(inputs)
     total = sum(t.numel() for t in params.values())
     inputs = _on(inputs, params)
     one = _map(inputs, lambda t: t[:1])
     with _eval_math(model), torch.no_grad():
-        start = time.perf_counter()
         y = _raw(model, params, one, output_fn)
-        once = time.perf_counter() - start
     tokens = positions == "last" and _token_outputs(y, one)
     c = (y[:, -1] if tokens else y).reshape(1, -1).shape[1]
+    # time the real computation on one sample, after a first call that pays the warm-up: one row
+    # (its forward, the call and one vmapped backward) and k rows; both taken whole, so that a busy
+    # machine errs towards fewer rows: t(rows) <= t(1) + rows * t(k) / k
+    k = 1 if mode == "sum" else min(c, 8)
+    run_mode = "sum" if mode == "sum" else "trace"
+
+    def timed(rows: int) -> float:
+        start = time.perf_counter()
+        empirical_ntk(model, one, params, mode=run_mode, positions=positions, outputs=None if rows >= c else rows,
+                      output_fn=output_fn)
+        return time.perf_counter() - start
+
+    timed(1)
+    per_sample = timed(1)
+    per_row = timed(k) / k if k > 1 else per_sample
     if mode != "trace" or outputs == "all":
         chosen = None
     elif outputs is None:
-        chosen = None if n * c * total <= budget else max(1, budget // max(n * total, 1))
+        fits = int((budget / n - per_sample) / per_row)
+        chosen = None if fits >= c else max(1, fits)
     else:
         chosen = outputs
     if chosen is not None and chosen >= c:
         chosen = None
-    cost = NTKCost(n, c, total, chosen, mode, positions, 0.0, int(budget), tokens)
-    cost.seconds = 3 * once * n * cost.rows_per_sample
+    cost = NTKCost(n, c, total, chosen, mode, positions, 0.0, budget, tokens)
+    cost.seconds = n * (per_sample + per_row * cost.rows_per_sample)
     return cost
+
+
+def projection(c: int, k: int, seed: int = 0) -> Tensor:
+    """``C x k`` float64: ``k`` orthonormal random directions (QR of a Gaussian matrix drawn from
+    ``seed``) scaled by ``sqrt(C / k)``, so ``E[R R^T] = I`` -- with less variance than Gaussian
+    directions, and ``R R^T = I`` exactly at ``k = C``."""
+    gen = torch.Generator().manual_seed(int(seed))
+    q, _ = torch.linalg.qr(torch.randn(c, k, generator=gen, dtype=torch.float64))
+    return q * math.sqrt(c / k)
 
 
 def _blocks(n: int, c: int, rows: int) -> list[tuple[range, range]]:
@@ -526,10 +551,10 @@ def empirical_ntk(
             data-dependent control flow (Hugging Face attention masks). Same numbers either way.
         positions: ``"all"`` or ``"last"`` (token outputs at each sample's last real token,
             :func:`_forward`).
-        outputs: ``trace`` mode only: project the ``C`` outputs onto this many random directions,
-            ``f(x) R`` with ``R`` a ``C x k`` Gaussian matrix scaled by ``1 / sqrt(k)`` drawn from
-            ``seed`` (``E[R R^T] = I``, so the trace kernel of the projection is an unbiased
-            estimate of the exact one); ``None``: every output. :func:`ntk_cost` chooses it.
+        outputs: ``trace`` mode only: project the ``C`` outputs onto ``k`` random directions,
+            ``f(x) R`` with ``R`` = :func:`projection` ``(C, k, seed)`` (``E[R R^T] = I``, so the
+            trace kernel of the projection is an unbiased estimate of the exact one); ``None``:
+            every output. :func:`ntk_cost` chooses it.
         check: called between chunks of Jacobian rows (every few seconds of work at most); it
             may raise to stop the computation (a SIGTERM or Ctrl-C seen by the caller).
     """
@@ -557,9 +582,7 @@ def empirical_ntk(
         c_model, out_dtype = probe.shape[1], probe.dtype
         proj = None
         if outputs is not None and outputs < c_model:
-            gen = torch.Generator().manual_seed(int(seed))
-            proj = (torch.randn(c_model, outputs, generator=gen, dtype=torch.float64) / math.sqrt(outputs)).to(
-                device=dev, dtype=out_dtype)
+            proj = projection(c_model, outputs, seed).to(device=dev, dtype=out_dtype)
         c = 1 if mode == "sum" else c_model if proj is None else proj.shape[1]
 
         def outputs_of(p: Mapping[str, Tensor], x: Inputs) -> Tensor:
