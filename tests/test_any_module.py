@@ -295,6 +295,15 @@ def test_blocks_from_the_forward_pass():
     assert forward_units(reg, trace) == [["layers.first", "norm"], ["layers.second"], ["body"], ["out"]]
     assert [(b.name, b.role) for b in block_layers(reg, join_stem=False, trace=trace)] == [
         ("layers.first+norm", "stem"), ("layers.second", "block"), ("body", "block"), ("out", "head")]
+    # a backbone and a head only: the backbone is opened (a one-layer LLaMA has no repeated layers)
+    lm = HFCausalLM(layers=1, hidden=16)
+    batch = next(iter(lm.train_dataloader()))
+    trace = trace_modules(lm, lambda: lm.model(**batch))
+    assert forward_units(lm, trace) == [["model.model.embed_tokens"], ["model.model.layers.0", "model.model.norm"],
+                                        ["model.lm_head"]]
+    blocks = block_layers(lm, join_stem=False, trace=trace)
+    assert [type(m).__name__ for b in blocks for m in b.modules] == ["Embedding", "LlamaDecoderLayer", "LlamaRMSNorm",
+                                                                     "Linear"]
 
 
 class ExampleOnly(AttrCNN):
@@ -409,6 +418,29 @@ def test_ntk_states_its_cost_warns_beyond_the_budget_and_stops_on_sigterm(monkey
         _fit(diag, module, steps=1)
     assert type(stop.value).__name__ == "SIGTERMException" and diag.history == []
     assert len(calls) < 10  # one chunk of rows after the signal, of 16
+
+
+def test_lmsa_states_its_cost_and_stops_on_sigterm(monkeypatch, caplog):
+    caplog.set_level("INFO")
+    _fit(LMSAStepper(), HFCausalLM(layers=2, hidden=16), steps=1)
+    assert any(re.match(r"L-MSA: measuring holds the states and co-states of 3 blocks, about [\d.]+ MiB per batch "
+                        r"\(the most: 'model.model.norm\+model.lm_head'", r.getMessage()) for r in caplog.records)
+    monkeypatch.setattr(LMSAStepper, "warn_bytes", 1)
+    with pytest.warns(UserWarning, match=r"the most: 'model.model.norm\+model.lm_head'.*head=False leaves the head"):
+        _fit(LMSAStepper(), HFCausalLM(layers=2, hidden=16), steps=1)
+    # SIGTERM during the measurement (a block's probe run): the next block is not measured
+    module, runs = AttrCNN(), []
+
+    def term(*_):
+        runs.append(1)
+        if len(runs) == 4:  # the dry run, the training forward, then the measurement's runs
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    module.f2.register_forward_hook(term)
+    lmsa = LMSAStepper()
+    with pytest.raises(SystemExit) as stop:
+        _fit(lmsa, module, steps=1)
+    assert type(stop.value).__name__ == "SIGTERMException" and not lmsa.selected and not lmsa.history
 
 
 # ----------------------------------------------------------------------------- Auto-RGN, lambda_o, pruning

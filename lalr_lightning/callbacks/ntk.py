@@ -99,8 +99,8 @@ class NTKDiagnostics(LayerwiseCallback):
         self.sigma = float(sigma)
         self.kernel = kernel
         self.max_jacobian_numel = max_jacobian_numel
-        self.positions = ntk._check_positions(positions)
-        self.outputs = ntk._check_outputs(outputs)
+        self.positions = ntk.check_positions(positions)
+        self.outputs = ntk.check_outputs(outputs)
         self._chosen: int | str | None = "unset"  # the outputs used, chosen at the first measurement
         self.etas: dict[str, float] = {}
         self.kappa = self.gap = self.kl = math.nan
@@ -111,6 +111,7 @@ class NTKDiagnostics(LayerwiseCallback):
     def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._params = trainable(pl_module, type(self).__name__)
         self._groups = ntk.layer_groups(pl_module, self._params)
+        self._chosen = "unset"  # chosen at the first measurement (a checkpoint loaded after this restores it)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.restored and self._anchor is not None:

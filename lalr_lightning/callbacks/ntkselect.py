@@ -105,8 +105,8 @@ class NTKSelect(LayerSelection):
         self.max_layers = max_layers
         self.probe_size = int(probe_size)
         self.kernel = kernel
-        self.positions = ntk._check_positions(positions)
-        self.outputs = ntk._check_outputs(outputs)
+        self.positions = ntk.check_positions(positions)
+        self.outputs = ntk.check_outputs(outputs)
         self.head = bool(head)
         self.head_layer: str | None = None
         self.chosen_eta: dict[str, float] = {}

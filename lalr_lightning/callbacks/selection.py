@@ -359,7 +359,15 @@ def forward_trace(trainer: pl.Trainer, pl_module: pl.LightningModule, loss_fn=No
 
         def run():
             return batch_loss(pl_module, batch, loss_fn)
-    return trace_modules(pl_module, run)
+    try:
+        return trace_modules(pl_module, run)
+    except Exception as err:  # noqa: BLE001 -- the forward pass was for the blocks: say what else works
+        raise ValueError(
+            f"cannot find the blocks of {type(pl_module).__name__}: no timm group_matcher, repeated children or "
+            f"Sequential trunk, and its forward pass on a training batch failed ({type(err).__name__}: "
+            f"{str(err).splitlines()[0][:120] if str(err) else ''}); set {type(pl_module).__name__}.example_input_array,"
+            f" or pass blocks=[...], e.g. blocks={suggest_blocks(pl_module)!r}"
+        ) from err
 
 
 class SurgicalLayerSelect(Callback):

@@ -16,7 +16,9 @@ autograd graph of the pass). :func:`forward_units` then walks the model from the
   written as its own module) is one unit, whole;
 * a residual branch written inline stays inside one unit: when a unit's input comes (also) from
   a unit before the one just before it, the units in between -- the branch the skip bypasses --
-  are merged.
+  are merged;
+* fewer than three units (a model of a backbone and a head): the largest one-module unit is
+  opened into the units of its children.
 
 :func:`forward_blocks` makes the first unit the stem, the last (the output layer) the head and
 the units between the blocks. Pure PyTorch.
@@ -202,8 +204,21 @@ def _merge_skips(units: list[list[str]], trace: Trace) -> list[list[str]]:
     return units
 
 
+def _units(node: nn.Module, prefix: str, trace: Trace) -> list[list[str]]:
+    units: list[list[str]] = []
+    for name, child in _children(node, prefix, trace):
+        if _is_matrix(child) or any(_holds_params(c) for c in child.children()) or not units:
+            units.append([name])
+        else:  # a norm (or another parametrized leaf) joins the layer that ran before it
+            units[-1].append(name)
+    return units
+
+
 def forward_units(model: nn.Module, trace: Trace) -> list[list[str]]:
-    """The model's units in forward order, each a list of module names (module docstring)."""
+    """The model's units in forward order, each a list of module names (module docstring). With
+    fewer than three, the largest unit that is one module of several layers is opened into its
+    own units (a ``LlamaForCausalLM`` of one layer: ``model`` and ``lm_head`` become the
+    embedding, the layer with the final norm, and the head)."""
     prefix, node = "", model
     own = {id(p) for p in model.parameters()}
     while True:  # descend through wrappers holding everything (a LightningModule around self.net)
@@ -213,12 +228,17 @@ def forward_units(model: nn.Module, trace: Trace) -> list[list[str]]:
             prefix, node = f"{prefix}{kids[0][0]}.", kids[0][1]
             continue
         break
-    units: list[list[str]] = []
-    for name, child in _children(node, prefix, trace):
-        if _is_matrix(child) or any(_holds_params(c) for c in child.children()) or not units:
-            units.append([name])
-        else:  # a norm (or another parametrized leaf) joins the layer that ran before it
-            units[-1].append(name)
+    units = _units(node, prefix, trace)
+    while len(units) < 3:
+        whole = [(i, model.get_submodule(u[0])) for i, u in enumerate(units) if len(u) == 1]
+        whole = [(i, m) for i, m in whole if any(_holds_params(c) for c in m.children())]
+        if not whole:
+            break
+        i, mod = max(whole, key=lambda im: sum(p.numel() for p in im[1].parameters()))
+        inner = _units(mod, units[i][0] + ".", trace)
+        if len(inner) < 2:
+            break
+        units = units[:i] + inner + units[i + 1:]
     return _merge_skips(units, trace)
 
 

@@ -556,6 +556,10 @@ def block_layers(
             else:
                 stem_mods, middle, head_mods = traced
                 found_blocks = [[n for n, _ in params if _inside(n, mods)] for mods in middle]
+                # the modules that ran, kept with their groups (a name like ``layers`` may be a
+                # ModuleList that never runs itself)
+                ran = {tuple(g): mods for g, mods in zip(found_blocks, middle)}
+                ran["stem"], ran["head"] = stem_mods, head_mods
                 inside = {n for g in found_blocks for n in g}
                 first = min(order[n] for n in found_blocks[0])
                 # the first unit that ran is the stem, the last the head; parameters of modules that
@@ -564,6 +568,8 @@ def block_layers(
                     order[n] < first and not _inside(n, head_mods)))]
                 head_names = [n for n, _ in params if n not in inside and n not in stem_names]
                 source = "forward pass"
+    if source != "forward pass":
+        ran = None
     del source
     late = [n for n in stem_names if _FINAL.search(n)]
     if late:  # OPT registers its final norm before its layers; it runs after them
@@ -572,22 +578,31 @@ def block_layers(
     out: list[Layer] = []
     allp = [n for n, _ in params]
     blocks_names = [list(g) for g in found_blocks if g]
+    def mods(key) -> list[str] | None:
+        return None if ran is None else ran.get(key)
+
     if stem_names and join_stem and blocks_names:
         name0 = _group_name(stem_names, allp) + "+" + _group_name(blocks_names[0], allp)
-        out.append(_mk_block(model, name0, stem_names + blocks_names[0], lookup, "block"))
+        joined = None if ran is None else mods("stem") + mods(tuple(blocks_names[0]))
+        out.append(_mk_block(model, name0, stem_names + blocks_names[0], lookup, "block", joined))
         blocks_names = blocks_names[1:]
     elif stem_names:
-        out.append(_mk_block(model, _group_name(stem_names, allp), stem_names, lookup, "stem"))
+        out.append(_mk_block(model, _group_name(stem_names, allp), stem_names, lookup, "stem", mods("stem")))
     for g in blocks_names:
-        out.append(_mk_block(model, _group_name(g, allp), g, lookup, "block"))
+        out.append(_mk_block(model, _group_name(g, allp), g, lookup, "block", mods(tuple(g))))
     if head and head_names:
-        out.append(_mk_block(model, _group_name(head_names, allp), head_names, lookup, "head"))
+        out.append(_mk_block(model, _group_name(head_names, allp), head_names, lookup, "head", mods("head")))
     for i, layer in enumerate(out):
         layer.index = i
     return out
 
 
-def _mk_block(model: nn.Module, name: str, pnames: list[str], lookup: dict[str, nn.Parameter], role: str) -> Layer:
+def _mk_block(model: nn.Module, name: str, pnames: list[str], lookup: dict[str, nn.Parameter], role: str,
+              ran: list[str] | None = None) -> Layer:
+    if ran is not None:  # from a forward pass: the modules that ran, in that order
+        modules = [model.get_submodule(_raw_path(model, m)) for m in ran]
+        return Layer(name=name, kind="block", module=modules[0] if len(modules) == 1 else None,
+                     params={n: lookup[n] for n in pnames}, modules=modules, role=role)
     module = None
     if "+" not in name:
         try:

@@ -63,8 +63,7 @@ def split_batch(module: nn.Module, batch: Any) -> tuple[Any, Any]:
         return batch, None
     raise TypeError(
         f"cannot split a training batch of type {type(batch).__name__} into (inputs, targets); give "
-        f"{type(module).__name__} a split_batch(batch) -> (inputs, targets) method, or pass loss_fn=f with "
-        "f(module, batch) -> the scalar training loss (a module-level function, so that ddp_spawn can pickle it)"
+        f"{type(module).__name__} a split_batch(batch) -> (inputs, targets) method"
     )
 
 

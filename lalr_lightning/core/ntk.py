@@ -56,6 +56,8 @@ __all__ = [
     "NTK",
     "NTKCost",
     "ntk_cost",
+    "check_outputs",
+    "check_positions",
     "projection",
     "NTKSelection",
     "LinearizationGap",
@@ -322,7 +324,7 @@ def _forward(
     return y.reshape(y.shape[0], -1) if y.ndim != 1 else y[:, None]
 
 
-def _check_positions(positions: str) -> str:
+def check_positions(positions: str) -> str:
     if positions not in POSITIONS:
         raise ValueError(f"unknown positions {positions!r}; valid: {', '.join(map(repr, POSITIONS))}")
     return positions
@@ -414,7 +416,7 @@ class NTKCost:
         return text, False
 
 
-def _check_outputs(outputs: int | str | None) -> int | str | None:
+def check_outputs(outputs: int | str | None) -> int | str | None:
     if outputs is None or outputs == "all":
         return outputs
     if isinstance(outputs, bool) or not isinstance(outputs, int) or outputs < 1:
@@ -445,8 +447,8 @@ def ntk_cost(
     """
     if mode not in MODES:
         raise ValueError(f"unknown NTK mode {mode!r}; valid: {', '.join(map(repr, MODES))}")
-    _check_positions(positions)
-    outputs = _check_outputs(outputs)
+    check_positions(positions)
+    outputs = check_outputs(outputs)
     budget = DEFAULT_SECONDS if seconds is None else float(seconds)
     params = _check_params(model, params)
     n = _num_samples(inputs)
@@ -562,7 +564,7 @@ def empirical_ntk(
         raise ValueError(f"unknown NTK mode {mode!r}; valid: {', '.join(map(repr, MODES))}")
     if max_jacobian_numel < 1:
         raise ValueError(f"max_jacobian_numel must be >= 1, got {max_jacobian_numel}")
-    _check_positions(positions)
+    check_positions(positions)
     if outputs is not None and (isinstance(outputs, bool) or not isinstance(outputs, int) or outputs < 1):
         raise ValueError(f"outputs must be None (every output) or an integer >= 1, got {outputs!r}")
     if outputs is not None and mode != "trace":
@@ -864,7 +866,7 @@ def linearize(
     ``anchor`` holds ``theta_0`` for the same names. Both outputs are ``[N, C]``; ``positions`` as
     in :func:`empirical_ntk`.
     """
-    _check_positions(positions)
+    check_positions(positions)
     params = _check_params(model, params)
     delta = _deltas(params, anchor)
     inputs = _on(inputs, params)
@@ -924,7 +926,7 @@ def jacobian_spectral_norm(
     every rank gets the same number. ``positions`` as in :func:`empirical_ntk`; ``check`` is
     called before every iteration and may raise to stop.
     """
-    _check_positions(positions)
+    check_positions(positions)
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
     params = _check_params(model, params)

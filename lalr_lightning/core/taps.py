@@ -278,8 +278,8 @@ class BlockTaps:
         best = module
         for k in range(len(parts) - 1, 0, -1):
             parent = model.get_submodule(".".join(parts[:k]))
-            if {id(p) for p in parent.parameters()} != own:
-                break
+            if {id(p) for p in parent.parameters()} != own or isinstance(parent, (nn.ModuleList, nn.ModuleDict)):
+                break  # (a ModuleList of one layer holds its parameters but is never called)
             best = parent
         return best
 
