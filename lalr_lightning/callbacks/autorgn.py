@@ -217,7 +217,7 @@ class AutoRGN(LayerSelection):
                 if n >= self.n_batches:
                     break
                 check()
-                batch = trainer.strategy.batch_to_device(batch)
+                batch = self.device_batch(trainer, batch)
                 loss = batch_loss(pl_module, batch, self.loss_fn, batch_idx=n)
                 grads = torch.autograd.grad(loss, params, allow_unused=True)
                 self.check_finite(trainer, {u.name: g for u, g in zip(units, grads) if g is not None},

@@ -5,8 +5,8 @@ A callback says *when* it decides (its Lightning hooks and cadence) and *what*: 
 them), then ``apply()`` (hand the decision to :class:`~lalr_lightning.core.control.LayerControl`).
 This class does the rest, the same way for all of them:
 
-1. measure -- on rank zero when the numbers come from the weights (identical on every rank),
-   on every rank when they come from data (the subclass reduces them);
+1. measure -- from the weights, each rank a share of the layers, the results all-gathered;
+   from data, every rank its own batches (the subclass reduces them);
 2. decide on rank zero and broadcast, so ranks cannot drift apart (an error raised there is
    raised on every rank, so none waits forever);
 3. store the decision, append it to a bounded ``history``, apply it;
@@ -14,6 +14,10 @@ This class does the rest, the same way for all of them:
    heatmap at fit end;
 5. keep it all in a versioned ``state_dict`` that knows it was restored and refuses a
    checkpoint written with other settings (naming the setting; ``strict_resume=False`` opts out).
+
+What happens across ranks (strategy checks, sharded measurement, broadcast, the ``ddp_spawn``
+hand-back) is :mod:`lalr_lightning.callbacks.distributed`; ``plan(model)`` is
+:mod:`lalr_lightning.callbacks.planning`.
 
 The constructor convention (as scikit-learn's): every constructor argument is kept under its
 own name, so ``settings()`` can read them back for the checkpoint check and for loggers.
@@ -26,23 +30,22 @@ import inspect
 import math
 import os
 import sys
-import tempfile
-import uuid
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import numpy as np
-import pandas as pd
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lalr_lightning.callbacks import distributed
+from lalr_lightning.callbacks.distributed import SpawnHandoff, check_strategy
+from lalr_lightning.callbacks.planning import Planner
 from lalr_lightning.core.control import LayerControl
 from lalr_lightning.core.decision import Decision
-from lalr_lightning.core.errors import DivergenceError
+from lalr_lightning.core.errors import DivergenceError, reject_stray
 from lalr_lightning.core.layers import Layer
-from lalr_lightning.core.shards import assign_shares, gather_objects, whole_weights
 
 __all__ = ["Decision", "LayerwiseCallback", "SettingsMismatchError", "check_strategy", "renamed", "stop_on_sigterm",
            "warn_deprecated"]
@@ -54,18 +57,6 @@ _LOGGING_SETTINGS = ("plot_every_n_epochs",)
 
 class SettingsMismatchError(ValueError):
     """A checkpoint's callback state was written with other settings than this callback's."""
-
-
-def check_strategy(trainer: pl.Trainer, who: str, *, fsdp: bool = False) -> None:
-    """Raise a clear error for strategies whose parameter handling the callback cannot follow."""
-    name = type(trainer.strategy).__name__
-    if "DeepSpeed" in name:
-        raise RuntimeError(
-            f"{who} works on the optimizer's parameter groups and whole parameters, which DeepSpeed "
-            "owns and partitions; use strategy='ddp' (or 'fsdp' where supported)"
-        )
-    if "FSDP" in name and not fsdp:
-        raise RuntimeError(f"{who} reads whole weight matrices, which FSDP shards across ranks; use strategy='ddp'")
 
 
 def stop_on_sigterm(trainer: pl.Trainer):
@@ -129,46 +120,7 @@ def _plain(value: Any) -> Any:
     return repr(value)
 
 
-class _Missing:
-    """Reading any attribute is a clear error: the callback asked a fit for it in :meth:`plan`."""
-
-    def __init__(self, who: str, path: str):
-        self._who, self._path = who, path
-
-    def __getattr__(self, attr: str) -> Any:  # only for what the class and __init__ do not set
-        if attr.startswith("__"):  # Python's own protocol lookups (copy, pickle): plainly absent
-            raise AttributeError(attr)
-        raise ValueError(
-            f"{self._who}.plan() decides from the model's weights alone, but with these settings it reads "
-            f"{self._path}.{attr}, which only a fit has; run a fit and read the callback's decision instead"
-        )
-
-
-class _NoFit(_Missing):
-    """What :meth:`LayerwiseCallback.plan` hands to ``configure`` and ``measure`` in place of a
-    Trainer: one process, at the start of training, and nothing else (no optimizer, no data, no
-    logger). Its strategy's type name tells ``measure_shards`` the weights are whole."""
-
-    world_size, global_rank, is_global_zero = 1, 0, True
-    current_epoch, global_step = 0, 0
-
-    def __init__(self, who: str):
-        super().__init__(who, "trainer")
-        self.strategy = _Missing(who, "trainer.strategy")
-
-
-def _planners() -> list[str]:
-    """The callback classes that have a decision without a fit (:meth:`LayerwiseCallback.plan`)."""
-    out, todo = [], [LayerwiseCallback]
-    while todo:
-        cls = todo.pop(0)
-        todo += cls.__subclasses__()
-        if cls.decides_from_weights and cls.__name__ not in out:
-            out.append(cls.__name__)
-    return sorted(out)
-
-
-class LayerwiseCallback(Callback):
+class LayerwiseCallback(Planner, SpawnHandoff, Callback):
     """Base of every callback of this package (module docstring: the cycle it owns).
 
     Subclasses set the class attributes below, call ``super().__init__(name=..., strict_resume=...)``
@@ -186,9 +138,6 @@ class LayerwiseCallback(Callback):
     #: what ``measure`` reads (it runs on every rank): ``"weights"`` (shared out among the ranks
     #: with :meth:`measure_shards`) or ``"data"`` (each rank its own batches, then reduced)
     measures: ClassVar[str] = "weights"
-    #: whether ``configure`` + ``measure`` + ``decide`` need the model's weights alone (and change
-    #: nothing): then :meth:`plan` gives the decision without a fit
-    decides_from_weights: ClassVar[bool] = False
     #: heatmap of the decisions at fit end: (key under the prefix, title, colour-bar label)
     heatmap: ClassVar[tuple[str, str, str] | None] = None
     #: the fewest history entries worth a heatmap
@@ -254,14 +203,7 @@ class LayerwiseCallback(Callback):
     def reject(self, mode_arg: str, mode: str, given: Mapping[str, Any], valid: Mapping[str, Iterable[str]]) -> None:
         """ValueError for arguments given (not None) that the chosen mode does not use, listing
         which arguments go with which mode."""
-        allowed = set(valid.get(mode, ()))
-        stray = sorted(k for k, v in given.items() if v is not None and k not in allowed)
-        if stray:
-            combos = "; ".join(f"{mode_arg}={m!r}: {', '.join(sorted(a)) or '(none)'}" for m, a in valid.items())
-            raise ValueError(
-                f"{type(self).__name__}({mode_arg}={mode!r}) does not use {', '.join(stray)}; the arguments "
-                f"each {mode_arg} takes are: {combos}"
-            )
+        reject_stray(type(self).__name__, mode_arg, mode, given, valid)
 
     # ------------------------------------------------------------------ the cycle
 
@@ -290,107 +232,19 @@ class LayerwiseCallback(Callback):
         broadcast, record, apply, log: one decision."""
         return self.conclude(trainer, self.measure(trainer, pl_module))
 
-    # ------------------------------------------------------------------ the decision without a fit
-
-    def plan(self, model: torch.nn.Module) -> pd.DataFrame:
-        """The decision this callback would make next for ``model`` -- for a fresh callback, the
-        one it makes at the start of a fit -- from the weights alone: no Trainer, no data.
-
-        One row per layer it decides about: ``layer``, what :meth:`plan_columns` adds (Spectrum's
-        module ``type``), the score (``alpha``, ``metric``, ``snr``), the other measurements
-        (LALR's ``svd``, ``ce``, ``cs``) and the decision (``multiplier``, ``ratio``,
-        ``selected``); ``attrs`` holds the model-wide numbers (``summary``) and the history
-        fields (``record``: LALR's ``phase``). The model and the callback are left as they were:
-        no ``requires_grad`` change, no mask, no optimizer, nothing logged, no history entry.
-        Callbacks that decide from anything else (data, the fit's progress), or whose settings
-        need the fit's optimizer, raise a ``ValueError`` saying so.
-        """
-        who = type(self).__name__
-        if not self.decides_from_weights:
-            how = ("decides from the training data (it measures on batches during the fit)" if self.measures == "data"
-                   else "does not decide from the model's weights alone (it reads data, follows the fit or applies "
-                        "its settings)")
-            raise ValueError(
-                f"{who} {how}, so it has no decision without a fit; run a fit and read its "
-                f"decision (scores, history). plan() is for the callbacks that decide from the weights alone: "
-                f"{', '.join(_planners())}"
-            )
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"{who}.plan() takes the model (a torch.nn.Module), got {type(model).__name__}")
-        probe = self._probe()
-        context = _NoFit(who)
-        with torch.no_grad():
-            probe.configure(context, model)
-            decision = probe.plan_decision(probe.measure(context, model))
-        return probe.plan_frame(decision)
-
-    def plan_decision(self, measured: Any) -> Decision:
-        """The decision :meth:`plan` reports: :meth:`decide`, unless that does more than decide
-        (HTSRPruning's masks), when the subclass returns the decision alone."""
-        return self.decide(measured)
-
-    def plan_columns(self) -> dict[str, dict[str, Any]]:
-        """Per-layer columns the plan shows after ``layer`` (``{column: {layer: value}}``)."""
-        return {}
-
-    def plan_frame(self, decision: Decision) -> pd.DataFrame:
-        """One decision as a table: the rows and columns :meth:`plan` describes."""
-        layers = list(decision.values) + [n for n in decision.scores if n not in decision.values]
-        columns = {"layer": layers}
-        for key, values in self.plan_columns().items():
-            columns[key] = [values.get(n) for n in layers]
-        if decision.scores:
-            columns[self.score_key] = [decision.scores.get(n, math.nan) for n in layers]
-        for quantity, values in decision.measurements.items():
-            if quantity not in columns:
-                columns[quantity] = [values.get(n, math.nan) for n in layers]
-        columns[self.decision_key] = [decision.values.get(n, math.nan) for n in layers]
-        frame = pd.DataFrame(columns)
-        frame.attrs.update({"callback": type(self).__name__, "summary": dict(decision.summary),
-                            "record": dict(decision.record)})
-        return frame
-
-    def _probe(self) -> LayerwiseCallback:
-        """A shallow copy to plan with: ``configure`` and ``measure`` set attributes on it, not
-        on this callback (which may be about to fit, or hold a finished fit's state)."""
-        _ = self.history  # a ddp_spawn worker's state is read into this object, not the copy
-        probe = object.__new__(type(self))
-        probe.__dict__.update(self.__dict__)
-        probe._handoff, probe._handoff_pending = None, False
-        return probe
-
     def weight_of(self, layer: Layer) -> torch.Tensor:
         """The weight ``measure_shards`` hands to the measurement (LALR: LoRA's merged weight)."""
         return layer.weight.detach()
 
     def measure_shards(self, trainer: pl.Trainer, pl_module: pl.LightningModule, units: list[list[Layer]],
                        fn) -> dict:
-        """``fn(layers) -> {name: value}`` over every unit of layers, the units shared out among
-        the ranks (balanced by size; under FSDP each rank gathers the whole weights of its own
-        share only) and the results all-gathered: the same dict on every rank. An error on any
-        rank is raised on all of them."""
-        everything = [layer for unit in units for layer in unit]
-        world = trainer.world_size
-        if world == 1 and not self._sharded_weights(trainer):
-            return fn(everything)
-        sizes = self._sizes or {}
-        owner = assign_shares([sum(sizes.get(la.name, 1) for la in unit) for unit in units], world)
-        mine = {la.name for unit, o in zip(units, owner) if o == trainer.global_rank for la in unit}
-        try:
-            layers = whole_weights(pl_module, everything, mine, self.weight_of)
-            part = ("ok", fn(layers) if layers else {})
-        except Exception as err:  # noqa: BLE001 -- raised on every rank below
-            part = ("error", err)
-        merged: dict = {}
-        for status, value in gather_objects(part):
-            if status == "error":
-                raise value
-            merged.update(value)
-        return {la.name: merged[la.name] for la in everything if la.name in merged}
+        """``fn(layers) -> {name: value}`` over every unit of layers, shared out among the ranks
+        (:func:`~lalr_lightning.callbacks.distributed.measure_shards`): the same dict on every rank."""
+        return distributed.measure_shards(trainer, pl_module, units, fn, self._sizes, self.weight_of)
 
     @staticmethod
     def _sharded_weights(trainer: pl.Trainer) -> bool:
-        return "FSDP" in type(trainer.strategy).__name__
+        return distributed.sharded(trainer)
 
     def conclude(self, trainer: pl.Trainer, measured: Any) -> Decision:
         """Decide on rank zero from ``measured``, broadcast, record, apply and log. An error on
@@ -402,16 +256,7 @@ class LayerwiseCallback(Callback):
     def decide_everywhere(self, trainer: pl.Trainer, measured: Any) -> Decision:
         """Decide on rank zero from ``measured`` and broadcast: the same decision on every rank
         (not yet stored or applied). An error on rank zero is raised on every rank."""
-        result: tuple[str, Any] | None = None
-        if trainer.is_global_zero:
-            try:
-                result = ("ok", self.decide(measured))
-            except Exception as err:  # noqa: BLE001 -- re-raised below, on every rank
-                result = ("error", err)
-        status, payload = trainer.strategy.broadcast(result, src=0)
-        if status == "error":
-            raise payload
-        return payload
+        return distributed.decide_on_zero(trainer, self.decide, measured)
 
     def commit(self, trainer: pl.Trainer, decision: Decision) -> None:
         self.receive(decision)
@@ -456,6 +301,13 @@ class LayerwiseCallback(Callback):
         if not trainer.optimizers:
             raise RuntimeError(f"{type(self).__name__}: the LightningModule configured no optimizer")
         return [LayerControl.of(opt) for opt in trainer.optimizers]
+
+    @staticmethod
+    def device_batch(trainer: pl.Trainer, batch: Any) -> Any:
+        """A batch the callback drew from a loader itself, as Lightning hands batches to
+        ``training_step``: on the strategy's device, its floating tensors in the precision's input
+        dtype (bf16-true: a bfloat16 conv refuses a float32 input)."""
+        return trainer.precision_plugin.convert_input(trainer.strategy.batch_to_device(batch))
 
     def _per_param(self, per_layer: Mapping[str, Any]) -> tuple[dict, dict]:
         values, names = {}, {}
@@ -677,33 +529,3 @@ class LayerwiseCallback(Callback):
             setattr(self, self.decision_attr, list(saved) if isinstance(saved, list) else dict(saved))
         self._load_state(state_dict)
         self.restored = True
-
-    # ------------------------------------------------------------------ ddp_spawn
-
-    def __getstate__(self) -> dict:
-        # Pickled to be sent to spawned worker processes (ddp_spawn): give the worker a file to
-        # leave its final state in, and remember here to read it back on first access.
-        if self._handoff is None:
-            self._handoff = os.path.join(tempfile.gettempdir(), f"lalr_lightning_{uuid.uuid4().hex}.pt")
-        self._handoff_pending = True
-        state = dict(self.__dict__)
-        state["_handoff_pending"] = False
-        state["_handoff_pid"] = os.getpid()
-        return state
-
-    def _hand_over(self, trainer: pl.Trainer) -> None:
-        pid = self.__dict__.get("_handoff_pid")
-        if self._handoff is None or pid is None or pid == os.getpid() or not trainer.is_global_zero:
-            return
-        torch.save({k: getattr(self, k) for k in self.readable if hasattr(self, k)}, self._handoff)
-
-    def __getattribute__(self, attr: str):
-        d = object.__getattribute__(self, "__dict__")
-        if d.get("_handoff_pending") and attr in type(self).readable:
-            path = d.get("_handoff")
-            if path and os.path.exists(path):
-                d["_handoff_pending"] = False
-                state = torch.load(path, weights_only=False)  # written by this callback's own worker
-                os.remove(path)
-                d.update(state)
-        return object.__getattribute__(self, attr)

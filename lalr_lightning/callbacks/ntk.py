@@ -17,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, stop_on_sigterm
 from lalr_lightning.core import ntk
 from lalr_lightning.core.anchor import check_anchor, snapshot, trainable
+from lalr_lightning.core.placement import follow
 from lalr_lightning.core.probe import probe_inputs
 
 __all__ = ["NTKDiagnostics"]
@@ -116,7 +117,7 @@ class NTKDiagnostics(LayerwiseCallback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.restored and self._anchor is not None:
             check_anchor(self._anchor, self._params, "the checkpoint")
-            self._anchor = {n: self._anchor[n].to(p.device) for n, p in self._params.items()}
+            self._anchor = follow({n: self._anchor[n] for n in self._params}, self._params)
         else:
             self._anchor = snapshot(self._params)
 
@@ -131,7 +132,7 @@ class NTKDiagnostics(LayerwiseCallback):
     def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         """Every rank computes the same numbers (same probe, same weights); rank zero's are used."""
         x, _ = probe_inputs(pl_module, trainer.train_dataloader, self.probe_size,
-                            to_device=trainer.strategy.batch_to_device)
+                            to_device=lambda b: self.device_batch(trainer, b))
         params = {n: p.detach() for n, p in self._params.items()}
         if self._chosen == "unset":  # once: the size and time of J, stated before computing it
             cost = ntk.ntk_cost(pl_module, x, params, mode=self.kernel, positions=self.positions,
@@ -145,7 +146,9 @@ class NTKDiagnostics(LayerwiseCallback):
         self.check_finite(trainer, {"K": k.K}, "the NTK on the probe batch")
         sigma = self.sigma * float(torch.trace(k.K)) / k.K.shape[0]
         eig = torch.linalg.eigvalsh(k.K)
-        gap = ntk.linearization_gap(*ntk.linearize(pl_module, x, self._anchor, params, positions=self.positions))
+        # theta_0 where the weights are now (Lightning moves the model after the snapshot)
+        anchor = follow(self._anchor, self._params)
+        gap = ntk.linearization_gap(*ntk.linearize(pl_module, x, anchor, params, positions=self.positions))
         return {"etas": ntk.layer_etas(k.K, k.S, sigma), "kappa": ntk.condition_number(k.K, sigma),
                 "gap": gap.gap, "kl": gap.kl, "lambda_max": float(eig[-1]), "lambda_min": float(eig[0]),
                 "sigma": sigma}

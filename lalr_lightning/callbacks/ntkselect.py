@@ -165,9 +165,12 @@ class NTKSelect(LayerSelection):
 
     def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict:
         """The per-layer kernels on the probe batch (every rank computes the same ones)."""
-        loader = self._loader if self._loader is not None else trainer.train_dataloader
+        in_setup = self._loader is not None
+        loader = self._loader if in_setup else trainer.train_dataloader
         self._loader = None
-        x, _ = probe_inputs(pl_module, loader, self.probe_size, to_device=trainer.strategy.batch_to_device)
+        # in setup the precision plugin has not converted the module yet (bf16-true): nor the batch
+        to_device = trainer.strategy.batch_to_device if in_setup else (lambda b: self.device_batch(trainer, b))
+        x, _ = probe_inputs(pl_module, loader, self.probe_size, to_device=to_device)
         params = {n: p.detach() for n, p in self._params.items()}
         cost = ntk.ntk_cost(pl_module, x, params, mode=self.kernel, positions=self.positions, outputs=self.outputs)
         text, warn = cost.report(type(self).__name__, self.outputs)  # stated before computing J

@@ -35,6 +35,7 @@ from lalr_lightning.core.control import PostStep
 from lalr_lightning.core.layers import Layer
 from lalr_lightning.core.loss import batch_loss, loss_source, split_batch
 from lalr_lightning.core.ntk import estimate_lambda_o, layer_groups
+from lalr_lightning.core.placement import follow, placed
 from lalr_lightning.core.probe import fixed_batch
 
 __all__ = ["ProximalRegularizer", "GRANULARITIES"]
@@ -184,8 +185,8 @@ class ProximalRegularizer(LayerwiseCallback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.restored and self._anchor is not None:  # the checkpoint's theta_0, bitwise
             check_anchor(self._anchor, self._params, "the checkpoint")
-            self._anchor = {n: self._anchor[n].to("cpu" if self.offload_anchor else p.device)
-                            for n, p in self._params.items()}
+            self._anchor = {n: self._anchor[n] for n in self._params}
+            self._placed_anchor()
         elif self.anchor == "fit_start":
             self._anchor = snapshot(self._params, self.offload_anchor)
         else:
@@ -214,7 +215,8 @@ class ProximalRegularizer(LayerwiseCallback):
         if not names:
             return
         params = {n: self._params[n] for n in names}
-        anchors = {n: self._anchor[n] for n in names}
+        anchor = self._placed_anchor()
+        anchors = {n: anchor[n] for n in names}
         if self.selective:
             groups = {g: [n for n in m if n in params] for g, m in self._groups.items()}
             pull = proximal.pull_decisions({n: p.grad for n, p in params.items()}, proximal.deltas(params, anchors),
@@ -226,11 +228,16 @@ class ProximalRegularizer(LayerwiseCallback):
             self._steps[n] += 1
             self._pulled[n] += int(pull[n])
 
+    def _placed_anchor(self) -> dict[str, torch.Tensor]:
+        """``theta_0`` in each parameter's dtype and (unless offloaded) on its device: Lightning
+        moves the model after the snapshot (back to the CPU before ``on_fit_end``)."""
+        return follow(self._anchor, self._params, device=not self.offload_anchor)
+
     # ------------------------------------------------------------------ measurements
 
     def current_distances(self) -> tuple[dict[str, float], float]:
         """(``{layer: ||theta - theta_0||}``, the norm over all regularized parameters)."""
-        d = proximal.deltas(self._params, self._anchor)
+        d = proximal.deltas(self._params, self._placed_anchor())
         per_layer = proximal.distances(d, self._groups)
         return per_layer, math.sqrt(math.fsum(v * v for v in per_layer.values()))
 
@@ -245,9 +252,9 @@ class ProximalRegularizer(LayerwiseCallback):
         """Theorem 4's ``lambda_o`` for radius ``r``, with the residual and ``Lip(f)`` at
         ``theta_0`` on the probe batch (computed once per fit: they do not change)."""
         if self._unit_lambda_o is None:
-            batch = trainer.strategy.batch_to_device(fixed_batch(trainer.train_dataloader, self.probe_size))
+            batch = self.device_batch(trainer, fixed_batch(trainer.train_dataloader, self.probe_size))
             x, y = split_batch(pl_module, batch)
-            theta0 = {n: a.to(self._params[n].device) for n, a in self._anchor.items()}
+            theta0 = {n: placed(a, self._params[n]) for n, a in self._placed_anchor().items()}
             check = stop_on_sigterm(trainer)
             if self.loss_fn is None and _squared_targets(y):
                 self._unit_lambda_o = estimate_lambda_o(pl_module, x, y, 1.0, theta0, check=check)["lambda_o"]

@@ -19,12 +19,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
 from lalr_lightning.core import spectral
 from lalr_lightning.core.criterion_pruning import criterion_prune, load_weights, sample_count, take_samples
-from lalr_lightning.core.layers import DEFAULT_KINDS, check_kinds
-from lalr_lightning.core.llm_pruning import CRITERIA, check_nm, needs_stats
+from lalr_lightning.core.layers import DEFAULT_KINDS
+from lalr_lightning.core.llm_pruning import CRITERIA, needs_stats
 from lalr_lightning.core.loss import call_model, split_batch, step_loss
 from lalr_lightning.core.pruning import (
     DIRECTIONS,
-    OVERFLOW,
     PRUNING_METRICS,
     block_average_values,
     block_groups,
@@ -33,22 +32,9 @@ from lalr_lightning.core.pruning import (
     prunable_layers,
     pruning_ratios,
 )
+from lalr_lightning.core.pruning_settings import PRESETS, pruning_settings
 
 __all__ = ["HTSRPruning", "PRESETS", "PRUNING_METRICS", "DIRECTIONS", "CRITERIA", "pruning_ratios"]
-
-#: metrics that come from a power-law fit (``fit`` and ``filter_zeros`` apply to them)
-_FITTED = ("alpha", "alpha_weighted", "log_alpha_norm")
-
-#: what each preset fills in for the arguments left out (``None``); ``None``: no preset
-PRESETS: dict[str | None, dict] = {
-    None: dict(metric="alpha", epsilon=0.3, block_average=False, fit="ks", filter_zeros=True, min_numel=512,
-               min_evals=10),
-    # AlphaPruning's LLM recipe (lib/esd_utils.py, lib/prune.py): alpha_peak on every eigenvalue (no zero
-    # filter), averaged over each block's matrices, mapped onto [1 - eps, 1 + eps], scaled to the target
-    # mean; every matrix of the blocks is pruned, whatever its size (docs/alphapruning.md)
-    "alphapruning": dict(metric="alpha", epsilon=0.3, block_average=True, fit="peak", filter_zeros=False,
-                         min_numel=1, min_evals=3),
-}
 
 
 class HTSRPruning(LayerwiseCallback):
@@ -219,133 +205,16 @@ class HTSRPruning(LayerwiseCallback):
         exclude_head: bool | None = None,
     ):
         super().__init__(name=name, strict_resume=strict_resume)
-        if preset not in PRESETS:
-            raise ValueError(f"unknown preset {preset!r}; valid: {', '.join(repr(p) for p in PRESETS)}")
-        given_fit = {"fit": fit, "filter_zeros": filter_zeros}
-        fill = PRESETS[preset]
-        if criterion not in CRITERIA:
-            raise ValueError(f"unknown criterion {criterion!r}; valid: {', '.join(CRITERIA)}")
-        n, m = check_nm(n, m)
-        self.reject("criterion", criterion,
-                    {"n_calibration": n_calibration, "calibration": calibration, "blocksize": blocksize,
-                     "percdamp": percdamp},
-                    {"magnitude": (), "wanda": ("n_calibration", "calibration"),
-                     "sparsegpt": ("n_calibration", "calibration", "blocksize", "percdamp")})
-        if m:
-            # N:M prunes n of every m weights of every row: one ratio, n/m, for every layer. AlphaPruning's
-            # own code does the same (its N:M branches never read the per-layer ratios).
-            if target_sparsity is not None and abs(float(target_sparsity) - n / m) > 1e-9:
-                raise ValueError(
-                    f"n={n}, m={m} prunes {n / m:g} of every layer, but target_sparsity={target_sparsity}; "
-                    f"drop target_sparsity (or set it to {n / m:g})"
-                )
-            if epsilon is not None and epsilon > 0:
-                raise ValueError(
-                    f"N:M sparsity (n={n}, m={m}) prunes every layer at n/m, so HT-SR's per-layer ratios "
-                    f"(epsilon={epsilon}) cannot apply; drop epsilon (or n/m for per-layer ratios)"
-                )
-            if preset is not None:  # as the prune command: a preset is per-layer ratios
-                raise ValueError(
-                    f"N:M sparsity (n={n}, m={m}) prunes every layer at n/m, so preset={preset!r}'s per-layer "
-                    "ratios cannot apply; drop preset (min_numel=1, min_evals=1 prune every matrix as it does)"
-                )
-            target_sparsity, epsilon = n / m, 0.0
-        target_sparsity = 0.5 if target_sparsity is None else target_sparsity
-        metric = fill["metric"] if metric is None else metric
-        epsilon = fill["epsilon"] if epsilon is None else epsilon
-        block_average = fill["block_average"] if block_average is None else block_average
-        min_numel = fill["min_numel"] if min_numel is None else min_numel
-        min_evals = fill["min_evals"] if min_evals is None else min_evals
-        if metric not in PRUNING_METRICS:
-            raise ValueError(f"unknown metric {metric!r}; valid: {', '.join(PRUNING_METRICS)}")
-        if direction not in DIRECTIONS:
-            raise ValueError(f"unknown direction {direction!r}; valid: {', '.join(DIRECTIONS)}")
-        if overflow not in OVERFLOW:
-            raise ValueError(f"unknown overflow {overflow!r}; valid: {', '.join(OVERFLOW)}")
-        if fit is not None and fit not in spectral.FITS:
-            raise ValueError(f"unknown fit {fit!r}; valid: {', '.join(spectral.FITS)}")
-        self.reject("metric", metric, given_fit,
-                    {m: ("fit", "filter_zeros") if m in _FITTED else () for m in PRUNING_METRICS})
-        self.reject("structured", structured, {"channel_step": channel_step}, {True: ("channel_step",), False: ()})
-        if blocks is not None and not block_average:
-            raise ValueError("blocks only applies with block_average=True (the blocks the metric is averaged over)")
-        if not 0.0 < max_ratio <= 1.0:
-            raise ValueError(f"max_ratio must be in (0, 1], got {max_ratio}")
-        if not 0.0 <= target_sparsity < 1.0:
-            raise ValueError(
-                f"target_sparsity must be in [0, 1) (the fraction of the pruned layers' weights set to zero), "
-                f"got {target_sparsity}"
-            )
-        if target_sparsity > max_ratio:
-            raise ValueError(f"target_sparsity {target_sparsity} exceeds max_ratio={max_ratio}; raise max_ratio")
-        if not 0.0 <= epsilon <= 1.0:
-            raise ValueError(
-                f"epsilon must be in [0, 1] (ratios spread over [1 - eps, 1 + eps] x target; a larger eps gives "
-                f"negative ratios), got {epsilon}; AlphaPruning uses 0.3, 0 is uniform pruning"
-            )
-        if isinstance(when, bool) or not (when in ("fit_start", "gradual") or (isinstance(when, int) and when >= 0)):
-            raise ValueError(f"when must be 'fit_start', 'gradual' or an epoch number >= 0, got {when!r}")
-        if structured and (criterion != "magnitude" or m):
-            raise ValueError(
-                f"structured=True prunes whole output channels by their L2 norm; criterion={criterion!r}"
-                + (f" with n={n}, m={m}" if m else "") + " prunes single weights: drop structured=True"
-            )
-        if when == "gradual" and (criterion != "magnitude" or m):
-            raise ValueError(
-                f"when='gradual' grows magnitude masks over epochs; criterion={criterion!r}"
-                + (f" with n={n}, m={m}" if m else "") + " prunes once: use when='fit_start' or an epoch number"
-            )
-        if n_calibration is not None and (isinstance(n_calibration, bool) or int(n_calibration) < 1):
-            raise ValueError(f"n_calibration must be >= 1 (calibration sequences), got {n_calibration}")
-        if blocksize is not None and int(blocksize) < 1:
-            raise ValueError(f"blocksize must be >= 1, got {blocksize}")
-        if blocksize is not None and m and int(blocksize) % m:
-            raise ValueError(f"blocksize ({blocksize}) must be a multiple of m={m}")
-        if percdamp is not None and not float(percdamp) >= 0:
-            raise ValueError(f"percdamp must be >= 0 (SparseGPT's dampening, 0.01), got {percdamp}")
-        if when == "gradual":
-            if gradual_epochs is None or int(gradual_epochs) < 1:
-                raise ValueError("when='gradual' needs gradual_epochs >= 1 (the number of pruning epochs)")
-        elif gradual_epochs is not None:
-            raise ValueError(f"gradual_epochs only applies to when='gradual' (got when={when!r})")
-        if min_numel < 1 or min_evals < 1:
-            raise ValueError("min_numel and min_evals must be >= 1")
-        channel_step = 0.01 if channel_step is None else channel_step
-        if not 0.0 < channel_step <= 1.0:
-            raise ValueError(f"channel_step must be in (0, 1], got {channel_step}")
-        layer_types = check_kinds(layer_types)
-        if structured and "embedding" in layer_types:
-            raise ValueError("structured=True prunes output channels, which embeddings do not have; "
-                             "drop 'embedding' from layer_types")
+        settings = pruning_settings(
+            type(self).__name__, metric=metric, target_sparsity=target_sparsity, epsilon=epsilon, direction=direction,
+            structured=structured, when=when, gradual_epochs=gradual_epochs, block_average=block_average,
+            blocks=blocks, fit=fit, filter_zeros=filter_zeros, min_numel=min_numel, min_evals=min_evals,
+            layer_types=layer_types, head=head, overflow=overflow, max_ratio=max_ratio, channel_step=channel_step,
+            make_permanent=make_permanent, preset=preset, criterion=criterion, n=n, m=m,
+            n_calibration=n_calibration, calibration=calibration, blocksize=blocksize, percdamp=percdamp)
         if exclude_head is not None:
-            head = not self._alias(None, exclude_head, "exclude_head", "head")
-        self.metric = metric
-        self.target_sparsity = float(target_sparsity)
-        self.epsilon = float(epsilon)
-        self.direction = direction
-        self.structured = bool(structured)
-        self.when = when
-        self.gradual_epochs = None if gradual_epochs is None else int(gradual_epochs)
-        self.block_average = bool(block_average)
-        self.blocks = None if blocks is None else list(blocks)
-        self.fit = fill["fit"] if fit is None else fit
-        self.filter_zeros = bool(fill["filter_zeros"] if filter_zeros is None else filter_zeros)
-        self.preset = preset
-        self.min_numel = int(min_numel)
-        self.min_evals = int(min_evals)
-        self.layer_types = layer_types
-        self.head = bool(head)
-        self.overflow = overflow
-        self.max_ratio = float(max_ratio)
-        self.channel_step = float(channel_step)
-        self.make_permanent = bool(make_permanent)
-        self.criterion = criterion
-        self.n, self.m = n, m
-        calibrated = needs_stats(criterion)
-        self.n_calibration = (128 if n_calibration is None else int(n_calibration)) if calibrated else None
-        self.calibration = calibration
-        self.blocksize = (128 if blocksize is None else int(blocksize)) if criterion == "sparsegpt" else None
-        self.percdamp = (0.01 if percdamp is None else float(percdamp)) if criterion == "sparsegpt" else None
+            settings["head"] = not self._alias(None, exclude_head, "exclude_head", "head")
+        self.__dict__.update(settings)  # every argument under its own name (settings() reads them back)
 
         self.ratios: dict[str, float] = {}
         self.sparsity: dict[str, float] = {}
@@ -522,9 +391,7 @@ class HTSRPruning(LayerwiseCallback):
         ``(x, ...)`` batch, a tensor batch, a dict's entries but ``labels`` as keyword arguments)
         through its ``forward`` (or the one child holding its parameters), else its own
         ``training_step`` (logging silenced): ``core.loss``."""
-        from lightning.fabric.utilities.apply_func import move_data_to_device
-
-        batch = move_data_to_device(batch, self._model.device)
+        batch = self.device_batch(self._trainer, batch)
         try:
             try:
                 call_model(self._model, split_batch(self._model, batch)[0])

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lalr_lightning.core.placement import follow
+
 __all__ = ["LayerControl", "PostStep", "set_requires_grad"]
 
 _ATTR = "_lalr_layer_control"
@@ -315,7 +317,8 @@ class LayerControl:
         return any(id(p) in s for s in self._frozen.values())
 
     def mask(self, p: nn.Parameter) -> torch.Tensor | None:
-        """The combined keep-mask of ``p`` (None when no owner masks it)."""
+        """The combined keep-mask of ``p`` (None when no owner masks it), on ``p``'s device."""
+        self._place_masks()
         out = None
         for table in self._masks.values():
             keep = table.get(id(p))
@@ -369,6 +372,7 @@ class LayerControl:
         anyway if nobody did."""
         if self._grads_masked or not self._masks:
             return
+        self._place_masks()
         for table in self._masks.values():
             for pid, keep in table.items():
                 g = self._params[pid].grad
@@ -379,9 +383,16 @@ class LayerControl:
     @torch.no_grad()
     def apply_masks(self) -> None:
         """Zero every masked weight now."""
+        self._place_masks()
         for table in self._masks.values():
             for pid, keep in table.items():
                 self._params[pid].masked_fill_(~keep, 0)
+
+    def _place_masks(self) -> None:
+        # Lightning moves the model after the masks were made (to the GPU in setup, back to the
+        # CPU at teardown, before on_fit_end): each mask follows its parameter, once per move
+        for table in self._masks.values():
+            follow(table, self._params, dtype=False)
 
     # ------------------------------------------------------------------ the split
 

@@ -1,8 +1,12 @@
-"""The package's own exception types."""
+"""The package's own exception types, and the check of mode-dependent arguments every callback
+shares."""
 
 from __future__ import annotations
 
-__all__ = ["DivergenceError"]
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+__all__ = ["DivergenceError", "reject_stray"]
 
 
 class DivergenceError(FloatingPointError, ValueError, RuntimeError):
@@ -29,3 +33,17 @@ class DivergenceError(FloatingPointError, ValueError, RuntimeError):
 
 def _rebuild(who, what, layers, value, epoch, step, hint) -> DivergenceError:
     return DivergenceError(who, what, layers, value=value, epoch=epoch, step=step, hint=hint)
+
+
+def reject_stray(who: str, mode_arg: str, mode: Any, given: Mapping[str, Any],
+                 valid: Mapping[Any, Iterable[str]]) -> None:
+    """ValueError for the arguments given (not None) that the chosen mode does not use, listing
+    which arguments go with which mode (``who`` names the class)."""
+    allowed = set(valid.get(mode, ()))
+    stray = sorted(k for k, v in given.items() if v is not None and k not in allowed)
+    if stray:
+        combos = "; ".join(f"{mode_arg}={m!r}: {', '.join(sorted(a)) or '(none)'}" for m, a in valid.items())
+        raise ValueError(
+            f"{who}({mode_arg}={mode!r}) does not use {', '.join(stray)}; the arguments "
+            f"each {mode_arg} takes are: {combos}"
+        )

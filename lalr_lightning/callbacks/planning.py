@@ -1,0 +1,134 @@
+"""The decision without a fit: ``callback.plan(model)`` runs a callback's ``configure``,
+``measure`` and ``decide`` on a copy of it, with a stand-in for the trainer (one process, no
+optimizer, no data), and returns the decision as a table (``docs/naming.md``).
+
+:class:`Planner` is mixed into :class:`~lalr_lightning.callbacks.base.LayerwiseCallback`; the
+callbacks whose decision needs the model's weights alone set ``decides_from_weights = True``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import pandas as pd
+import torch
+
+from lalr_lightning.core.decision import Decision
+
+__all__ = ["Planner"]
+
+
+class _Missing:
+    """Reading any attribute is a clear error: the callback asked a fit for it in :meth:`plan`."""
+
+    def __init__(self, who: str, path: str):
+        self._who, self._path = who, path
+
+    def __getattr__(self, attr: str) -> Any:  # only for what the class and __init__ do not set
+        if attr.startswith("__"):  # Python's own protocol lookups (copy, pickle): plainly absent
+            raise AttributeError(attr)
+        raise ValueError(
+            f"{self._who}.plan() decides from the model's weights alone, but with these settings it reads "
+            f"{self._path}.{attr}, which only a fit has; run a fit and read the callback's decision instead"
+        )
+
+
+class _NoFit(_Missing):
+    """What :meth:`Planner.plan` hands to ``configure`` and ``measure`` in place of a
+    Trainer: one process, at the start of training, and nothing else (no optimizer, no data, no
+    logger). Its strategy's type name tells ``measure_shards`` the weights are whole."""
+
+    world_size, global_rank, is_global_zero = 1, 0, True
+    current_epoch, global_step = 0, 0
+
+    def __init__(self, who: str):
+        super().__init__(who, "trainer")
+        self.strategy = _Missing(who, "trainer.strategy")
+
+
+def _planners() -> list[str]:
+    """The callback classes that have a decision without a fit (:meth:`Planner.plan`)."""
+    out, todo = [], list(Planner.__subclasses__())
+    while todo:
+        cls = todo.pop(0)
+        todo += cls.__subclasses__()
+        if cls.decides_from_weights and cls.__name__ not in out:
+            out.append(cls.__name__)
+    return sorted(out)
+
+
+class Planner:
+    """``plan(model)`` for a layer-wise callback (module docstring). It uses the callback's cycle
+    (``configure``, ``measure``, ``decide``) and its naming (``score_key``, ``decision_key``)."""
+
+    #: whether ``configure`` + ``measure`` + ``decide`` need the model's weights alone (and change
+    #: nothing): then :meth:`plan` gives the decision without a fit
+    decides_from_weights: ClassVar[bool] = False
+
+    def plan(self, model: torch.nn.Module) -> pd.DataFrame:
+        """The decision this callback would make next for ``model`` -- for a fresh callback, the
+        one it makes at the start of a fit -- from the weights alone: no Trainer, no data.
+
+        One row per layer it decides about: ``layer``, what :meth:`plan_columns` adds (Spectrum's
+        module ``type``), the score (``alpha``, ``metric``, ``snr``), the other measurements
+        (LALR's ``svd``, ``ce``, ``cs``) and the decision (``multiplier``, ``ratio``,
+        ``selected``); ``attrs`` holds the model-wide numbers (``summary``) and the history
+        fields (``record``: LALR's ``phase``). The model and the callback are left as they were:
+        no ``requires_grad`` change, no mask, no optimizer, nothing logged, no history entry.
+        Callbacks that decide from anything else (data, the fit's progress), or whose settings
+        need the fit's optimizer, raise a ``ValueError`` saying so.
+        """
+        who = type(self).__name__
+        if not self.decides_from_weights:
+            how = ("decides from the training data (it measures on batches during the fit)" if self.measures == "data"
+                   else "does not decide from the model's weights alone (it reads data, follows the fit or applies "
+                        "its settings)")
+            raise ValueError(
+                f"{who} {how}, so it has no decision without a fit; run a fit and read its "
+                f"decision (scores, history). plan() is for the callbacks that decide from the weights alone: "
+                f"{', '.join(_planners())}"
+            )
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"{who}.plan() takes the model (a torch.nn.Module), got {type(model).__name__}")
+        probe = self._probe()
+        context = _NoFit(who)
+        with torch.no_grad():
+            probe.configure(context, model)
+            decision = probe.plan_decision(probe.measure(context, model))
+        return probe.plan_frame(decision)
+
+    def plan_decision(self, measured: Any) -> Decision:
+        """The decision :meth:`plan` reports: :meth:`decide`, unless that does more than decide
+        (HTSRPruning's masks), when the subclass returns the decision alone."""
+        return self.decide(measured)
+
+    def plan_columns(self) -> dict[str, dict[str, Any]]:
+        """Per-layer columns the plan shows after ``layer`` (``{column: {layer: value}}``)."""
+        return {}
+
+    def plan_frame(self, decision: Decision) -> pd.DataFrame:
+        """One decision as a table: the rows and columns :meth:`plan` describes."""
+        layers = list(decision.values) + [n for n in decision.scores if n not in decision.values]
+        columns = {"layer": layers}
+        for key, values in self.plan_columns().items():
+            columns[key] = [values.get(n) for n in layers]
+        if decision.scores:
+            columns[self.score_key] = [decision.scores.get(n, math.nan) for n in layers]
+        for quantity, values in decision.measurements.items():
+            if quantity not in columns:
+                columns[quantity] = [values.get(n, math.nan) for n in layers]
+        columns[self.decision_key] = [decision.values.get(n, math.nan) for n in layers]
+        frame = pd.DataFrame(columns)
+        frame.attrs.update({"callback": type(self).__name__, "summary": dict(decision.summary),
+                            "record": dict(decision.record)})
+        return frame
+
+    def _probe(self) -> Planner:
+        """A shallow copy to plan with: ``configure`` and ``measure`` set attributes on it, not
+        on this callback (which may be about to fit, or hold a finished fit's state)."""
+        _ = self.history  # a ddp_spawn worker's state is read into this object, not the copy
+        probe = object.__new__(type(self))
+        probe.__dict__.update(self.__dict__)
+        probe._handoff, probe._handoff_pending = None, False
+        return probe

@@ -1,0 +1,154 @@
+"""HTSRPruning's settings: the presets, and every check of the constructor's arguments, with the
+defaults each choice fills in. Pure Python; ``callbacks/pruning.py`` keeps what this returns."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from lalr_lightning.core import spectral
+from lalr_lightning.core.errors import reject_stray
+from lalr_lightning.core.layers import check_kinds
+from lalr_lightning.core.llm_pruning import CRITERIA, check_nm, needs_stats
+from lalr_lightning.core.pruning import DIRECTIONS, OVERFLOW, PRUNING_METRICS
+
+__all__ = ["FITTED", "PRESETS", "pruning_settings"]
+
+#: metrics that come from a power-law fit (``fit`` and ``filter_zeros`` apply to them)
+FITTED = ("alpha", "alpha_weighted", "log_alpha_norm")
+
+#: what each preset fills in for the arguments left out (``None``); ``None``: no preset
+PRESETS: dict[str | None, dict] = {
+    None: dict(metric="alpha", epsilon=0.3, block_average=False, fit="ks", filter_zeros=True, min_numel=512,
+               min_evals=10),
+    # AlphaPruning's LLM recipe (lib/esd_utils.py, lib/prune.py): alpha_peak on every eigenvalue (no zero
+    # filter), averaged over each block's matrices, mapped onto [1 - eps, 1 + eps], scaled to the target
+    # mean; every matrix of the blocks is pruned, whatever its size (docs/alphapruning.md)
+    "alphapruning": dict(metric="alpha", epsilon=0.3, block_average=True, fit="peak", filter_zeros=False,
+                         min_numel=1, min_evals=3),
+}
+
+
+def pruning_settings(
+    who: str, *, metric: str | None, target_sparsity: float | None, epsilon: float | None, direction: str,
+    structured: bool, when: str | int, gradual_epochs: int | None, block_average: bool | None,
+    blocks: Sequence[str] | None, fit: str | None, filter_zeros: bool | None, min_numel: int | None,
+    min_evals: int | None, layer_types: Sequence[str], head: bool, overflow: str, max_ratio: float,
+    channel_step: float | None, make_permanent: bool, preset: str | None, criterion: str, n: int, m: int,
+    n_calibration: int | None, calibration: Iterable | None, blocksize: int | None, percdamp: float | None,
+) -> dict[str, Any]:
+    """The settings of ``HTSRPruning(...)`` under their own names, the preset's and the defaults
+    filled in (``docs`` of the callback); a ``ValueError`` naming the fix for a bad combination."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; valid: {', '.join(repr(p) for p in PRESETS)}")
+    given_fit = {"fit": fit, "filter_zeros": filter_zeros}
+    fill = PRESETS[preset]
+    if criterion not in CRITERIA:
+        raise ValueError(f"unknown criterion {criterion!r}; valid: {', '.join(CRITERIA)}")
+    n, m = check_nm(n, m)
+    reject_stray(who, "criterion", criterion,
+                 {"n_calibration": n_calibration, "calibration": calibration, "blocksize": blocksize,
+                  "percdamp": percdamp},
+                 {"magnitude": (), "wanda": ("n_calibration", "calibration"),
+                  "sparsegpt": ("n_calibration", "calibration", "blocksize", "percdamp")})
+    if m:
+        # N:M prunes n of every m weights of every row: one ratio, n/m, for every layer. AlphaPruning's
+        # own code does the same (its N:M branches never read the per-layer ratios).
+        if target_sparsity is not None and abs(float(target_sparsity) - n / m) > 1e-9:
+            raise ValueError(
+                f"n={n}, m={m} prunes {n / m:g} of every layer, but target_sparsity={target_sparsity}; "
+                f"drop target_sparsity (or set it to {n / m:g})"
+            )
+        if epsilon is not None and epsilon > 0:
+            raise ValueError(
+                f"N:M sparsity (n={n}, m={m}) prunes every layer at n/m, so HT-SR's per-layer ratios "
+                f"(epsilon={epsilon}) cannot apply; drop epsilon (or n/m for per-layer ratios)"
+            )
+        if preset is not None:  # as the prune command: a preset is per-layer ratios
+            raise ValueError(
+                f"N:M sparsity (n={n}, m={m}) prunes every layer at n/m, so preset={preset!r}'s per-layer "
+                "ratios cannot apply; drop preset (min_numel=1, min_evals=1 prune every matrix as it does)"
+            )
+        target_sparsity, epsilon = n / m, 0.0
+    target_sparsity = 0.5 if target_sparsity is None else target_sparsity
+    metric = fill["metric"] if metric is None else metric
+    epsilon = fill["epsilon"] if epsilon is None else epsilon
+    block_average = fill["block_average"] if block_average is None else block_average
+    min_numel = fill["min_numel"] if min_numel is None else min_numel
+    min_evals = fill["min_evals"] if min_evals is None else min_evals
+    if metric not in PRUNING_METRICS:
+        raise ValueError(f"unknown metric {metric!r}; valid: {', '.join(PRUNING_METRICS)}")
+    if direction not in DIRECTIONS:
+        raise ValueError(f"unknown direction {direction!r}; valid: {', '.join(DIRECTIONS)}")
+    if overflow not in OVERFLOW:
+        raise ValueError(f"unknown overflow {overflow!r}; valid: {', '.join(OVERFLOW)}")
+    if fit is not None and fit not in spectral.FITS:
+        raise ValueError(f"unknown fit {fit!r}; valid: {', '.join(spectral.FITS)}")
+    reject_stray(who, "metric", metric, given_fit,
+                {m: ("fit", "filter_zeros") if m in FITTED else () for m in PRUNING_METRICS})
+    reject_stray(who, "structured", structured, {"channel_step": channel_step}, {True: ("channel_step",), False: ()})
+    if blocks is not None and not block_average:
+        raise ValueError("blocks only applies with block_average=True (the blocks the metric is averaged over)")
+    if not 0.0 < max_ratio <= 1.0:
+        raise ValueError(f"max_ratio must be in (0, 1], got {max_ratio}")
+    if not 0.0 <= target_sparsity < 1.0:
+        raise ValueError(
+            f"target_sparsity must be in [0, 1) (the fraction of the pruned layers' weights set to zero), "
+            f"got {target_sparsity}"
+        )
+    if target_sparsity > max_ratio:
+        raise ValueError(f"target_sparsity {target_sparsity} exceeds max_ratio={max_ratio}; raise max_ratio")
+    if not 0.0 <= epsilon <= 1.0:
+        raise ValueError(
+            f"epsilon must be in [0, 1] (ratios spread over [1 - eps, 1 + eps] x target; a larger eps gives "
+            f"negative ratios), got {epsilon}; AlphaPruning uses 0.3, 0 is uniform pruning"
+        )
+    if isinstance(when, bool) or not (when in ("fit_start", "gradual") or (isinstance(when, int) and when >= 0)):
+        raise ValueError(f"when must be 'fit_start', 'gradual' or an epoch number >= 0, got {when!r}")
+    if structured and (criterion != "magnitude" or m):
+        raise ValueError(
+            f"structured=True prunes whole output channels by their L2 norm; criterion={criterion!r}"
+            + (f" with n={n}, m={m}" if m else "") + " prunes single weights: drop structured=True"
+        )
+    if when == "gradual" and (criterion != "magnitude" or m):
+        raise ValueError(
+            f"when='gradual' grows magnitude masks over epochs; criterion={criterion!r}"
+            + (f" with n={n}, m={m}" if m else "") + " prunes once: use when='fit_start' or an epoch number"
+        )
+    if n_calibration is not None and (isinstance(n_calibration, bool) or int(n_calibration) < 1):
+        raise ValueError(f"n_calibration must be >= 1 (calibration sequences), got {n_calibration}")
+    if blocksize is not None and int(blocksize) < 1:
+        raise ValueError(f"blocksize must be >= 1, got {blocksize}")
+    if blocksize is not None and m and int(blocksize) % m:
+        raise ValueError(f"blocksize ({blocksize}) must be a multiple of m={m}")
+    if percdamp is not None and not float(percdamp) >= 0:
+        raise ValueError(f"percdamp must be >= 0 (SparseGPT's dampening, 0.01), got {percdamp}")
+    if when == "gradual":
+        if gradual_epochs is None or int(gradual_epochs) < 1:
+            raise ValueError("when='gradual' needs gradual_epochs >= 1 (the number of pruning epochs)")
+    elif gradual_epochs is not None:
+        raise ValueError(f"gradual_epochs only applies to when='gradual' (got when={when!r})")
+    if min_numel < 1 or min_evals < 1:
+        raise ValueError("min_numel and min_evals must be >= 1")
+    channel_step = 0.01 if channel_step is None else channel_step
+    if not 0.0 < channel_step <= 1.0:
+        raise ValueError(f"channel_step must be in (0, 1], got {channel_step}")
+    layer_types = check_kinds(layer_types)
+    if structured and "embedding" in layer_types:
+        raise ValueError("structured=True prunes output channels, which embeddings do not have; "
+                         "drop 'embedding' from layer_types")
+    calibrated = needs_stats(criterion)
+    return dict(
+        metric=metric, target_sparsity=float(target_sparsity), epsilon=float(epsilon), direction=direction,
+        structured=bool(structured), when=when, gradual_epochs=None if gradual_epochs is None else int(gradual_epochs),
+        block_average=bool(block_average), blocks=None if blocks is None else list(blocks),
+        fit=fill["fit"] if fit is None else fit,
+        filter_zeros=bool(fill["filter_zeros"] if filter_zeros is None else filter_zeros), preset=preset,
+        min_numel=int(min_numel), min_evals=int(min_evals), layer_types=layer_types, head=bool(head),
+        overflow=overflow, max_ratio=float(max_ratio), channel_step=float(channel_step),
+        make_permanent=bool(make_permanent), criterion=criterion, n=n, m=m,
+        n_calibration=(128 if n_calibration is None else int(n_calibration)) if calibrated else None,
+        calibration=calibration,
+        blocksize=(128 if blocksize is None else int(blocksize)) if criterion == "sparsegpt" else None,
+        percdamp=(0.01 if percdamp is None else float(percdamp)) if criterion == "sparsegpt" else None,
+    )
