@@ -102,12 +102,14 @@ def call_model(module: nn.Module, inputs: Any) -> Any:
 
 def output_tensor(out: Any) -> torch.Tensor:
     """The outputs in a model's return value: the tensor itself, a Hugging Face output's (or a
-    dict's) ``logits``, or the first tensor of a tuple/list."""
+    dict's) ``logits``, or the first tensor of a tuple/list (or of an output without logits)."""
     if isinstance(out, torch.Tensor):
         return out
     logits = out.get("logits") if isinstance(out, Mapping) else getattr(out, "logits", None)
     if isinstance(logits, torch.Tensor):
         return logits
+    if callable(getattr(out, "to_tuple", None)):  # a Hugging Face output without logits: its first field
+        out = out.to_tuple()
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         return out[0]
     raise TypeError(f"cannot find the outputs in a {type(out).__name__}; the model should return a tensor, a "

@@ -434,6 +434,7 @@ def ntk_cost(
     outputs: int | str | None = None,
     seconds: float | None = None,
     output_fn: Callable[[Any], Tensor] | None = None,
+    max_jacobian_numel: int = 2**28,
 ) -> NTKCost:
     """The size and time of ``J`` before computing it, from timing the computation on one sample
     (three short runs: a warm-up, one row, a few rows; the estimate errs on the slow side).
@@ -474,17 +475,28 @@ def ntk_cost(
     timed(1)
     per_sample = timed(1)
     per_row = timed(k) / k if k > 1 else per_sample
+    # the memory bound splits J into blocks of classes (empirical_ntk's _blocks): each sample runs
+    # its forward once per block, then one backward per row
+    block = max(1, max_jacobian_numel // max(total, 1))
+
+    def estimate(rows: int) -> float:
+        per_block = max(1, block // n) if n <= block else 1
+        return n * (math.ceil(rows / per_block) * per_sample + rows * per_row)
+
     if mode != "trace" or outputs == "all":
         chosen = None
     elif outputs is None:
-        fits = int((budget / n - per_sample) / per_row)
-        chosen = None if fits >= c else max(1, fits)
+        lo, hi = 1, c  # the most rows whose estimate fits the budget (the estimate grows with rows)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if estimate(mid) <= budget else (lo, mid - 1)
+        chosen = None if lo >= c else lo
     else:
         chosen = outputs
     if chosen is not None and chosen >= c:
         chosen = None
     cost = NTKCost(n, c, total, chosen, mode, positions, 0.0, budget, tokens)
-    cost.seconds = n * (per_sample + per_row * cost.rows_per_sample)
+    cost.seconds = estimate(cost.rows_per_sample)
     return cost
 
 
