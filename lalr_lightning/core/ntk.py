@@ -437,7 +437,8 @@ def ntk_cost(
     max_jacobian_numel: int = 2**28,
 ) -> NTKCost:
     """The size and time of ``J`` before computing it, from timing the computation on one sample
-    (three short runs: a warm-up, one row, a few rows; the estimate errs on the slow side).
+    (a warm-up, then the fastest of two runs of one row and of eight rows; the estimate errs on
+    the slow side of an idle machine).
 
     ``outputs``: ``None`` keeps every output when the estimate stays within ``seconds`` (default
     :data:`DEFAULT_SECONDS`) and otherwise (``trace`` mode) projects the ``C`` outputs onto as many
@@ -472,9 +473,10 @@ def ntk_cost(
                       output_fn=output_fn)
         return time.perf_counter() - start
 
+    # the fastest of two runs each: a load spike on a shared machine does not decide the size
     timed(1)
-    per_sample = timed(1)
-    per_row = timed(k) / k if k > 1 else per_sample
+    per_sample = min(timed(1), timed(1))
+    per_row = min(timed(k), timed(k)) / k if k > 1 else per_sample
     # the memory bound splits J into blocks of classes (empirical_ntk's _blocks): each sample runs
     # its forward once per block, then one backward per row
     block = max(1, max_jacobian_numel // max(total, 1))
