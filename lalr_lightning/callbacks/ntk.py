@@ -56,7 +56,7 @@ class NTKDiagnostics(LayerwiseCallback):
             ``"all"`` every position.
         outputs: how many outputs per sample ``J`` holds (``trace`` kernel): ``None`` (default)
             every output while the Jacobian's estimated time stays within ``ntk.DEFAULT_SECONDS``
-            (10 s), else the outputs projected onto as many random directions as fit (an unbiased
+            (5 s), else the outputs projected onto as many random directions as fit (an unbiased
             estimate of the trace kernel); ``"all"`` every output, or an integer: that many
             directions -- beyond the budget with a warning that gives the estimated size and time.
             The estimate times a few rows of the real computation before the first measurement;

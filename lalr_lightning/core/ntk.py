@@ -80,9 +80,10 @@ MODES = ("trace", "full", "sum")
 #: which positions of token outputs ``[N, T, V]`` count as outputs: every one, or each sample's last
 #: real token (the next-token prediction at the end of the sequence)
 POSITIONS = ("all", "last")
-#: the seconds the default output choice keeps the Jacobian to (:func:`ntk_cost`); the NTK of a
-#: 0.7 M-parameter LM then takes about this on 2 CPU cores (benchmarks/results/any_module.md)
-DEFAULT_SECONDS = 10.0
+#: the seconds the default output choice keeps the Jacobian to (:func:`ntk_cost`): a timed estimate
+#: on a shared machine can be off several times, so a measurement of a 0.7 M-parameter LM stays well
+#: within half a minute on 2 CPU cores (benchmarks/results/any_module.md)
+DEFAULT_SECONDS = 5.0
 
 Inputs = Tensor | Sequence[Tensor] | Mapping[str, Tensor]
 
