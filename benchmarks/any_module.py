@@ -81,20 +81,22 @@ def part_ntk(repeats: int) -> list[str]:
         base = _fit([], issue_lm())
         diag = TimedNTK()
         with_ntk = _fit([diag], issue_lm())
-        rows.append((i, base, with_ntk, diag.seconds, diag._chosen, diag.kappa))
+        load = os.getloadavg()[0]  # other work on the machine during the run (1-minute average)
+        rows.append((i, base, with_ntk, diag.seconds, diag._chosen, diag.kappa, load))
         print(f"run {i}: fit without {base:.2f} s, with NTKDiagnostics {with_ntk:.2f} s, measurements (wall, cpu) "
               f"{[(round(a, 2), round(b, 2)) for a, b in diag.seconds]} s, outputs {diag._chosen}, "
-              f"kappa {diag.kappa:.4g}", flush=True)
+              f"kappa {diag.kappa:.4g}, load average {load:.1f}", flush=True)
     out = [f"## NTKDiagnostics() on the issue's LM ({params:,} parameters, {torch.get_num_threads()} threads)", "",
            f"- what the issue ran (every position, every vocabulary entry; estimated, not run): {everything.describe()}",
            "- the default: each sample at its last real token; the 500 outputs projected onto as many random "
            f"directions as the timed estimate fits in ntk.DEFAULT_SECONDS = {ntk.DEFAULT_SECONDS:g} s", "",
            "| run | fit, 1 step, without (s) | with NTKDiagnostics() (s) | on_train_start measurement, estimate "
-           "included: wall s (CPU s of the process) | epoch-end measurement: wall (CPU) | directions chosen | kappa |",
-           "|---|---|---|---|---|---|---|"]
+           "included: wall s (CPU s of the process) | epoch-end measurement: wall (CPU) | directions chosen | kappa | "
+           "load average |",
+           "|---|---|---|---|---|---|---|---|"]
     out += [f"| {i} | {b:.2f} | {w:.2f} | {t[0][0]:.2f} ({t[0][1]:.2f}) | "
-            + (f"{t[1][0]:.2f} ({t[1][1]:.2f})" if len(t) > 1 else "-") + f" | {k} | {kap:.4g} |"
-            for i, b, w, t, k, kap in rows]
+            + (f"{t[1][0]:.2f} ({t[1][1]:.2f})" if len(t) > 1 else "-") + f" | {k} | {kap:.4g} | {load:.1f} |"
+            for i, b, w, t, k, kap, load in rows]
     return out
 
 
