@@ -1,17 +1,26 @@
-"""What the dashboards cost: wall time per epoch of the quickstart (``configs/quickstart.yaml``:
-SmallCNN width 32 on scikit-learn's digits, TempBalance every epoch, 10 epochs) with
+"""What the dashboards cost, side by side: the same TempBalance fit with no logger and with each
+logger and ``figures`` setting, and the cost of a decision itself.
 
-* ``csv``: the config's CSVLogger (scalars only);
-* ``wandb``: an offline WandbLogger (tables and heatmap per decision, ESD plots of the first and
-  last decision);
-* ``wandb+esd``: the same with ``plot_every_n_epochs: 1`` (ESD plots of every layer every epoch).
+Two workloads:
 
-Each variant runs through the CLI's own parsing (``LalrCLI(..., run=False)``, so the config and
-``plot_every_n_epochs`` go through LightningCLI as a user's would), then ``fit`` is timed from the
-first callback's ``on_fit_start`` to the last one's ``on_fit_end`` (W&B's process start-up is
-outside that window and printed apart). Ratios are to ``csv``.
+* ``quickstart``: ``configs/quickstart.yaml``'s SmallCNN (width 32) on scikit-learn's digits,
+  TempBalance every epoch, 10 epochs (10 decisions, 3 balanced layers);
+* ``resnet18``: a short run, timm's ResNet-18 (10 classes) on random 32x32 images, 6 optimizer
+  steps, TempBalance every 2 steps (3 decisions, 19 balanced layers), like the run of issue 26.
 
-    python benchmarks/logging_overhead.py [--epochs 10] [--repeats 1]
+Arms: ``none`` (``logger=False``), ``csv``, then TensorBoard and offline W&B with
+``figures="never"`` (scalars and decision tables), ``"first_last"`` (ESD plots of the first and
+last decision, heatmap at the last) and ``"every"`` (ESD plots and heatmap at every decision).
+Each fit is timed from the first callback's ``on_fit_start`` to the last one's ``on_fit_end``
+(W&B's process start-up and shut-down are outside it), and inside it the time the dashboards take
+(``LayerwiseCallback._publish``: tables, heatmaps, ESD plots, settings, summary). A *decision* is
+TempBalance's own ``update`` without the dashboards (measure, decide, apply, record, scalars).
+Printed per arm: seconds per fit and its ratio to ``none``; the dashboards' seconds per fit, per
+decision, and per decision as a multiple of a decision of the same fit. The dashboards' share is
+measured inside each fit, so it holds on a loaded machine where the fit times, compared across
+fits, move by tens of percent. Arms are interleaved within each repeat; medians over repeats.
+
+    python benchmarks/logging_overhead.py [--repeats 3] [--workloads quickstart resnet18] [--threads 1]
 """
 
 from __future__ import annotations
@@ -24,15 +33,20 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", MPLBACKEND="Agg", HF_HUB_OFFLINE="1")
 
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from lalr_lightning.cli import LalrCLI  # noqa: E402
+from lalr_lightning.callbacks import TempBalanceCallback  # noqa: E402
+
+ARMS = ("none", "csv", "tensorboard:never", "tensorboard:first_last", "tensorboard:every",
+        "wandb:never", "wandb:first_last", "wandb:every")
 
 
 class _Clock(Callback):
@@ -48,59 +62,142 @@ class _Clock(Callback):
             self.marks["end"] = time.perf_counter()
 
 
-def run(variant: str, epochs: int, work: Path) -> tuple[float, float]:
-    """(seconds per epoch, seconds of logger start-up and shut-down) of one fit."""
-    cfg = yaml.safe_load((ROOT / "configs/quickstart.yaml").read_text())
-    cfg["trainer"]["max_epochs"] = epochs
-    if variant != "csv":
-        cfg["trainer"]["logger"] = {"class_path": "lightning.pytorch.loggers.WandbLogger",
-                                    "init_args": {"save_dir": str(work / "wandb"), "project": "overhead"}}
-    else:
-        cfg["trainer"]["logger"]["init_args"]["save_dir"] = str(work / variant)
-    if variant == "wandb+esd":
-        cfg["trainer"]["callbacks"][0]["init_args"]["plot_every_n_epochs"] = 1
-    cfg["trainer"]["callbacks"][-1]["init_args"]["dirpath"] = str(work / variant / "ckpt")
-    work.mkdir(parents=True, exist_ok=True)
-    path = work / f"{variant}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    t0 = time.perf_counter()
-    cli = LalrCLI(args=["--config", str(path)], run=False)
+class _Timed(TempBalanceCallback):
+    """TempBalance that times its decisions (``update``) and its dashboards (``_publish``)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.update_s: list[float] = []
+        self.publish_s: list[float] = []
+
+    def update(self, trainer, pl_module):
+        t0, published = time.perf_counter(), sum(self.publish_s)
+        try:
+            return super().update(trainer, pl_module)
+        finally:  # the decision alone: what its own dashboards took is counted apart
+            self.update_s.append(time.perf_counter() - t0 - (sum(self.publish_s) - published))
+
+    def _publish(self, trainer, event, decision=None):
+        t0 = time.perf_counter()
+        try:
+            return super()._publish(trainer, event, decision)
+        finally:
+            self.publish_s.append(time.perf_counter() - t0)
+
+
+class _ResNet(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        import timm
+
+        torch.manual_seed(0)
+        self.net = timm.create_model("resnet18", num_classes=10)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+
+def _workload(name: str):
+    """(module, datamodule or loader, Trainer arguments)."""
+    if name == "quickstart":
+        from lalr_lightning.data import DigitsDataModule
+        from lalr_lightning.models import SmallCNN
+
+        torch.manual_seed(0)
+        return SmallCNN(width=32, in_channels=1), DigitsDataModule(batch_size=64), dict(max_epochs=10,
+                                                                                       log_every_n_steps=5)
+    if name == "resnet18":
+        g = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(48, 3, 32, 32, generator=g), torch.randint(0, 10, (48,), generator=g))
+        return _ResNet(), DataLoader(data, batch_size=8), dict(max_steps=6, log_every_n_steps=1,
+                                                               limit_val_batches=0)
+    raise ValueError(f"unknown workload {name!r}; valid: quickstart, resnet18")
+
+
+def _callback(workload: str, figures: str) -> _Timed:
+    if workload == "resnet18":
+        return _Timed(figures=figures, every_n_steps=2)
+    return _Timed(figures=figures)
+
+
+def _logger(arm: str, work: Path):
+    kind = arm.split(":")[0]
+    if kind == "none":
+        return False
+    if kind == "csv":
+        from lightning.pytorch.loggers import CSVLogger
+
+        return CSVLogger(str(work), name="csv")
+    if kind == "tensorboard":
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        return TensorBoardLogger(str(work), name="tb")
+    from lightning.pytorch.loggers import WandbLogger
+
+    return WandbLogger(save_dir=str(work), project="overhead")
+
+
+def run(workload: str, arm: str, work: Path) -> tuple[float, list[float], float]:
+    """(seconds of the fit, seconds of each decision, seconds of the dashboards) of one fit."""
+    model, data, opts = _workload(workload)
+    figures = arm.split(":")[1] if ":" in arm else "never"
+    tb = _callback(workload, figures)
     marks: dict = {}
-    cli.trainer.callbacks.insert(0, _Clock(marks, "start"))
-    cli.trainer.callbacks.append(_Clock(marks, "end"))
-    cli.trainer.fit(cli.model, cli.datamodule)
-    if variant != "csv":
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=_logger(arm, work), enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[_Clock(marks, "start"), tb, _Clock(marks, "end")], **opts)
+    trainer.fit(model, data)
+    if arm.startswith("wandb"):
         import wandb
 
         wandb.finish()
-    total = time.perf_counter() - t0
-    fit = marks["end"] - marks["start"]
-    return fit / epochs, total - fit
+    return marks["end"] - marks["start"], tb.update_s, sum(tb.publish_s)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--repeats", type=int, default=1, help="fits per variant (the median is shown)")
+    p.add_argument("--repeats", type=int, default=3, help="fits per arm (medians are shown)")
+    p.add_argument("--workloads", nargs="+", default=["quickstart", "resnet18"])
+    p.add_argument("--arms", nargs="+", default=list(ARMS))
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = p.parse_args()
-    variants = ("csv", "wandb", "wandb+esd")
-    per_epoch: dict[str, list[float]] = {v: [] for v in variants}
-    rest: dict[str, list[float]] = {v: [] for v in variants}
+    torch.set_num_threads(args.threads)
+    import logging
+    import warnings
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")  # Lightning's advice on workers and logging intervals, every fit
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["WANDB_DIR"] = tmp
         os.chdir(tmp)  # Lightning's and W&B's side files stay in the temporary directory
-        for r in range(args.repeats):
-            for v in variants:  # interleaved, so a load change on a shared machine hits all alike
-                e, o = run(v, args.epochs, Path(tmp) / f"r{r}")
-                per_epoch[v].append(e)
-                rest[v].append(o)
-    base = statistics.median(per_epoch["csv"])
-    print(f"\nquickstart, {args.epochs} epochs, {args.repeats} fit(s) per variant (median)")
-    print(f"{'variant':<12}{'s/epoch':>10}{'ratio':>8}{'start-up+shut-down s':>23}")
-    for v in variants:
-        e = statistics.median(per_epoch[v])
-        print(f"{v:<12}{e:>10.3f}{e / base:>8.2f}{statistics.median(rest[v]):>23.1f}")
-
+        for workload in args.workloads:
+            fits: dict[str, list[float]] = {a: [] for a in args.arms}
+            dashboards: dict[str, list[float]] = {a: [] for a in args.arms}
+            decisions: dict[str, list[float]] = {a: [] for a in args.arms}
+            n_dec = 0
+            for r in range(args.repeats):
+                for arm in args.arms:  # interleaved
+                    fit, dec, dash = run(workload, arm, Path(tmp) / f"{workload}-{r}-{arm.replace(':', '-')}")
+                    fits[arm].append(fit)
+                    dashboards[arm].append(dash)
+                    decisions[arm].append(statistics.median(dec))
+                    n_dec = len(dec)
+            base = statistics.median(fits[args.arms[0]])
+            print(f"\n{workload}: {n_dec} decision(s) per fit, {args.repeats} fit(s) per arm (medians); "
+                  f"a decision takes {statistics.median(decisions[args.arms[0]]):.3f} s ({args.arms[0]})")
+            print(f"{'arm':<24}{'fit s':>8}{'vs ' + args.arms[0]:>9}{'dashboards s':>14}{'per decision':>14}"
+                  f"{'x a decision':>14}")
+            for arm in args.arms:
+                f, d = statistics.median(fits[arm]), statistics.median(dashboards[arm])
+                shares = [dash / max(n_dec, 1) / dec for dash, dec in zip(dashboards[arm], decisions[arm])]
+                print(f"{arm:<24}{f:>8.2f}{f / base:>9.2f}{d:>14.3f}{d / max(n_dec, 1):>14.3f}"
+                      f"{statistics.median(shares):>14.2f}")
 
 if __name__ == "__main__":
     main()

@@ -5,11 +5,12 @@ start, at every decision and at fit end (rank zero only). Scalars go to every lo
 callback's own ``log_values``; this module adds what each logger can show beyond them:
 
 * W&B: a ``wandb.Table`` ``<prefix>/decisions`` per decision (layer, measurement(s), decision),
-  the heatmap re-logged at every decision, ESD log-log plots with the fitted power law under one
-  key ``<prefix>/esd`` (first decision, every ``plot_every_n_epochs`` epochs, fit end),
   ``define_metric`` so all per-layer curves share ``trainer/global_step``, the constructor
   settings in the run config (``callbacks/<state key>``) and a per-layer summary
-  (``<prefix>/final``) in the run summary;
+  (``<prefix>/final``) in the run summary; and, as the callback's ``figures`` setting says
+  (``every`` decision, ``first_last``, every N epochs, or ``never``, the default), the heatmap of
+  the decisions so far and ESD log-log plots with the fitted power law under one key
+  ``<prefix>/esd``;
 * TensorBoard: the same images (``add_image``; ESDs as ``<prefix>/esd/<layer>``) and a markdown
   table (``add_text``) per decision, the settings and the final table as text;
 * CSV and any other logger: the scalars, and the settings through ``log_hyperparams``.
@@ -198,19 +199,22 @@ def _start(trainer, cb) -> None:
             exp.define_metric(glob, step_metric="trainer/global_step", step_sync=True)
 
 
-def _esd_due(cb, trainer, log: _FitLog) -> bool:
-    if log.esd_at_entry < 0:  # the first decision of this fit
+def _figures_due(cb, trainer, log: _FitLog) -> bool:
+    """Whether this decision's figures are drawn, by the callback's ``figures`` setting."""
+    mode = getattr(cb, "figures", "never")
+    if mode == "never":
+        return False
+    if mode == "every" or log.esd_at_entry < 0:  # every decision, or the first of this fit
         return True
-    n = getattr(cb, "plot_every_n_epochs", None)
     epoch = trainer.current_epoch
-    return bool(n) and epoch % n == 0 and epoch not in log.esd_epochs
+    return isinstance(mode, int) and epoch % mode == 0 and epoch not in log.esd_epochs
 
 
 def _log_esds(trainer, cb, names, wb, tb, title: str) -> None:
     log = _log_of(cb, trainer)
     log.esd_epochs.add(trainer.current_epoch)
     log.esd_at_entry = len(cb.history)
-    if cb._sharded_weights(trainer):  # rank zero does not hold the whole weights
+    if not cb.esd_plots or cb._sharded_weights(trainer):  # blocks or tensors; or rank zero lacks whole weights
         return
     from lalr_lightning import viz
 
@@ -240,9 +244,9 @@ def _decision(trainer, cb, decision) -> None:
     for lg in tb:
         lg.experiment.add_text(f"{cb.prefix}/decisions", markdown_table(columns, rows), global_step=step)
     log = _log_of(cb, trainer)
-    cb.log_heatmap(trainer)
-    log.heatmap_at_entry = len(cb.history)
-    if _esd_due(cb, trainer, log):
+    if _figures_due(cb, trainer, log):
+        cb.log_heatmap(trainer)
+        log.heatmap_at_entry = len(cb.history)
         names = list(decision.scores or decision.values)
         _log_esds(trainer, cb, names, wb, tb, f"decision at epoch {trainer.current_epoch}, step {trainer.global_step}")
 
@@ -252,11 +256,12 @@ def _end(trainer, cb) -> None:
     log = _log_of(cb, trainer)
     if not cb.history:
         return
-    if log.heatmap_at_entry != len(cb.history):
+    drawn = getattr(cb, "figures", "never") != "never"
+    if drawn and log.heatmap_at_entry != len(cb.history):
         cb.log_heatmap(trainer)
     if not (wb or tb):
         return
-    if log.esd_at_entry != len(cb.history) or log.esd_at_entry < 0:  # the last decision's ESDs were not shown
+    if drawn and log.esd_at_entry != len(cb.history):  # the last decision's ESDs were not shown
         names = list(cb.scores or getattr(cb, cb.decision_attr) or [])
         if isinstance(names, dict):
             names = list(names)

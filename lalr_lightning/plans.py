@@ -16,8 +16,8 @@ __all__ = ["pruning_plan", "write_pruning_plan"]
 
 
 def pruning_plan(model: nn.Module, target_sparsity: float, preset: str | None = None) -> tuple[pd.DataFrame, dict]:
-    """(``HTSRPruning(target_sparsity=..., preset=...).plan(model)`` with a ``numel`` column,
-    the layers left dense and why). Raises ``ValueError`` for a target outside [0, 1)."""
+    """(``HTSRPruning(target_sparsity=..., preset=...).plan(model)``, whose ``numel`` column
+    weights the mean, the layers left dense and why). Raises ``ValueError`` for a target outside [0, 1)."""
     from lalr_lightning.callbacks.pruning import HTSRPruning
     from lalr_lightning.core.pruning import prunable_layers
 
@@ -25,11 +25,9 @@ def pruning_plan(model: nn.Module, target_sparsity: float, preset: str | None = 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the layers left dense are reported with the summary
         table = pruner.plan(model)
-    # the same layer rule the callback applies, for the sizes and the layers left dense
-    layers, dense = prunable_layers(model, layer_types=pruner.layer_types, head=pruner.head,
-                                    min_numel=pruner.min_numel, min_evals=pruner.min_evals)
-    numel = {la.name: la.weight.numel() for la in layers}
-    table.insert(1, "numel", [numel[n] for n in table["layer"]])
+    # the same layer rule the callback applies, for the layers left dense
+    _, dense = prunable_layers(model, layer_types=pruner.layer_types, head=pruner.head,
+                               min_numel=pruner.min_numel, min_evals=pruner.min_evals)
     table.attrs["settings"] = {"metric": pruner.metric, "fit": pruner.fit, "epsilon": pruner.epsilon,
                                "block_average": pruner.block_average, "max_ratio": pruner.max_ratio}
     return table, dense

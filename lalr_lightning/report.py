@@ -332,34 +332,66 @@ def _final_table(run: RunData, prefix: str, quantities: dict) -> tuple[str, list
     return "last logged values", ["layer", *quantities], rows
 
 
+def callbacks_of(run: RunData) -> dict[str, tuple[str, type | None, dict]]:
+    """``{log prefix: (class name, class or None, settings)}`` of the callbacks whose settings
+    the run config holds (``callbacks/<Class>[<name>]``); the class is None where this
+    lalr_lightning does not have it."""
+    try:
+        from lalr_lightning import callbacks
+    except ImportError:  # pragma: no cover -- the report of a run needs no Lightning otherwise
+        callbacks = None
+    out: dict[str, tuple[str, type | None, dict]] = {}
+    for key, settings in run.config.items():
+        if not key.startswith("callbacks/") or not isinstance(settings, dict):
+            continue
+        cls_name, _, name = key.split("/", 1)[1].partition("[")
+        cls = getattr(callbacks, cls_name, None) if callbacks is not None else None
+        prefix = name.rstrip("]") or getattr(cls, "log_prefix", None)
+        if prefix:
+            out[prefix] = (cls_name, cls if isinstance(cls, type) else None, settings)
+    return out
+
+
 def method_titles(run: RunData) -> dict[str, str]:
     """``{log prefix: method name}`` from the callbacks' settings in the run config: callbacks
     that share a prefix are told apart by the ``SurgicalLayerSelect`` mode that builds them
     (``BlockSchedule(schedule="lisa")`` logs under ``surgical/`` and is titled ``lisa``)."""
     try:
-        from lalr_lightning import callbacks
         from lalr_lightning.callbacks.selection import _REGISTRY
-    except ImportError:  # pragma: no cover -- the report of a run needs no Lightning otherwise
+    except ImportError:  # pragma: no cover
         return {}
     titles: dict[str, str] = {}
-    for key, settings in run.config.items():
-        if not key.startswith("callbacks/") or not isinstance(settings, dict):
-            continue
-        cls_name, _, name = key.split("/", 1)[1].partition("[")
-        cls = getattr(callbacks, cls_name, None)
-        prefix = name.rstrip("]") or getattr(cls, "log_prefix", None)
-        if not prefix:
-            continue
+    for prefix, (_, cls, settings) in callbacks_of(run).items():
         modes = [m for m, (c, fixed) in _REGISTRY.items()
                  if c is cls and fixed and all(settings.get(k) == v for k, v in fixed.items())]
         if modes:
-            titles[prefix] = modes[0] if not name else f"{prefix} ({modes[0]})"
+            titles[prefix] = modes[0] if prefix == cls.log_prefix else f"{prefix} ({modes[0]})"
     return titles
 
 
+def _no_esd_reason(run: RunData, prefix: str) -> str:
+    """Why the run holds no ESD plots of ``prefix``'s callback: the first true reason of these."""
+    cls_name, cls, settings = callbacks_of(run).get(prefix, ("", None, {}))
+    analyze = ("<code>python -m lalr_lightning analyze</code> on the checkpoint plots the ESD of every weight "
+               "matrix")
+    if cls is not None and not getattr(cls, "esd_plots", True):
+        return (f"{html.escape(cls_name)} makes no ESD plots: it decides about blocks or tensors, not about single "
+                f"weight matrices from their spectra; {analyze}.")
+    if run.kind == "csv":
+        return f"CSVLogger keeps scalars only; use WandbLogger or TensorBoardLogger, or {analyze}."
+    if settings.get("figures") == "never":
+        return (f"not drawn: {html.escape(cls_name)} ran with <code>figures='never'</code> (the default: a set of ESD "
+                f"plots costs more than a decision); pass <code>figures='first_last'</code> or "
+                f"<code>'every'</code>, or {analyze}.")
+    return f"none logged; {analyze}."
+
+
 def _method_section(run: RunData, prefix: str, title: str | None = None) -> str:
+    # every image is labelled by its method (LISA's, not the shared "surgical/" key's) and says
+    # which logged key it shows
+    method = title or prefix
     quantities = _per_layer(run, prefix)
-    parts = [f'<section id="{html.escape(prefix)}"><h2>{html.escape(title or prefix)}</h2>']
+    parts = [f'<section id="{html.escape(prefix)}"><h2>{html.escape(method)}</h2>']
     final = _final_table(run, prefix, quantities)
     if final:
         what, columns, rows = final
@@ -369,13 +401,14 @@ def _method_section(run: RunData, prefix: str, title: str | None = None) -> str:
     if heatmaps:
         for key, images in sorted(heatmaps.items()):
             step, _, png = images[-1]
-            parts.append(_img(png, f"{key} (step {step})"))
-    else:  # CSV: drawn from the per-layer scalars
+            parts.append(_img(png, f"{method}: {key.split('/', 1)[1]} (step {step}; logged as {key})"))
+    else:  # none logged (CSV, or figures='never'): drawn here from the per-layer scalars
         for q, series in quantities.items():
-            parts.append(_img(_heatmap(f"{prefix}/{q}", series), f"{prefix}/{q}: layers x steps"))
+            parts.append(_img(_heatmap(f"{method}: {q}", series),
+                              f"{method}: {q}, layers x steps (drawn from {prefix}/{q}/<layer>)"))
     parts.append("</div><h3>Per-layer curves</h3><div class=grid>")
     for q, series in quantities.items():
-        parts.append(_img(_curves(f"{prefix}/{q}", series), f"{prefix}/{q}/<layer>"))
+        parts.append(_img(_curves(f"{method}: {q}", series), f"{method}: {q} per layer ({prefix}/{q}/<layer>)"))
     parts.append("</div>")
     esd = run.images.get(f"{prefix}/esd", [])
     parts.append("<h3>ESD plots</h3>")
@@ -384,11 +417,11 @@ def _method_section(run: RunData, prefix: str, title: str | None = None) -> str:
         for s in dict.fromkeys([steps[0], steps[-1]]):
             which = "first" if s == steps[0] else "last"
             parts.append(f"<h4>{which} set (step {s})</h4><div class=grid>")
-            parts += [_img(png, cap or f"{prefix}/esd") for st, cap, png in esd if st == s]
+            parts += [_img(png, f"{method}: ESD of {cap}" if cap else f"{method}: ESD") for st, cap, png in esd
+                      if st == s]
             parts.append("</div>")
     else:
-        parts.append("<p>none logged (CSVLogger keeps scalars only; use WandbLogger or TensorBoardLogger, or "
-                     "<code>python -m lalr_lightning analyze</code> on the checkpoint).</p>")
+        parts.append(f"<p>{_no_esd_reason(run, prefix)}</p>")
     parts.append("</section>")
     return "\n".join(parts)
 

@@ -126,6 +126,7 @@ DEPRECATED = {
     "alphas": lambda: cbs.TempBalanceCallback().alphas,
     "metric_values": lambda: cbs.HTSRPruning().metric_values,
     "trainable": lambda: cbs.SurgicalLayerSelect(mode="lisa").trainable,
+    "plot_every_n_epochs": lambda: cbs.TempBalanceCallback(plot_every_n_epochs=2),
 }
 
 

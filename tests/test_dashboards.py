@@ -1,8 +1,9 @@
 """What a researcher sees of a run: W&B (offline, read back from its transaction log) and
-TensorBoard (EventAccumulator) hold a decision table per decision, the heatmap re-logged at every
-decision, ESD plots of the first and last decision, the settings in the run config and a final
-summary; the report page is built from CSV, TensorBoard and W&B run directories and renders in a
-real headless browser."""
+TensorBoard (EventAccumulator) hold a decision table per decision, the heatmap and ESD plots when
+the callback's ``figures`` setting says (every decision, the first and last, never), the settings
+in the run config and a final summary; the report page is built from CSV, TensorBoard and W&B run
+directories, labels every image by its method, says truly why a section has no ESD plots, and
+renders in a real headless browser."""
 
 from __future__ import annotations
 
@@ -23,21 +24,27 @@ from tests.test_contract import _loader, _model
 wandb = pytest.importorskip("wandb")
 
 # Two fits cover every callback (the selection callbacks cannot share a fit with L-MSA, which
-# refuses blocks others turned off); each entry: (how to build it, ESD plots expected: its layers
-# are weight matrices).
+# refuses blocks others turned off) and every ``figures`` setting; each entry: (how to build it,
+# ESD plots expected when figures are drawn: its layers are weight matrices).
 FITS = {
     "spectral": [
-        (lambda: cbs.TempBalanceCallback(min_evals=5, plot_every_n_epochs=1), True),
-        (lambda: cbs.LALRScheduleCallback(groups="histogram"), True),
-        (lambda: cbs.HTSRPruning(target_sparsity=0.3, min_numel=16, min_evals=3), True),
-        (lambda: cbs.LMSAStepper(update="optimizer"), False),
+        (lambda: cbs.TempBalanceCallback(min_evals=5, figures="every"), True),
+        (lambda: cbs.LALRScheduleCallback(groups="histogram", figures="first_last"), True),
+        (lambda: cbs.HTSRPruning(target_sparsity=0.3, min_numel=16, min_evals=3, figures="first_last"), True),
+        (lambda: cbs.LMSAStepper(update="optimizer", figures="every"), False),
     ],
     "selection": [
-        (lambda: cbs.SurgicalLayerSelect(mode="blocks", select="last", name="blocks"), False),
-        (lambda: cbs.SurgicalLayerSelect(mode="auto_rgn", n_batches=2, name="auto_rgn"), False),
-        (lambda: cbs.SurgicalLayerSelect(mode="lisa", gamma=1, every_n_steps=2, name="lisa"), False),
+        (lambda: cbs.SurgicalLayerSelect(mode="blocks", select="last", name="blocks"), False),  # figures="never"
+        (lambda: cbs.SurgicalLayerSelect(mode="auto_rgn", n_batches=2, name="auto_rgn", figures="every"), False),
+        (lambda: cbs.SurgicalLayerSelect(mode="lisa", gamma=1, every_n_steps=2, name="lisa", figures="first_last"),
+         False),
     ],
 }
+
+
+def _drawn_at(cb, n_dec: int) -> list[int]:
+    """The history lengths (1 = the first decision) at which ``cb`` draws its figures."""
+    return {"every": list(range(1, n_dec + 1)), "first_last": sorted({1, n_dec}), "never": []}[cb.figures]
 
 
 def _wait_for_exit(log: Path, timeout: float = 60.0) -> None:
@@ -100,16 +107,18 @@ def test_wandb_and_tensorboard_hold_tables_heatmaps_esds_settings_and_summary(fi
         assert columns[0] == "layer" and columns[-1] == cb.decision_key
         assert (cb.score_key in columns) == bool(cb.history[-1].get("scores")), p
         assert {r[0]: r[-1] for r in rows} == pytest.approx(last), p
+        assert type(cb).esd_plots is spectral, p
         heatmap = f"{p}/{cb.heatmap[0]}" if cb.heatmap else None
-        n_maps = max(0, n_dec - cb.heatmap_min_entries + 1) if heatmap else 0
-        assert len(run.images.get(heatmap, [])) == n_maps, p  # re-logged at every decision
+        drawn = _drawn_at(cb, n_dec)
+        n_maps = len([e for e in drawn if e >= cb.heatmap_min_entries]) if heatmap else 0
+        assert len(run.images.get(heatmap, [])) == n_maps, p  # re-logged at each drawing decision
         esd = run.images.get(f"{p}/esd", [])
         n_esd = len(esd)
-        if spectral:
+        if spectral and drawn:
             sets = sorted({s for s, _, _ in esd})
             per_set = _expected_esd_layers(cb)
             assert per_set >= 3 and len(esd) == per_set * len(sets), p
-            assert len(sets) == min(2, n_dec), p  # the first decision and the last (or fit end)
+            assert len(sets) == len(drawn), p  # every decision, or the first and the last (or fit end)
             assert {c for s, c, _ in esd if s == sets[0]} == set(cb.scores), p
             assert all(png[:8] == b"\x89PNG\r\n\x1a\n" for _, _, png in esd)
         else:
@@ -128,7 +137,7 @@ def test_wandb_and_tensorboard_hold_tables_heatmaps_esds_settings_and_summary(fi
         assert md[0] == "| " + " | ".join(columns) + " |" and len(md) == 2 + len(rows), p
         assert (len(acc.Images(heatmap)) if heatmap in tags["images"] else 0) == n_maps, p
         esd_tags = [t for t in tags["images"] if t.startswith(f"{p}/esd/")]
-        assert len(esd_tags) == (_expected_esd_layers(cb) if spectral else 0), p
+        assert len(esd_tags) == (_expected_esd_layers(cb) if spectral and drawn else 0), p
         assert any(t.startswith(f"{p}/{cb.decision_key}/") for t in tags["scalars"]), p
         assert f"{p}/final/text_summary" in tags["tensors"] and f"{p}/settings/text_summary" in tags["tensors"]
 
@@ -182,11 +191,37 @@ def test_csv_and_unknown_loggers_get_scalars_and_settings_and_never_fail_the_run
     assert run.kind == "csv" and not run.images and not run.tables  # CSV keeps the scalars only
     page = report.render_html(run)
     assert '<section id="tempbalance">' in page and "last logged values" in page
+    assert "CSVLogger keeps scalars only" in page  # why there are no ESD plots
     # a heatmap and a curve per quantity (alpha, multiplier), the lr_eff curves, all drawn here
     assert page.count("<img") == 5
     table = page.split("Decision table")[1].split("</table>")[0]
     for layer, mult in tb.multipliers.items():
         assert f"<td>{layer}</td>" in table and f"<td>{mult:.4g}</td>" in table
+
+
+def test_report_of_a_tensorboard_lisa_run_labels_by_method_and_gives_the_true_reasons(tmp_path):
+    """LISA logs under the shared ``surgical/`` prefix: its section is titled ``lisa`` and every
+    image in it is labelled ``lisa: ...``; its missing ESD plots are explained by what LISA is
+    (it selects blocks), not by the logger, and TempBalance's by its ``figures`` setting."""
+    import re
+
+    lisa = cbs.BlockSchedule(schedule="lisa", gamma=1, every_n_steps=2, figures="every")
+    tb = cbs.TempBalanceCallback(min_evals=5)  # figures="never", the default
+    logger = TensorBoardLogger(str(tmp_path), name="", version="tb")
+    make_trainer([lisa, tb], max_epochs=2, logger=logger, log_every_n_steps=1).fit(_model(), _loader())
+    assert len(lisa.history) >= 3
+    page = report.render_html(report.read_run(tmp_path / "tb"))
+    section = page.split('<section id="surgical">')[1].split("</section>")[0]
+    assert section.startswith("<h2>lisa</h2>")
+    captions = re.findall(r"<figcaption>(.*?)</figcaption>", section)
+    assert captions and all(c.startswith("lisa: ") for c in captions), captions
+    assert any("logged as surgical/selection" in c for c in captions)  # the heatmap LISA drew
+    esd = section.split("<h3>ESD plots</h3>")[1]
+    assert "BlockSchedule makes no ESD plots: it decides about blocks or tensors" in esd
+    assert "CSVLogger" not in page
+    tempbalance = page.split('<section id="tempbalance">')[1].split("</section>")[0]
+    assert "ran with <code>figures='never'</code>" in tempbalance
+    assert all(c.startswith("tempbalance: ") for c in re.findall(r"<figcaption>(.*?)</figcaption>", tempbalance))
 
 
 def test_decision_table_and_markdown_are_the_decision():
@@ -201,16 +236,28 @@ def test_decision_table_and_markdown_are_the_decision():
         "| layer | alpha | xmin | multiplier |", "|---|---|---|---|", "| a | 2 | 0.1 | 0.5 |", "| b |  |  | 1.5 |"]
 
 
-def test_plot_every_n_epochs_is_a_setting_every_callback_takes_and_a_resume_may_change():
-    for make in (lambda **k: cbs.TempBalanceCallback(**k), lambda **k: cbs.AutoRGN(**k),
-                 lambda **k: cbs.LMSAStepper(**k), lambda **k: cbs.SurgicalBlocks(**k)):
-        assert make().settings()["plot_every_n_epochs"] is None
-        cb = make(plot_every_n_epochs=3)
-        assert cb.plot_every_n_epochs == 3
-        state = cb.state_dict()
-        make(plot_every_n_epochs=1).load_state_dict(state)  # only what is drawn: not refused
+@pytest.mark.parametrize("name", sorted(n for n in cbs.__all__ if isinstance(getattr(cbs, n), type)
+                                         and issubclass(getattr(cbs, n), cbs.LayerwiseCallback)
+                                         and getattr(cbs, n) not in (cbs.LayerwiseCallback, cbs.LayerSelection)))
+def test_figures_is_one_setting_every_callback_takes_and_a_resume_may_change(name):
+    from tests.test_contract import CASES
+
+    cls, kw = getattr(cbs, name), CASES[name][0]
+    assert cls(**kw).settings()["figures"] == "never"  # the default: figures cost more than a decision
+    for figures in ("every", "first_last", "never", 3):
+        cb = cls(**kw, figures=figures)
+        assert cb.figures == figures and cb.settings()["figures"] == figures
+    state = cls(**kw, figures=3).state_dict()
+    cls(**kw, figures="every").load_state_dict(state)  # only what is drawn: not refused
+    # the deprecated name keeps its meaning (ESD plots every N epochs, and the first and last)
+    with pytest.warns(DeprecationWarning, match="plot_every_n_epochs= is deprecated .* use figures="):
+        assert cls(**kw, plot_every_n_epochs=2).figures == 2
     with pytest.raises(ValueError, match="plot_every_n_epochs must be None .* or an integer >= 1, got 0"):
-        cbs.TempBalanceCallback(plot_every_n_epochs=0)
+        cls(**kw, plot_every_n_epochs=0)
+    with pytest.raises(ValueError, match=r"figures must be 'every' .*, 'first_last' .*, 'never', or a number of "
+                                         r"epochs N >= 1 .*; got 'sometimes'"):
+        cls(**kw, figures="sometimes")
+    assert cls(**kw, figures="2").figures == 2  # as a command line gives it
 
 
 def test_report_command_names_what_it_needs(tmp_path, capsys):

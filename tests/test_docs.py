@@ -1,9 +1,14 @@
-"""The runnable examples that open every callback's docstring."""
+"""The runnable examples that open every callback's docstring, and the README's figures: each
+names the command that gave it and its date, and the test count it quotes is the suite's."""
 
 from __future__ import annotations
 
 import doctest
 import inspect
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,3 +35,60 @@ def test_docstring_example_runs(name):
         runner.run(test)
     result = runner.summarize(verbose=False)
     assert result.attempted > 0 and result.failed == 0, f"{name}: {result.failed} of {result.attempted} failed"
+
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
+
+
+def _measured_results() -> list[str]:
+    """The paragraphs of the README's "Measured results" that open with a bold title."""
+    section = README.read_text().split("\n## Measured results\n")[1].split("\n## ")[0]
+    return [p for p in re.split(r"\n\s*\n", section) if p.startswith("**")]
+
+
+def test_every_measured_figure_names_its_command_and_date():
+    paragraphs = _measured_results()
+    assert len(paragraphs) >= 8
+    for paragraph in paragraphs:
+        title = paragraph.split("**")[1]
+        # a paragraph of one-line bullets: each bullet is a figure of its own
+        figures = [line for line in paragraph.splitlines() if line.startswith("- ")] or [paragraph]
+        for figure in figures:
+            where = f"README, Measured results, {title!r}: {figure[:60]!r}"
+            assert re.search(r"`[^`]*\b(python|pytest|du|time)\b[^`]*`", figure), f"{where} names no command"
+            assert DATE.search(figure), f"{where} has no date (YYYY-MM-DD) of its measurement"
+
+
+def _quoted_test_count() -> int:
+    counts = re.findall(r"\*\*([\d,]+) tests\*\*", README.read_text())
+    assert len(counts) == 1, "the README quotes its test count once, as **N tests** (Measured results)"
+    return int(counts[0].replace(",", ""))
+
+
+def _collected(request) -> int:
+    """How many tests the suite has: this session's count when it collected every test file with no
+    selection (the full run, CI's), else ``pytest --collect-only`` in a subprocess."""
+    config, items = request.config, request.session.items
+    files = {Path(str(item.path)).resolve() for item in items}
+    everything = {p.resolve() for p in (ROOT / "tests").rglob("test_*.py")}
+    selected = (config.getoption("keyword") or config.getoption("markexpr") or config.getoption("deselect")
+                or config.getoption("lf", default=False) or any("::" in str(a) for a in config.args))
+    if files == everything and not selected:
+        return len(items)
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           str(ROOT / "tests")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    total = re.search(r"^(\d+) tests? collected", done.stdout, flags=re.M)
+    if total:
+        return int(total.group(1))
+    per_file = [int(n) for n in re.findall(r"^\S+\.py: (\d+)$", done.stdout, flags=re.M)]
+    assert per_file, done.stdout[-2000:] + done.stderr[-2000:]
+    return sum(per_file)
+
+
+def test_the_readme_test_count_is_the_suites(request):
+    quoted, collected = _quoted_test_count(), _collected(request)
+    assert abs(quoted - collected) <= 0.1 * collected, (
+        f"README.md says **{quoted} tests**, the suite has {collected} (python -m pytest --collect-only -q): "
+        f"update the number and its date in README.md's Measured results")

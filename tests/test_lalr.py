@@ -299,8 +299,8 @@ def test_composes_with_tempbalance(monkeypatch):
 
     figures = []
     monkeypatch.setattr(viz, "log_figure", lambda trainer, key, fig, *a, **k: figures.append(key) or 0)
-    tb = TempBalanceCallback()
-    lalr = LALRScheduleCallback(groups="histogram")
+    tb = TempBalanceCallback(figures="first_last")  # the heatmaps at fit end
+    lalr = LALRScheduleCallback(groups="histogram", figures="first_last")
     oracle = ShadowOracle()
     check = ExpectFromMetrics(lalr, oracle, others=(tb,))
     _trainer([tb, lalr, check, oracle], max_epochs=2, logger=MemLogger()).fit(ToyMLP(opt="sgd", sched="cosine"))

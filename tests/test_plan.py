@@ -5,6 +5,7 @@ planning changes neither the model nor the callback."""
 from __future__ import annotations
 
 import functools
+import warnings
 
 import numpy as np
 import pytest
@@ -127,7 +128,44 @@ def test_a_plan_says_what_the_papers_rules_give():
     m = plan["metric"].to_numpy()
     r = 0.8 + 0.4 * (m - m.min()) / (m.max() - m.min())  # the metric mapped onto [1 - eps, 1 + eps]
     np.testing.assert_allclose(plan["ratio"], 0.4 * r * sizes.sum() / (r * sizes).sum(), rtol=1e-12)
-    assert list(plan.columns) == ["layer", "metric", "ratio"]
+    assert list(plan.columns) == ["layer", "numel", "metric", "ratio"]
+    assert list(plan["numel"]) == list(sizes)
+
+
+def _weight_numel(model, layer: str) -> int:
+    """The oracle: the parameter named ``<layer>.weight`` (or the tied embedding behind it)."""
+    return dict(model.named_parameters())[f"{layer}.weight"].numel()
+
+
+@pytest.mark.parametrize("family", ["resnet18", "gpt2-tied", "llama-alphapruning", "sequential"])
+def test_pruning_plan_has_the_numel_its_target_is_weighted_by(family):
+    """``plan()``'s ``numel`` column is each layer's weight count, and the ``numel``-weighted mean
+    of ``ratio`` is the target (the plain mean is not: larger layers get larger ratios here)."""
+    import timm
+    from torch import nn
+
+    from tests._lm import tiny_lm
+
+    torch.manual_seed(0)
+    model, pruner = {
+        "resnet18": lambda: (timm.create_model("resnet18", num_classes=10), cbs.HTSRPruning(target_sparsity=0.7)),
+        "gpt2-tied": lambda: (tiny_lm("gpt2", True, hidden=64),
+                              cbs.HTSRPruning(target_sparsity=0.7, min_numel=16, min_evals=3)),
+        "llama-alphapruning": lambda: (tiny_lm("llama", False, hidden=64, layers=3),
+                                       cbs.HTSRPruning(preset="alphapruning", target_sparsity=0.5)),
+        "sequential": lambda: (nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 256), nn.ReLU(),
+                                             nn.Linear(256, 32), nn.ReLU(), nn.Linear(32, 4)),
+                               cbs.HTSRPruning(target_sparsity=0.7, min_numel=16, min_evals=3, head=True)),
+    }[family]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the layers left dense
+        plan = pruner.plan(model)
+    assert list(plan.columns) == ["layer", "numel", "metric", "ratio"] and len(plan) >= 4
+    assert list(plan["numel"]) == [_weight_numel(model, n) for n in plan["layer"]]
+    weighted = float((plan["ratio"] * plan["numel"]).sum() / plan["numel"].sum())
+    assert weighted == pytest.approx(pruner.target_sparsity, abs=1e-12)
+    if family == "resnet18":  # the issue's case: the plain mean reads as if the target were missed
+        assert float(plan["ratio"].mean()) == pytest.approx(0.63, abs=0.03)
 
 
 def test_alphapruning_plan_averages_alpha_over_each_block():

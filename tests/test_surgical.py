@@ -251,7 +251,7 @@ def test_eb_criterion_equals_hand_computation():
 
 @pytest.mark.parametrize("order", ["front_to_end", "end_to_front", "random"])
 def test_lift_visits_blocks_in_order(order, monkeypatch):
-    cb = SurgicalLayerSelect(mode="lift", order=order, switch_every=2, seed=1)
+    cb = SurgicalLayerSelect(mode="lift", order=order, switch_every=2, seed=1, figures="first_last")
     rec = StepRecorder(cb)
     log = MemLogger()
     figures = []

@@ -263,6 +263,95 @@ class OnlyTiny(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+# ----------------------------------------------------------------------------- the first layer
+
+# what first=False (TempBalance's rule) and first="block" leave out, by model family
+FIRST = {
+    "sequential": (["0"], ["0"]),
+    "smallcnn": (["model.layer1.conv"], ["model.layer1.conv"]),
+    "resnet18": (["conv1"], ["conv1"]),
+    "vit": (["patch_embed.proj"], ["patch_embed.proj"]),
+    "bert": (["bert.encoder.layer.0.attention.self.query"],
+             [f"bert.encoder.layer.0.{m}" for m in ("attention.self.query", "attention.self.key",
+                                                    "attention.self.value", "attention.output.dense",
+                                                    "intermediate.dense", "output.dense")]),
+    "gpt2": (["transformer.h.0.attn.c_attn"],
+             [f"transformer.h.0.{m}" for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]),
+    "opt": (["model.decoder.layers.0.self_attn.k_proj"],
+            [f"model.decoder.layers.0.{m}" for m in ("self_attn.k_proj", "self_attn.v_proj", "self_attn.q_proj",
+                                                     "self_attn.out_proj", "fc1", "fc2")]),
+    "llama": (["model.layers.0.self_attn.q_proj"],
+              [f"model.layers.0.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                               "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]),
+}
+
+
+def _family(name: str, tied: bool = False) -> nn.Module:
+    import timm
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from tests._lm import tiny_lm
+
+    torch.manual_seed(0)
+    if name == "sequential":
+        return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                             nn.Linear(64, 4))
+    if name == "smallcnn":
+        return SmallCNN(width=16, in_channels=1)
+    if name == "resnet18":
+        return timm.create_model("resnet18", num_classes=10)
+    if name == "vit":
+        return timm.models.vision_transformer.VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=2,
+                                                                num_heads=2, num_classes=10)
+    if name == "bert":
+        return BertForSequenceClassification(BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2,
+                                                        num_attention_heads=2, intermediate_size=128, num_labels=2))
+    return tiny_lm(name, tied, hidden=64)
+
+
+@pytest.mark.parametrize("family", [*FIRST, "gpt2-untied", "opt-untied", "llama-tied"])
+def test_first_leaves_out_what_the_docs_say(family):
+    """TempBalance's rule (the first Conv2d/Linear in module order) leaves out a CNN's or ViT's stem
+    but one projection of a language model's first layer; first="block" leaves out the whole first
+    block that holds a balanced matrix. Both as docs/tempbalance.md's table says."""
+    import re
+    from pathlib import Path
+
+    from lalr_lightning.core.layers import DEFAULT_KINDS
+    from lalr_lightning.core.tempbalance import eligible_layers
+
+    name, _, tie = family.partition("-")
+    tied = {"tied": True, "untied": False}.get(tie, name in ("gpt2", "opt"))  # the family's default
+    model = _family(name, tied)
+    layer_default, layer_block = FIRST[name]
+    for first, expected in ((False, layer_default), ("block", layer_block)):
+        eligible, excluded = eligible_layers(model, DEFAULT_KINDS, first=first, min_evals=2)
+        left_out = [n for n, why in excluded.items() if why.startswith("first")]
+        assert left_out == expected, (family, first)
+        assert not {la.name for la in eligible} & set(expected)
+    _, balanced = eligible_layers(model, DEFAULT_KINDS, first=True, min_evals=2)
+    assert not any(why.startswith("first") for why in balanced.values())
+    if name == "llama":  # the callback's decision leaves them out: the second layer's seven matrices remain
+        plan = TempBalanceCallback(first="block", min_evals=2).plan(model)
+        assert list(plan["layer"]) == [n.replace("layers.0.", "layers.1.") for n in layer_block]
+    # docs/tempbalance.md's table says the same
+    text = (Path(__file__).resolve().parents[1] / "docs" / "tempbalance.md").read_text()
+    table = text.split("## Which layer is \"first\"")[1]
+    rows = {r.split("|")[1].strip(): r.split("|")[2:4] for r in table.splitlines() if r.startswith("| ")}
+    label = {"sequential": "plain `nn.Sequential` MLP", "smallcnn": "`SmallCNN` (this package)",
+             "resnet18": "timm ResNet-18", "vit": "timm ViT", "bert": "BERT (`BertForSequenceClassification`)",
+             "gpt2": "GPT-2 (q, k, v in one `c_attn`)", "opt": "OPT (registers `k_proj` before `q_proj`)",
+             "llama": "LLaMA (tied or untied head)"}[name]
+    assert [re.findall(r"`([^`]+)`", cell) for cell in rows[label]] == [layer_default, layer_block]
+
+
+def test_first_takes_true_false_or_block():
+    for bad in ("blocks", 1, None):
+        with pytest.raises(ValueError, match="first must be False .*, True .* or 'block'"):
+            TempBalanceCallback(first=bad)
+    assert TempBalanceCallback(first="block").settings()["first"] == "block"
+
+
 def test_model_without_eligible_layers_is_a_clear_error():
     data = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4)
     with pytest.raises(ValueError, match="min_evals"):

@@ -10,8 +10,8 @@ This class does the rest, the same way for all of them:
 2. decide on rank zero and broadcast, so ranks cannot drift apart (an error raised there is
    raised on every rank, so none waits forever);
 3. store the decision, append it to a bounded ``history``, apply it;
-4. log every per-layer number as ``<prefix>/<quantity>/<layer>``, and a layers x decisions
-   heatmap at fit end;
+4. log every per-layer number as ``<prefix>/<quantity>/<layer>``, and, as the ``figures``
+   setting says, a layers x decisions heatmap and ESD plots (:mod:`lalr_lightning.dashboards`);
 5. keep it all in a versioned ``state_dict`` that knows it was restored and refuses a
    checkpoint written with other settings (naming the setting; ``strict_resume=False`` opts out).
 
@@ -47,12 +47,30 @@ from lalr_lightning.core.decision import Decision
 from lalr_lightning.core.errors import DivergenceError, reject_stray
 from lalr_lightning.core.layers import Layer
 
-__all__ = ["Decision", "LayerwiseCallback", "SettingsMismatchError", "check_strategy", "renamed", "stop_on_sigterm",
-           "warn_deprecated"]
+__all__ = ["DEFAULT_FIGURES", "FIGURES", "Decision", "LayerwiseCallback", "SettingsMismatchError", "check_figures",
+           "check_strategy", "renamed", "stop_on_sigterm", "warn_deprecated"]
 
 
 #: settings of what is logged only: a resumed run may change them
-_LOGGING_SETTINGS = ("plot_every_n_epochs",)
+_LOGGING_SETTINGS = ("figures",)
+
+#: when a callback draws its figures (ESD plots, heatmaps) for the loggers that take images;
+#: an integer N is every N epochs, with the first and the last decision
+FIGURES = ("every", "first_last", "never")
+#: the default of every callback's ``figures``: a set of ESD plots costs several decisions of a
+#: small model (benchmarks/logging_overhead.py), so none are drawn unless asked for
+DEFAULT_FIGURES = "never"
+
+
+def check_figures(value: Any, arg: str = "figures") -> str | int:
+    """``value`` as a ``figures`` setting, or a one-line ValueError listing the choices."""
+    if isinstance(value, str) and value.isdigit():  # a command line gives numbers as text
+        value = int(value)
+    if (isinstance(value, str) and value in FIGURES) or (
+            isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ValueError(f"{arg} must be 'every' (figures at every decision), 'first_last' (at the first and the last), "
+                     f"'never', or a number of epochs N >= 1 (every N epochs, and the first and last); got {value!r}")
 
 
 class SettingsMismatchError(ValueError):
@@ -142,6 +160,9 @@ class LayerwiseCallback(Planner, SpawnHandoff, Callback):
     heatmap: ClassVar[tuple[str, str, str] | None] = None
     #: the fewest history entries worth a heatmap
     heatmap_min_entries: ClassVar[int] = 2
+    #: whether it decides per weight matrix from the spectra, so its figures include the ESD
+    #: log-log plot of each matrix (TempBalance, LALR, HT-SR pruning, Spectrum)
+    esd_plots: ClassVar[bool] = False
     #: whether it changes learning rates (then ``lr_eff/<layer>`` is logged every logging step)
     logs_lr: ClassVar[bool] = True
     #: settings that may differ between the run that wrote a checkpoint and the one resuming
@@ -156,7 +177,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, Callback):
 
     def __init__(self, *, name: str | None = None, strict_resume: bool = True):
         super().__init__()
-        self.plot_every_n_epochs: int | None = None  # set by the subclass's constructor (__init_subclass__)
+        self.figures: str | int = DEFAULT_FIGURES  # set by the subclass's constructor (__init_subclass__)
         self.name = name
         self.strict_resume = bool(strict_resume)
         self.layers: list[Layer] = []
@@ -419,29 +440,38 @@ class LayerwiseCallback(Planner, SpawnHandoff, Callback):
             dashboards.publish(trainer, self, event, decision)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        # Every callback takes ``plot_every_n_epochs`` (how often the dashboards redraw the ESD
-        # plots; None: first and last decision only) without repeating it in its constructor: the
-        # constructor is wrapped once and its signature shows the argument (for settings() and
+        # Every callback takes ``figures`` (when the dashboards draw its ESD plots and heatmap)
+        # and the deprecated ``plot_every_n_epochs`` without repeating them in its constructor:
+        # the constructor is wrapped once and its signature shows them (for settings() and
         # LightningCLI).
         super().__init_subclass__(**kwargs)
         init = cls.__dict__.get("__init__")
-        if init is None or "plot_every_n_epochs" in inspect.signature(init).parameters:
+        if init is None or "figures" in inspect.signature(init).parameters:
             return
+        cls.deprecated = {**cls.deprecated, "plot_every_n_epochs": "figures"}
 
         @functools.wraps(init)
-        def __init__(self, *args: Any, plot_every_n_epochs: int | None = None, **kw: Any) -> None:
-            if plot_every_n_epochs is not None and (isinstance(plot_every_n_epochs, bool) or
-                                                    not isinstance(plot_every_n_epochs, int) or plot_every_n_epochs < 1):
-                raise ValueError(f"plot_every_n_epochs must be None (first and last decision only) or an integer "
-                                 f">= 1, got {plot_every_n_epochs!r}")
+        def __init__(self, *args: Any, figures: int | str = DEFAULT_FIGURES, plot_every_n_epochs: int | None = None,
+                     **kw: Any) -> None:
+            if plot_every_n_epochs is not None:
+                if isinstance(plot_every_n_epochs, bool) or not isinstance(plot_every_n_epochs, int) or \
+                        plot_every_n_epochs < 1:
+                    raise ValueError(f"plot_every_n_epochs must be None (first and last decision only) or an "
+                                     f"integer >= 1, got {plot_every_n_epochs!r}")
+                figures = self._alias(figures, plot_every_n_epochs, "plot_every_n_epochs", "figures", DEFAULT_FIGURES)
+            figures = check_figures(figures)
             init(self, *args, **kw)
-            self.plot_every_n_epochs = plot_every_n_epochs
+            self.figures = figures
 
         sig = inspect.signature(init)
         params = list(sig.parameters.values())
         at = next((i for i, p in enumerate(params) if p.kind is p.VAR_KEYWORD), len(params))
-        params.insert(at, inspect.Parameter("plot_every_n_epochs", inspect.Parameter.KEYWORD_ONLY, default=None,
-                                            annotation=int | None))
+        params[at:at] = [
+            inspect.Parameter("figures", inspect.Parameter.KEYWORD_ONLY, default=DEFAULT_FIGURES,
+                              annotation=int | str),
+            inspect.Parameter("plot_every_n_epochs", inspect.Parameter.KEYWORD_ONLY, default=None,
+                              annotation=int | None),
+        ]
         __init__.__signature__ = sig.replace(parameters=params)
         cls.__init__ = __init__
 

@@ -96,7 +96,7 @@ class LALRScheduleCallback(LayerwiseCallback):
     ``history``. Logged every epoch: ``<prefix>/svd/<layer>``, ``<prefix>/ce/<layer>``,
     ``<prefix>/cs/<layer>`` (final metrics), ``<prefix>/multiplier/<layer>``,
     ``<prefix>/phase`` (index in ``("svd", "ce", "cs")``, sequential mode), and
-    ``lr_eff/<layer>`` at every logging step; at fit end a layers x epochs heatmap of the
+    ``lr_eff/<layer>`` at every logging step; with ``figures`` set, a layers x epochs heatmap of the
     multipliers goes to image loggers (W&B, TensorBoard).
     """
 
@@ -105,6 +105,7 @@ class LALRScheduleCallback(LayerwiseCallback):
     score_key = "metric"
     decides_from_weights = True  # plan(model): the decision without a fit
     heatmap = ("multipliers", "LALR LR multipliers (epoch:phase)", "x scheduled LR")
+    esd_plots = True
     readable = LayerwiseCallback.readable + ("multipliers", "phase", "metrics")
 
     def __init__(

@@ -434,6 +434,7 @@ class SurgicalLayerSelect(Callback):
         head: bool | None = None,
         embeddings: bool | None = None,
         layer_types: Sequence[str] | None = None,
+        figures: int | str | None = None,
         plot_every_n_epochs: int | None = None,
         name: str | None = None,
         strict_resume: bool | None = None,

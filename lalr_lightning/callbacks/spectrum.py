@@ -73,6 +73,7 @@ class SpectrumSelect(LayerSelection):
     """
 
     log_prefix = "spectrum"
+    esd_plots = True
     title = "Spectrum"
     score_key = "snr"
     decides_from_weights = True  # plan(model): the decision without a fit

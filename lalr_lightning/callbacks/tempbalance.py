@@ -56,8 +56,12 @@ class TempBalanceCallback(LayerwiseCallback):
         lr_min_ratio, lr_max_ratio: ``linear_map`` and ``step`` only: the range (default 0.5, 1.5).
         every_n_epochs: recompute at the start of every N-th epoch (TempBalance: 1).
         every_n_steps: recompute every N optimizer steps instead of per epoch.
-        first, head: whether the first matrix and the output layer (the last) are balanced too
-            (TempBalance leaves both at the scheduled LR).
+        first: ``False`` (default): the first Conv2d/Linear in module order keeps the scheduled LR,
+            as in TempBalance (a CNN's stem conv, a ViT's patch embedding, but only ``q_proj`` of
+            a LLaMA's first decoder layer: docs/tempbalance.md lists it per model family);
+            ``"block"``: every balanced matrix of the first stem or block that holds one keeps it
+            (all seven of a LLaMA's first layer); ``True``: the first matrix is balanced too.
+        head: whether the output layer (the last) is balanced too (TempBalance: no).
         min_evals: layers whose ESD has fewer eigenvalues are left at the scheduled LR (50).
         layer_types: matrix kinds considered (``linear``, ``conv1d``, ``conv2d``,
             ``hf_conv1d``, ``embedding``); embeddings are off by default, as in TempBalance.
@@ -75,7 +79,8 @@ class TempBalanceCallback(LayerwiseCallback):
     Readable: ``multipliers`` and ``scores`` (layer name -> multiplier / alpha, eligible layers
     only), ``excluded`` (layer -> why it is left alone), ``history``.
     Logged: ``<prefix>/alpha/<layer>``, ``<prefix>/multiplier/<layer>`` at each update,
-    ``lr_eff/<layer>`` at every logging step, and a layers x updates heatmap at fit end.
+    ``lr_eff/<layer>`` at every logging step; with ``figures`` set (``"first_last"``, ``"every"``),
+    a layers x updates heatmap and the ESD plots (docs/dashboards.md).
     """
 
     log_prefix = "tempbalance"
@@ -83,6 +88,7 @@ class TempBalanceCallback(LayerwiseCallback):
     score_key = "alpha"
     decides_from_weights = True  # plan(model): the decision without a fit
     heatmap = ("multipliers", "TempBalance LR multipliers", "x scheduled LR")
+    esd_plots = True
     deprecated = {"exclude_first_last": "first, head"}
     readable = LayerwiseCallback.readable + ("multipliers", "excluded")
 
@@ -94,7 +100,7 @@ class TempBalanceCallback(LayerwiseCallback):
         lr_max_ratio: float | None = None,
         every_n_epochs: int = 1,
         every_n_steps: int | None = None,
-        first: bool = False,
+        first: bool | str = False,
         head: bool = False,
         min_evals: int = 50,
         layer_types: Sequence[str] = DEFAULT_KINDS,
@@ -131,7 +137,10 @@ class TempBalanceCallback(LayerwiseCallback):
         self.lr_max_ratio = float(lr_max_ratio)
         self.every_n_epochs = every_n_epochs
         self.every_n_steps = every_n_steps
-        self.first = bool(first)
+        if first not in (True, False, "block") or not isinstance(first, (bool, str)):
+            raise ValueError(f"first must be False (leave the first matrix out, as TempBalance), True (balance it) "
+                             f"or 'block' (leave out every matrix of the first block), got {first!r}")
+        self.first = first
         self.head = bool(head)
         self.min_evals = min_evals
         self.layer_types = check_kinds(layer_types)

@@ -10,9 +10,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from torch import nn
 
-from lalr_lightning.core.layers import Layer, matrix_layers, num_eigenvalues, output_layer
+from lalr_lightning.core.layers import Layer, block_layers, matrix_layers, num_eigenvalues, output_layer
 
-__all__ = ["ASSIGN", "RANGED", "SAMPLING", "assign_multipliers", "eligible_layers"]
+__all__ = ["ASSIGN", "FIRST", "RANGED", "SAMPLING", "assign_multipliers", "eligible_layers"]
 
 
 # ---------------------------------------------------------------------------- assignment
@@ -150,11 +150,31 @@ SAMPLING = ("sample_alpha", "sample_lr", "emg")
 RANGED = ("linear_map", "step")
 
 
+#: the values of ``first``: balance the first matrix too, leave it out (TempBalance), or leave
+#: out every matrix of the first block that holds one
+FIRST = (True, False, "block")
+
+
+def _first_block(model: nn.Module, considered: list[Layer], who: str) -> tuple[str, list[Layer]]:
+    """(name, matrices) of the first of the model's units -- stem, blocks, head, as
+    :func:`block_layers` finds them without joining the stem -- that holds a considered matrix."""
+    try:
+        units = block_layers(model, join_stem=False)
+    except ValueError as err:
+        raise ValueError(f"{who}(first='block') cannot find the blocks of {type(model).__name__} ({err}); "
+                         "use first=False (the first matrix, TempBalance's rule) or first=True") from None
+    for unit in units:
+        inside = [la for la in considered if any(k in unit.params for k in la.params)]
+        if inside:
+            return unit.name, inside
+    return considered[0].name, considered[:1]
+
+
 def eligible_layers(
     model: nn.Module,
     kinds: Sequence[str],
     *,
-    first: bool = False,
+    first: bool | str = False,
     head: bool = False,
     min_evals: int = 50,
     who: str = "TempBalanceCallback",
@@ -162,8 +182,10 @@ def eligible_layers(
     """(layers to balance, {left-out layer: reason}) -- a function of the architecture only, so
     it is the same on every rank and after resume.
 
-    Considered: the matrix layers of ``kinds``. Left out (TempBalance): the first one unless
-    ``first``, the model's output layer (:func:`~lalr_lightning.core.layers.output_layer`, found
+    Considered: the matrix layers of ``kinds``. Left out (TempBalance): the first one in module
+    order unless ``first`` (``first="block"``: every considered matrix of the first stem or block
+    that holds one -- all of a LLaMA's first decoder layer, where TempBalance's rule leaves out
+    its ``q_proj`` alone; docs/tempbalance.md lists both per model family), the model's output layer (:func:`~lalr_lightning.core.layers.output_layer`, found
     as the output layer even when its weight is tied to the input embedding -- then it is the
     embedding, and no block matrix takes its place) unless ``head``, and layers whose ESD has
     fewer than ``min_evals`` eigenvalues.
@@ -175,8 +197,13 @@ def eligible_layers(
             f"{who} found no layers of types {tuple(kinds)} in {type(model).__name__}; "
             "add the model's kinds to layer_types"
         )
+    if first not in FIRST or not isinstance(first, (bool, str)):
+        raise ValueError(f"first must be True, False or 'block', got {first!r}")
     excluded: dict[str, str] = {}
-    if not first:
+    if first == "block":
+        unit, inside = _first_block(model, considered, who)
+        excluded.update({layer.name: f"first block ({unit})" for layer in inside})
+    elif not first:
         excluded[considered[0].name] = "first layer"
     out = output_layer(model, every)
     if not head and out is not None and any(layer is out for layer in considered):
