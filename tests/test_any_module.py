@@ -420,7 +420,9 @@ def test_ntk_states_its_cost_warns_beyond_the_budget_and_stops_on_sigterm(monkey
         warnings.simplefilter("ignore")
         _fit(diag, module, steps=1)
     assert type(stop.value).__name__ == "SIGTERMException" and diag.history == []
-    assert len(calls) < 10  # one chunk of rows after the signal, of 16
+    # the estimate's timing runs, J's 16 sample chunks and the gap call the head 30 times: it
+    # stopped at the next chunk after the signal
+    assert len(calls) <= 5
 
 
 def test_lmsa_states_its_cost_and_stops_on_sigterm(monkeypatch, caplog):

@@ -136,7 +136,8 @@ class NTKDiagnostics(LayerwiseCallback):
         params = {n: p.detach() for n, p in self._params.items()}
         if self._chosen == "unset":  # once: the size and time of J, stated before computing it
             cost = ntk.ntk_cost(pl_module, x, params, mode=self.kernel, positions=self.positions,
-                                outputs=self.outputs, max_jacobian_numel=self.max_jacobian_numel)
+                                outputs=self.outputs, max_jacobian_numel=self.max_jacobian_numel,
+                                check=stop_on_sigterm(trainer))
             text, warn = cost.report(type(self).__name__, self.outputs)
             (rank_zero_warn if warn else rank_zero_info)(text)
             self._chosen = cost.outputs

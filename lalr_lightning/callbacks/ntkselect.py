@@ -172,7 +172,8 @@ class NTKSelect(LayerSelection):
         to_device = trainer.strategy.batch_to_device if in_setup else (lambda b: self.device_batch(trainer, b))
         x, _ = probe_inputs(pl_module, loader, self.probe_size, to_device=to_device)
         params = {n: p.detach() for n, p in self._params.items()}
-        cost = ntk.ntk_cost(pl_module, x, params, mode=self.kernel, positions=self.positions, outputs=self.outputs)
+        cost = ntk.ntk_cost(pl_module, x, params, mode=self.kernel, positions=self.positions, outputs=self.outputs,
+                            check=stop_on_sigterm(trainer))
         text, warn = cost.report(type(self).__name__, self.outputs)  # stated before computing J
         (rank_zero_warn if warn else rank_zero_info)(text)
         k = ntk.empirical_ntk(pl_module, x, params, self._groups, mode=self.kernel, positions=self.positions,

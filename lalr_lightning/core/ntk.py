@@ -436,6 +436,7 @@ def ntk_cost(
     seconds: float | None = None,
     output_fn: Callable[[Any], Tensor] | None = None,
     max_jacobian_numel: int = 2**28,
+    check: Callable[[], None] | None = None,
 ) -> NTKCost:
     """The size and time of ``J`` before computing it, from timing the computation on one sample
     (a warm-up, then the fastest of two runs of one row and of eight rows; the estimate errs on
@@ -471,7 +472,7 @@ def ntk_cost(
     def timed(rows: int) -> float:
         start = time.perf_counter()
         empirical_ntk(model, one, params, mode=run_mode, positions=positions, outputs=None if rows >= c else rows,
-                      output_fn=output_fn)
+                      output_fn=output_fn, check=check)
         return time.perf_counter() - start
 
     # the fastest of two runs each: a load spike on a shared machine does not decide the size
