@@ -494,7 +494,9 @@ def ntk_cost(
         while lo < hi:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if estimate(mid) <= budget else (lo, mid - 1)
-        chosen = None if lo >= c else lo
+        # a projection stays within one block of J per class chunk (one forward per sample, the
+        # memory bound held once): the timing of a few rows says less about many
+        chosen = None if lo >= c else min(lo, max(1, block // n))
     else:
         chosen = outputs
     if chosen is not None and chosen >= c:
