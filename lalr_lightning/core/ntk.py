@@ -37,6 +37,7 @@ import contextlib
 import math
 import re
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -515,6 +516,11 @@ def projection(c: int, k: int, seed: int = 0) -> Tensor:
     return q * math.sqrt(c / k)
 
 
+#: models whose forward vmap could not batch (data-dependent control flow: Hugging Face attention
+#: masks); they are looped over at once -- a failed vmap attempt costs seconds on a small LM
+_LOOPED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _blocks(n: int, c: int, rows: int) -> list[tuple[range, range]]:
     """Row blocks of J (samples x classes) with at most ``rows`` rows, class-chunk major."""
     if n * c <= rows:
@@ -618,7 +624,7 @@ def empirical_ntk(
                 return {k: v.unsqueeze(0) for k, v in pull(basis[0])[0].items()}
             return vmap(pull)(basis)[0]
 
-        state = {"vectorize": vectorize}
+        state = {"vectorize": False if vectorize is None and model in _LOOPED else vectorize}
 
         # samples per vmapped call: ``vmap_chunk``, else at most 2**24 gradient entries (a second or
         # so of work), so that ``check`` runs often enough to stop on a signal
@@ -654,6 +660,7 @@ def empirical_ntk(
                     if state["vectorize"] is True or not ("vmap" in msg or "batching rule" in msg):
                         raise
                     state["vectorize"] = False  # data-dependent forward: loop over samples
+                    _LOOPED[model] = True
             for i in range(at, len(samples)):
                 check()
                 put(i, {k: v.unsqueeze(0) for k, v in rows_one(params, _map(xb, lambda t, i=i: t[i]), basis).items()},
