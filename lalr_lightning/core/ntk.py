@@ -34,6 +34,7 @@ kernels have no forward-mode derivative (``jvp``) or batching rule (``vmap``).
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import re
 import time
@@ -440,8 +441,8 @@ def ntk_cost(
     check: Callable[[], None] | None = None,
 ) -> NTKCost:
     """The size and time of ``J`` before computing it, from timing the computation on one sample
-    (a warm-up, then the fastest of two runs of one row and of eight rows; the estimate errs on
-    the slow side of an idle machine).
+    (one row until the runs stop getting faster, then the fastest of two runs of eight rows; the
+    estimate errs on the slow side of an idle machine).
 
     ``outputs``: ``None`` keeps every output when the estimate stays within ``seconds`` (default
     :data:`DEFAULT_SECONDS`) and otherwise (``trace`` mode) projects the ``C`` outputs onto as many
@@ -476,9 +477,13 @@ def ntk_cost(
                       output_fn=output_fn, check=check)
         return time.perf_counter() - start
 
-    # the fastest of two runs each: a load spike on a shared machine does not decide the size
-    timed(1)
-    per_sample = min(timed(1), timed(1))
+    # a cold process runs its first calls several times slower (kernel caches for new shapes):
+    # repeat while the runs still get clearly faster (at most 6); then the fastest of two runs of
+    # k rows -- a load spike on a shared machine does not decide the size
+    times = [timed(1), timed(1)]
+    while len(times) < 6 and times[-1] < 0.7 * min(times[:-1]):
+        times.append(timed(1))
+    per_sample = min(times)
     per_row = min(timed(k), timed(k)) / k if k > 1 else per_sample
     # the memory bound splits J into blocks of classes (empirical_ntk's _blocks): each sample runs
     # its forward once per block, then one backward per row
@@ -661,6 +666,10 @@ def empirical_ntk(
                         raise
                     state["vectorize"] = False  # data-dependent forward: loop over samples
                     _LOOPED[model] = True
+                if state["vectorize"] is False:
+                    # the failed vmap leaves reference cycles (through its traceback) that keep
+                    # functorch's state alive and slow every later op down ~100x until collected
+                    gc.collect()
             for i in range(at, len(samples)):
                 check()
                 put(i, {k: v.unsqueeze(0) for k, v in rows_one(params, _map(xb, lambda t, i=i: t[i]), basis).items()},
