@@ -17,6 +17,19 @@ pruned model. Usage::
 
     python benchmarks/llm_pruning.py                       # a few minutes per run on 2 cores
     python benchmarks/llm_pruning.py --layers 2 --hidden 512 --intermediate 1376 --vocab 8000   # quick
+
+``--peak`` measures instead what sets the peak memory of a streamed prune (issue 23, item 6), this
+checkout against ``--before REF`` (another commit's ``lalr_lightning``, extracted with ``git
+archive``), side by side in one run: on CUDA ``torch.cuda.max_memory_allocated`` of the prune; on
+the CPU the peak of live tensor bytes (every tensor storage an op creates, counted until it is
+freed, by a ``TorchDispatchMode``: what a GPU's allocator would hold, without the caching), and
+the largest tensors alive at that peak. Compute in ``--compute-dtype`` (bfloat16: what ``--dtype
+auto`` gives a bf16 checkpoint on CUDA). Peaks grow linearly in the calibration samples (the
+activations) on top of a per-batch part; two ``--samples`` counts give both, extrapolated to
+``--extrapolate`` samples and printed as such::
+
+    python benchmarks/llm_pruning.py --peak --before 7ede6bb --layers 2 --samples 8,16 --seq-len 2048
+    python benchmarks/llm_pruning.py --peak --before 7ede6bb --layers 8 --samples 128 --seq-len 2048 --device cuda
 """
 
 from __future__ import annotations
@@ -54,7 +67,9 @@ _CHILD_PPL = _HWM + r"""
 import json, sys, time
 import torch
 from transformers import AutoModelForCausalLM
-from lalr_lightning.oneshot import _encode, _load_tokenizer, perplexity
+from lalr_lightning.oneshot import perplexity
+from lalr_lightning.oneshot.checkpoint import _load_tokenizer
+from lalr_lightning.oneshot.text import _encode
 from pathlib import Path
 model_dir, data, seq, windows = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 if int(sys.argv[5]):
@@ -67,11 +82,125 @@ wall = time.perf_counter() - t
 print(json.dumps({"wall": wall, "tokens": n * seq, "ppl": ppl, "peak_kb": hwm_kb()}))
 """
 
+_CHILD_PEAK = r"""
+import json, sys, time, weakref
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class TensorBytes(TorchDispatchMode):
+    # live bytes of every tensor storage created by an op, each counted once until it is freed
+    def __init__(self):
+        super().__init__()
+        self.live, self.now, self.peak, self.top = {}, 0, 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                st = t.untyped_storage()
+                key = st._cdata
+                if key not in self.live:
+                    self.live[key] = (st.nbytes(), f"{func.__name__.split('.')[0]} {tuple(t.shape)} {t.dtype}")
+                    self.now += st.nbytes()
+                    weakref.finalize(st, self._free, key)
+                    if self.now > self.peak:
+                        self.peak = self.now
+                        if st.nbytes() >= 2**20:  # the tensors behind the peak, for the report
+                            self.top = sorted(self.live.values(), key=lambda v: -v[0])[:6]
+        return out
+
+    def _free(self, key):
+        self.now -= self.live.pop(key)[0]
+
+
+from lalr_lightning.oneshot import prune_checkpoint
+model, out, calib, crit, n, seq, device, dtype, batch, threads = sys.argv[1:11]
+if int(threads):
+    torch.set_num_threads(int(threads))
+kw = dict(sparsity=0.5, criterion=crit, calibration=calib, n_samples=int(n), seq_len=int(seq), device=device,
+          dtype=dtype, batch_size=int(batch))
+t = time.perf_counter()
+if device.startswith("cuda"):
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    r = prune_checkpoint(model, out, **kw)
+    torch.cuda.synchronize()
+    peak, top, what = torch.cuda.max_memory_allocated() - base, [], "torch.cuda.max_memory_allocated"
+else:
+    tracker = TensorBytes()
+    with tracker:
+        r = prune_checkpoint(model, out, **kw)
+    peak, top, what = tracker.peak, tracker.top, "CPU tensor bytes"
+print(json.dumps({"wall": time.perf_counter() - t, "peak": peak, "top": top, "what": what, "overall": r.overall}))
+"""
+
 _CHILD_BASE = _HWM + r"""
 import json
 import torch
 print(json.dumps({"peak_kb": hwm_kb()}))
 """
+
+
+def _extract(ref: str, dest: Path) -> Path:
+    """``lalr_lightning`` as of commit ``ref`` in ``dest`` (for the side-by-side --peak run)."""
+    import subprocess
+
+    dest.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", "-C", str(HERE.parent), "archive", ref, "lalr_lightning"], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return dest
+
+
+def _peak_run(code: str, pythonpath: Path, *args: str) -> dict:
+    import os
+    import subprocess
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               PYTHONPATH=str(pythonpath) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, cwd="/")
+    if out.returncode != 0:
+        raise RuntimeError(f"child failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def peak_main(args, root: Path, ckpt: Path, calib: Path) -> list:
+    """Peak memory of a streamed prune, this checkout against --before (module docstring)."""
+    versions = [("after", HERE.parent)]
+    if args.before:
+        versions.insert(0, ("before", _extract(args.before, root / "before")))
+    counts = [int(c) for c in str(args.samples).split(",")]
+    rows = []
+    for crit in args.criteria.split(","):
+        for n in counts:
+            got = {}
+            for label, path in versions:
+                out = root / f"peak_{crit}_{n}_{label}"
+                shutil.rmtree(out, ignore_errors=True)
+                got[label] = r = _peak_run(_CHILD_PEAK, path, str(ckpt), str(out), str(calib), crit, str(n),
+                                           str(args.seq_len), args.device, args.compute_dtype, str(args.batch_size),
+                                           str(args.threads))
+                shutil.rmtree(out, ignore_errors=True)
+                rows.append((crit, n, label, r["peak"], r["wall"]))
+                print(f"{crit:9s} {n:4d} x {args.seq_len} {label:6s}: peak {r['peak'] / 2**30:6.3f} GiB ({r['what']}), "
+                      f"{r['wall']:6.1f} s", flush=True)
+                for nbytes, desc in r["top"]:
+                    print(f"      {nbytes / 2**20:8.1f} MiB  {desc}")
+            if "before" in got:
+                b, a = got["before"], got["after"]
+                print(f"{crit:9s} {n:4d} x {args.seq_len} after / before: peak x{a['peak'] / b['peak']:.3f}, "
+                      f"time x{a['wall'] / b['wall']:.2f}", flush=True)
+        if len(counts) >= 2 and args.extrapolate:  # peak = fixed + per-sample * n, from the two smallest counts
+            n0, n1 = sorted(counts)[:2]
+            for label, _ in versions:
+                p0, p1 = (next(pk for c, k, lb, pk, _ in rows if c == crit and k == x and lb == label) for x in (n0, n1))
+                slope = (p1 - p0) / (n1 - n0)
+                est = p0 + slope * (args.extrapolate - n0)
+                print(f"{crit:9s} {label:6s} extrapolated to {args.extrapolate} x {args.seq_len}: {est / 2**30:.3f} GiB "
+                      f"({(p0 - slope * n0) / 2**30:.3f} GiB fixed + {slope / 2**20:.2f} MiB per sample)", flush=True)
+    return rows
 
 
 def main(argv=None) -> None:
@@ -83,7 +212,7 @@ def main(argv=None) -> None:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="dtype on disk (default bf16)")
     p.add_argument("--shard-size", default="500MB")
-    p.add_argument("--samples", type=int, default=16, help="calibration windows (default 16)")
+    p.add_argument("--samples", default="16", help="calibration windows (default 16; --peak: a comma list)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--ppl-windows", type=int, default=8, help="perplexity windows (default 8)")
     p.add_argument("--criteria", default="wanda,sparsegpt")
@@ -93,6 +222,12 @@ def main(argv=None) -> None:
                         "waits for a descheduled thread at each")
     p.add_argument("--dir", default=None, help="work directory (default: a new temporary one)")
     p.add_argument("--keep", action="store_true")
+    p.add_argument("--peak", action="store_true", help="measure the peak memory of a streamed prune instead")
+    p.add_argument("--before", default=None, help="--peak: the commit to compare with (e.g. 7ede6bb)")
+    p.add_argument("--device", default="cpu", help="--peak: cpu (tensor bytes) or cuda (max_memory_allocated)")
+    p.add_argument("--compute-dtype", default="bfloat16", help="--peak: prune_checkpoint's dtype (default bfloat16)")
+    p.add_argument("--batch-size", type=int, default=8, help="--peak: calibration windows per forward (default 8)")
+    p.add_argument("--extrapolate", type=int, default=128, help="--peak: samples to extrapolate to (default 128)")
     args = p.parse_args(argv)
 
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="llm_pruning_"))
@@ -113,10 +248,14 @@ def main(argv=None) -> None:
         from lalr_lightning.data.causal_lm import offline_corpus
 
         calib.write_text(" ".join(offline_corpus(20000, seed=1)))
+        if args.peak:
+            print(json.dumps({"rows": peak_main(args, root, ckpt, calib)}))
+            return
         base = _run(_CHILD_BASE)["peak_kb"] / 2**20
         fp32 = sum(f.stat().st_size for f in ckpt.glob("*.safetensors")) * (2 if args.dtype == "bf16" else 1) / 2**30
         block = 4 * (4 * cfg.hidden_size**2 + 3 * cfg.hidden_size * cfg.intermediate_size) / 2**30
         embed = 4 * cfg.vocab_size * cfg.hidden_size / 2**30
+        args.samples = int(args.samples)
         acts = 4 * args.samples * args.seq_len * cfg.hidden_size / 2**30
         print(f"checkpoint {ckpt}: {n_params / 1e9:.3f} B parameters, {fp32:.2f} GiB in float32; one block "
               f"{block:.3f} GiB, embedding {embed:.3f} GiB, activations {acts:.3f} GiB (x2 for in/out); "

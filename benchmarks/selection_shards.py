@@ -6,19 +6,20 @@
   blocks, kept out of DDP: ``core/handsync.py``), the gradient entries on rank 0 at
   ``on_before_optimizer_step`` and the AdamW state entries after the last step, against the
   parameters the arm trains (half its AdamW state entries: two moments each).
-* FSDP (torch ``FullyShardedDataParallel``, ``use_orig_params=True`` as Lightning sets it, one
-  unit per decoder layer; Lightning runs FSDP on GPUs only): a Spectrum-like freeze made before
-  the wrap; per rank the flat gradient shards, the original parameters' gradients and AdamW's
-  state.
+* FSDP1 and FSDP2 (Lightning's ``FSDPStrategy`` -- through ``CPUFSDPStrategy``, Lightning runs
+  FSDP on GPUs only -- with one unit per decoder layer, and ``ModelParallelStrategy`` with
+  ``fully_shard`` per decoder layer), the same arms through the callbacks: per rank the bytes of
+  the parameters' pieces, of the gradients the strategy allocates (FSDP1: one flat gradient per
+  unit; FSDP2: one per parameter), of the gradients of what trains, and of AdamW's state.
 
-    python benchmarks/selection_shards.py
+    python benchmarks/selection_shards.py          # both tables
+    python benchmarks/selection_shards.py fsdp     # FSDP1 and FSDP2 only
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 
 import lightning.pytorch as pl
@@ -104,49 +105,133 @@ def ddp_table() -> None:
               f"{(r['bucket_bytes'] + 4 * r['by_hand']) / (4 * trained):.2f} |")
 
 
-def _fsdp_worker(rank: int, port: int, out) -> None:
+# ---------------------------------------------------------------------- FSDP1 and FSDP2 through Lightning
+
+FSDP_ARMS = {  # arm: callbacks (None: full fine-tuning)
+    "full fine-tuning": lambda: [],
+    "SpectrumSelect(top_percent=25)": lambda: [SpectrumSelect(top_percent=25)],
+    "BlockSchedule('lisa', gamma=1)": lambda: [BlockSchedule("lisa", gamma=1, every_n_steps=1)],
+    "SurgicalBlocks(select='first')": lambda: [SurgicalBlocks(select="first")],
+}
+
+
+class ShardedLM(LM):
+    """``LM`` that shards itself with FSDP2 (``fully_shard`` per decoder layer, then the whole) when
+    ``fsdp2``; under FSDP1 the strategy wraps it."""
+
+    def __init__(self, fsdp2: bool = False):
+        super().__init__()
+        self.fsdp2 = fsdp2
+
+    def configure_model(self):
+        if self.fsdp2:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class ShardCount(Callback):
+    """Bytes this rank holds: parameters and gradients at the first ``on_before_optimizer_step``
+    after a switch has happened (the last step), AdamW's state after the last step; and the
+    entries of the parameters that train then (their pieces on this rank)."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        units = [m for m in trainer.strategy.model.modules() if isinstance(m, FSDP) and m._handle is not None]
+        if units:  # FSDP1: each unit's flat parameter and its flat gradient, this rank's piece
+            flats = [u._handle.flat_param for u in units]
+            self.params = sum(f.numel() * f.element_size() for f in flats)
+            self.grads = sum(f.grad.numel() * f.grad.element_size() for f in flats if f.grad is not None)
+        else:  # FSDP2: each parameter's shard and its gradient's
+            self.params = sum(_local(p).numel() * p.element_size() for p in pl_module.parameters())
+            self.grads = sum(_local(p.grad).numel() * p.grad.element_size() for p in pl_module.parameters()
+                             if p.grad is not None)
+        # the pieces of what trains this step: gradient entries the update reads
+        self.need = sum(_local(p.grad).numel() * p.grad.element_size() for p in pl_module.parameters()
+                        if p.grad is not None)
+        self.trained = sum(_local(p).numel() for p in pl_module.parameters() if p.requires_grad)
+
+    def on_train_end(self, trainer, pl_module):
+        opt = trainer.optimizers[0]
+        self.state = sum(_local(v).numel() * v.element_size() for s in opt.state.values() for k, v in s.items()
+                         if k != "step" and isinstance(v, torch.Tensor))
+
+
+def _fsdp_pair(rank: int, store: str, out: str) -> None:
     import torch.distributed as dist
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from lalr_lightning.strategies import CPUFSDPStrategy
+
+    # Lightning takes the processes as launched from outside and joins the group made here: one
+    # pair of processes for every fit (spawning is the slow part)
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2", RANK=str(rank))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     torch.set_num_threads(1)
-    model = llama()
-    for n, p in model.named_parameters():  # 1 of 4 per matrix type trains, as Spectrum 25 would
-        if (".self_attn." in n and ".layers.0." not in n) or (".mlp." in n and ".layers.3." not in n):
-            p.requires_grad_(False)
-    total = sum(p.numel() for p in model.parameters())
-    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    wrapped = FSDP(model, use_orig_params=True, device_id=torch.device("cpu"),
-                   auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}))
-    opt = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=1e-3)
-    ids = torch.randint(0, 1000, (4, 16), generator=torch.Generator().manual_seed(rank))
-    wrapped(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    flat = [m._handle.flat_param for m in wrapped.modules() if isinstance(m, FSDP) and m._handle is not None]
-    if rank == 0:
-        out.put({"params": total, "trained": trained, "flat_grads": sum(f.grad.numel() for f in flat if f.grad is not None),
-                 "orig_grads": sum(p.grad.numel() for p in wrapped.parameters() if p.grad is not None),
-                 "adamw": sum(v.numel() for s in opt.state.values() for k, v in s.items() if k != "step")})
+    rows = []
+    for kind in ("FSDP1", "FSDP2"):
+        for arm, make in FSDP_ARMS.items():
+            if kind == "FSDP1":
+                strategy = CPUFSDPStrategy(auto_wrap_policy={LlamaDecoderLayer})
+            else:
+                from lightning.pytorch.strategies import ModelParallelStrategy
+
+                strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
+                                                 process_group_backend="gloo")
+            count = ShardCount()
+            pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=3, logger=False,
+                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                       callbacks=[*make(), count]).fit(ShardedLM(fsdp2=kind == "FSDP2"))
+            rows.append({"kind": kind, "arm": arm, "params": count.params, "grads": count.grads,
+                         "need": count.need, "state": count.state, "trained": count.trained})
+    with open(f"{out}.{rank}", "w") as fh:
+        json.dump(rows, fh)
+    dist.barrier()
     dist.destroy_process_group()
 
 
+def fsdp_rows() -> list[dict]:
+    """Byte counts of every arm under FSDP1 and FSDP2, per rank (``"ranks"``: each rank's row) and
+    their mean over the 2 ranks, from one pair of processes."""
+    work = tempfile.mkdtemp()
+    out = os.path.join(work, "fsdp.json")
+    mp.start_processes(_fsdp_pair, args=(os.path.join(work, "store"), out), nprocs=2, start_method="spawn")
+    ranks = [json.load(open(f"{out}.{r}")) for r in (0, 1)]
+    rows = []
+    for r0, r1 in zip(*ranks):
+        row = {k: v if isinstance(v, str) else (v + r1[k]) / 2 for k, v in r0.items()}
+        rows.append({**row, "ranks": [r0, r1]})
+    return rows
+
+
 def fsdp_table() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = mp.get_context("spawn").Queue()
-    mp.start_processes(_fsdp_worker, args=(port, out), nprocs=2, start_method="spawn")
-    r = out.get(timeout=120)
-    print(f"\nFSDP, 2 ranks, {r['trained']:,} of {r['params']:,} parameters trained (frozen before the wrap), "
-          "entries per rank:\n")
-    print("| flat gradient shards | gradients of the trained parameters | AdamW state | trained / 2 ranks |")
-    print("|---|---|---|---|")
-    print(f"| {r['flat_grads']:,} | {r['orig_grads']:,} | {r['adamw']:,} | {r['trained'] // 2:,} |")
+    rows = fsdp_rows()
+    total = int(rows[0]["params"] * 2) // 4  # fp32 entries of the whole model (both ranks' pieces)
+    print(f"\nFSDP, 2 ranks, Lightning's strategies (FSDP1: FSDPStrategy, one unit per decoder layer; FSDP2:\n"
+          f"ModelParallelStrategy, fully_shard per decoder layer), a {total:,}-parameter LLaMA, AdamW, fp32;\n"
+          "bytes per rank (the mean of the 2: FSDP1 cuts each unit's flat parameter, not each matrix, in\n"
+          "halves) at the last step; gradients: what the strategy allocates; need: the gradients of the\n"
+          "parameters that train then\n")
+    print("| strategy | arm | parameters | gradients | need | gradients / need | AdamW state |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['kind']} | {r['arm']} | {r['params']:,.0f} | {r['grads']:,.0f} | {r['need']:,.0f} | "
+              f"{r['grads'] / max(r['need'], 1):.2f} | {r['state']:,.0f} |")
 
 
 if __name__ == "__main__":
-    ddp_table()
-    fsdp_table()
+    import sys
+
+    which = sys.argv[1:] or ["ddp", "fsdp"]
+    if "ddp" in which:
+        ddp_table()
+    if "fsdp" in which:
+        fsdp_table()

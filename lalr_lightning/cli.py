@@ -1,6 +1,7 @@
 """Command line: ``python -m lalr_lightning fit|validate|test|predict --config X.yaml`` (a
 LightningCLI), ``python -m lalr_lightning analyze MODEL`` (a spectral report),
-``python -m lalr_lightning report RUN_DIR`` (an HTML page of a run, :mod:`lalr_lightning.report`)
+``python -m lalr_lightning report RUN_DIR`` (an HTML page of a run, :mod:`lalr_lightning.report`),
+``python -m lalr_lightning prune`` / ``perplexity`` (one-shot LLM pruning, :mod:`lalr_lightning.oneshot`)
 and ``python -m lalr_lightning configs`` (the shipped configs; ``--config quickstart`` runs one by
 name, from a wheel as from the clone).
 
@@ -34,6 +35,12 @@ from lalr_lightning.models.base import CheckpointFileError, check_checkpoint_fil
 
 __all__ = ["ConfigError", "LalrCLI", "SaveRunConfig", "analyze_main", "config_dirs", "load_for_analysis", "main",
            "packaged_configs", "resolve_config", "run_dir"]
+
+
+#: the commands ``main`` runs itself, next to LightningCLI's fit / validate / test / predict
+_EXTRA_COMMANDS = ("analyze", "prune", "perplexity", "report", "configs")
+#: every command, as the top-level help lists them
+COMMANDS = ("fit", "validate", "test", "predict", *_EXTRA_COMMANDS)
 
 
 class ConfigError(ValueError):
@@ -258,12 +265,12 @@ def parse_error_line(message: str, parser) -> str:
         return first + (f"; did you mean '{s}'?" if s else "")
     m = re.search(r"invalid choice: '([^']+)' \(choose from (.*)\)", first)
     if m:
-        choices = re.findall(r"'([^']+)'", m.group(2)) + ["analyze", "report", "configs"]
+        choices = re.findall(r"'([^']+)'", m.group(2)) + list(_EXTRA_COMMANDS)
         s = _close(m.group(1), choices)
         return f"unknown command '{m.group(1)}'" + (f"; did you mean '{s}'?" if s else "") + \
             f" (choose from {', '.join(choices)})"
     if first.startswith('expected "subcommand"'):
-        return f"{first.rstrip('.')}; or analyze, report, configs (see --help)"
+        return f"{first.rstrip('.')}; or {', '.join(_EXTRA_COMMANDS)} (see --help)"
     if first.startswith("the following arguments are required") and ".model" in first:
         return f"{first}; pass --config FILE or a shipped config's name (`{_prog()} configs` lists them)"
     where = re.match(r'Parser key "([^"]+)"', first)
@@ -322,10 +329,13 @@ class LalrCLI(LightningCLI):
         parser_kwargs = dict(kwargs.pop("parser_kwargs", None) or {})
         parser_kwargs.setdefault("prog", prog)
         parser_kwargs.setdefault("description", (
+            f"Commands: {', '.join(COMMANDS)} ({prog} COMMAND --help for each). "
             f"Train, validate, test or predict from a config: {prog} fit --config configs/quickstart.yaml "
             f"(or a shipped config by name: --config quickstart; {prog} configs lists them). "
             f"Per-layer spectral report (HT-SR alpha, ESD plots) of a model or checkpoint: {prog} analyze MODEL "
             f"(see {prog} analyze --help). "
+            f"Prune a Hugging Face causal LM one shot (Wanda, SparseGPT, magnitude; AlphaPruning's ratios): "
+            f"{prog} prune MODEL_DIR --out OUT_DIR; its perplexity on a text: {prog} perplexity MODEL_DIR --data FILE. "
             f"HTML page of a run's per-layer decisions: {prog} report RUN_DIR. "
             "Errors are one line; --traceback (or LALR_TRACEBACK=1) shows the traceback."
         ))

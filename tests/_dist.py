@@ -1,14 +1,30 @@
-"""Strategies for the multi-process tests (module level, so spawned workers can unpickle them).
+"""Strategies and a process pair for the multi-process tests (module level, so spawned workers can
+unpickle them).
 
 Lightning destroys a gloo process group only when the process exits. Rank 0 hosts the TCP store,
 and when it exits first, rank 1's store thread can abort it at exit ("terminate called without an
 active exception", SIGABRT), which fails a test that has already checked everything. These
 strategies have the ranks leave together: a barrier, then the group is destroyed, at teardown.
+
+:func:`run_pair` starts two CPU processes once and runs many fits in them: Lightning skips
+``init_process_group`` when a group exists, and spawning is the slow part of a multi-process
+test. The strategies for it (:func:`ddp`, :func:`fsdp1`, :func:`fsdp2`) do not leave the group at
+teardown; the pair leaves together when its function returns.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from lightning.pytorch.strategies import DDPStrategy
 
 
@@ -34,3 +50,88 @@ class SpawnDDP(DDPStrategy):
 def ddp_spawn(**kw) -> SpawnDDP:
     """What the tests pass for ``strategy="ddp_spawn"``."""
     return SpawnDDP(**kw)
+
+
+# ---------------------------------------------------------------------- a pair of processes, many fits
+
+def ddp(**kw) -> DDPStrategy:
+    """DDP inside :func:`run_pair` (the group exists: Lightning joins it)."""
+    return DDPStrategy(process_group_backend="gloo", **kw)
+
+
+def fsdp1(wrap: set[type] | None = None, **kw):
+    """Lightning's ``FSDPStrategy`` on CPU (``CPUFSDPStrategy``), one unit per ``wrap`` class when
+    given, else the whole model as one unit."""
+    from lalr_lightning.strategies import CPUFSDPStrategy
+
+    if wrap:
+        kw["auto_wrap_policy"] = set(wrap)
+    return CPUFSDPStrategy(**kw)
+
+
+def fsdp2(**kw):
+    """Lightning's ``ModelParallelStrategy`` as FSDP2 over 2 CPU ranks (the LightningModule calls
+    ``fully_shard`` in ``configure_model``)."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo", **kw)
+
+
+def run_pair(fn: Callable[..., None], workdir: str | Path, *args: Any, timeout_s: int = 120) -> dict[int, dict]:
+    """Run ``fn(rank, record, *args)`` in two spawned CPU processes that share a gloo group, and
+    return each rank's records ``{rank: {key: value}}`` (plain Python / numpy: tensors cross as
+    files). ``record(key, value)`` saves as it goes, so what a rank recorded before a failure
+    still comes back; a collective left waiting by the other rank fails after ``timeout_s``."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    mp.start_processes(_pair_main, args=(fn, str(workdir), args, timeout_s), nprocs=2, start_method="spawn")
+    out = {}
+    for rank in (0, 1):
+        path = workdir / f"rank{rank}.pt"
+        out[rank] = torch.load(path, weights_only=False) if path.exists() else {}
+    return out
+
+
+def run_pair_once(name: str, tmp_path_factory, fn: Callable[..., None], *args: Any,
+                  timeout_s: int = 120) -> dict[int, dict]:
+    """:func:`run_pair` once per test session, whatever the number of pytest-xdist workers: a
+    module's tests may be spread over the workers, and each would run its module fixture; the
+    first to come runs the pair, the others wait for it and read its records. ``fn`` gets its
+    work directory as its first argument after ``record``."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # shared by the session's workers
+    work, done = root / f"pair_{name}", root / f"pair_{name}.pt"
+    with FileLock(str(root / f"pair_{name}.lock")):
+        if not done.exists():
+            torch.save(run_pair(fn, work, str(work), *args, timeout_s=timeout_s), done)
+    return torch.load(done, weights_only=False)
+
+
+def _pair_main(rank: int, fn, workdir: str, args: tuple, timeout_s: int) -> None:
+    # Lightning takes the processes as launched from outside (LOCAL_RANK set) and joins the group
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2", RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT="29500")
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=timeout_s))
+    torch.set_num_threads(1)
+    records: dict[str, Any] = {}
+
+    def record(key: str, value: Any) -> None:
+        records[key] = value
+        torch.save(records, os.path.join(workdir, f"rank{rank}.pt"))
+
+    code = 0
+    try:
+        fn(rank, record, *args)
+        leave_together()
+    except BaseException:  # noqa: BLE001 -- reported, and the pair ends
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # leave without running interpreter-exit destructors, where gloo's threads have aborted a
+    # finished worker ("terminate called without an active exception")
+    os._exit(code)

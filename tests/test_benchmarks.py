@@ -53,3 +53,31 @@ def test_memory_benchmark_quick_counts_what_each_arm_trains(tmp_path):
     assert all(math.isfinite(r["loss"]) for r in results.values())
     text = out.read_text()
     assert "| spectrum25 | 1 process |" in text and "(grads + state) / need" in text
+
+
+def test_selection_shards_fsdp_counts_what_each_strategy_holds(monkeypatch):
+    """benchmarks/selection_shards.py's FSDP table, checked against the model's own sizes: both
+    strategies halve the parameters and keep AdamW state for what trains only; FSDP2 allocates
+    gradients for exactly what trains, FSDP1 for every parameter of a unit where anything trains."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # imported by name: the spawned ranks import it too
+    bench = importlib.import_module("selection_shards")
+    rows = {(r["kind"], r["arm"]): r for r in bench.fsdp_rows()}
+    cfg = bench.CONFIG
+    h, m, v, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    n = 2 * v * h + h + layers * (4 * h * h + 3 * h * m + 2 * h)  # untied embedding and head, norms
+    full, spectrum, lisa, surgical = (f"{k}" for k in bench.FSDP_ARMS)
+    for kind in ("FSDP1", "FSDP2"):
+        for arm in bench.FSDP_ARMS:
+            r = rows[kind, arm]
+            assert r["params"] == 4 * n / 2, (kind, arm)  # fp32, half on each rank
+            assert r["state"] == 2 * r["need"], (kind, arm)  # two AdamW moments of what trains
+        assert rows[kind, full]["grads"] == rows[kind, full]["need"] == 4 * n / 2
+        assert rows[kind, lisa]["grads"] == rows[kind, lisa]["need"]  # undrawn layers: units with no gradient
+        # surgical's first block: the embedding and decoder layer 0
+        assert rows[kind, surgical]["need"] == 4 * (v * h + 4 * h * h + 3 * h * m + 2 * h) / 2
+    for arm in (spectrum, surgical):
+        assert rows["FSDP2", arm]["grads"] == rows["FSDP2", arm]["need"]
+    # FSDP1: Spectrum trains something in every decoder layer, so every flat gradient is allocated
+    assert rows["FSDP1", spectrum]["grads"] == 4 * n / 2 > 2 * rows["FSDP1", spectrum]["need"]
+    # the root unit holds the trained embedding next to the frozen lm_head and final norm
+    assert rows["FSDP1", surgical]["grads"] == rows["FSDP1", surgical]["need"] + 4 * (v * h + h) / 2

@@ -1,4 +1,4 @@
-"""The one-shot ``prune`` and ``perplexity`` commands (lalr_lightning/oneshot.py) on tiny
+"""The one-shot ``prune`` and ``perplexity`` commands (lalr_lightning/oneshot/) on tiny
 Hugging Face directories built offline."""
 
 from __future__ import annotations
@@ -95,7 +95,8 @@ def test_prune_command_writes_a_loadable_pruned_model(files, tmp_path, capsys, f
 
     root, models = files
     out = tmp_path / "pruned"
-    code, stdout, err = _run(["prune", str(models[family]), "--out", str(out), "--sparsity", "0.6", "--criterion",
+    target = [] if "--m" in extra else ["--sparsity", "0.6"]  # N:M fixes the sparsity at n/m
+    code, stdout, err = _run(["prune", str(models[family]), "--out", str(out), *target, "--criterion",
                               criterion, "--calibration", str(root / "calib.jsonl"), "--n-samples", "6", "--seq-len",
                               "16", *extra], capsys)
     assert code == 0, err
@@ -138,11 +139,12 @@ def test_prune_command_writes_a_loadable_pruned_model(files, tmp_path, capsys, f
         assert torch.isfinite(pruned(torch.tensor([[2, 5, 6, 7]])).logits).all()
 
 
-def test_streamed_and_in_memory_pruning_agree(files, tmp_path):
+@pytest.mark.parametrize("criterion", ["sparsegpt", "wanda"])
+def test_streamed_and_in_memory_pruning_agree(files, tmp_path, criterion):
     from transformers import AutoModelForCausalLM
 
     root, models = files
-    kw = dict(sparsity=0.5, criterion="sparsegpt", preset="alphapruning", calibration=root / "calib.txt", n_samples=4,
+    kw = dict(sparsity=0.5, criterion=criterion, preset="alphapruning", calibration=root / "calib.txt", n_samples=4,
               seq_len=16, batch_size=3)
     a = prune_checkpoint(models["llama_tied"], tmp_path / "streamed", **kw)
     b = prune_checkpoint(models["llama_tied"], tmp_path / "memory", in_memory=True, **kw)
@@ -219,18 +221,18 @@ def test_bad_inputs_give_one_line_errors(files, tmp_path, capsys):
 
 
 def test_streaming_holds_one_block_at_a_time(files, tmp_path, monkeypatch):
-    from lalr_lightning import oneshot
+    from lalr_lightning.oneshot.checkpoint import _Streamed
 
     root, models = files
     seen = []
-    load = oneshot._Streamed.block
+    load = _Streamed.block
 
     def block(self, i):  # before each block is loaded, no other block (nor the head) holds weights
         seen.append([j for j, b in enumerate(self.blocks) if any(p.device.type != "meta" for p in b.parameters())])
         assert self.model.get_output_embeddings().weight.device.type == "meta"
         return load(self, i)
 
-    monkeypatch.setattr(oneshot._Streamed, "block", block)
+    monkeypatch.setattr(_Streamed, "block", block)
     prune_checkpoint(models["llama"], tmp_path / "o", criterion="sparsegpt", preset="alphapruning",
                      calibration=root / "calib.txt", n_samples=2, seq_len=16)
     assert len(seen) == 4 and all(s == [] for s in seen)  # 2 blocks x (metric pass, pruning pass)

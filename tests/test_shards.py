@@ -1,16 +1,18 @@
-"""core/shards.py: sharing the measurement of weights out among ranks, and gathering only a
-rank's share of whole weights under FSDP (torch FSDP on CPU with gloo, 2 processes)."""
+"""core/shards.py: sharing the measurement of weights out among ranks, gathering only a rank's
+share of whole weights under FSDP1 and FSDP2, and cutting other tensors like the weights (torch
+FSDP on CPU with gloo, one pair of processes)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
+from _dist import run_pair
 from torch import nn
 
 from lalr_lightning.core import spectral
 from lalr_lightning.core.layers import matrix_layers
-from lalr_lightning.core.shards import assign_shares, gather_objects, whole_weights
+from lalr_lightning.core.shards import ShardLayout, assign_shares, gather_objects, whole_weights
 
 
 def test_shares_balance_the_work_and_are_deterministic():
@@ -22,49 +24,82 @@ def test_shares_balance_the_work_and_are_deterministic():
     assert gather_objects({"a": 1}) == [{"a": 1}]  # no process group: just this rank
 
 
+def test_a_layout_without_sharding_is_the_identity():
+    p = nn.Parameter(torch.randn(3, 4))
+    layout = ShardLayout(nn.Linear(2, 2))
+    full = torch.randn(3, 4)
+    assert not layout.sharded(p) and layout.shape(p) == (3, 4)
+    assert torch.equal(layout.local(p, full), full) and torch.equal(layout.whole(p, full), full)
+
+
 def _net():
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 48)) for _ in range(3)]
     return nn.Sequential(*blocks, nn.Linear(48, 10))
 
 
-def _worker(rank, store, out):
-    import torch.distributed as dist
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+def _shard(kind: str, model: nn.Module) -> nn.Module:
+    """The root of ``model`` wrapped as ``kind``: FSDP1 units per block inside a root unit (the
+    head in the root's own flat parameter), or FSDP2 per block and then the whole."""
+    if kind == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    # a file store, not TCP: with TCP rank 0 hosts the store and may exit while rank 1 still
-    # tears down, which aborted rank 1 ("terminate called without an active exception") in CI
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    torch.set_num_threads(1)
-    model = _net()
-    layers = matrix_layers(model)  # found before wrapping, as the callbacks do in setup
-    wrapped = FSDP(model, use_orig_params=True, device_id=torch.device("cpu"),
-                   auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}))
-    assert all(la.weight.ndim == 1 for la in layers)  # sharded views now
-    owner = assign_shares([48 * 64] * len(layers), 2)
-    mine = {la.name for la, o in zip(layers, owner) if o == rank}
-    whole = whole_weights(wrapped, layers, mine)
-    assert {la.name for la in whole} == mine and all(la.weight.ndim == 2 for la in whole)
-    parts = gather_objects(spectral.alphas(whole, fit="median"))
-    merged = {k: v for p in parts for k, v in p.items()}
-    if rank == 0:
-        # numpy, not tensors: a tensor crosses the queue as a shared fd that dies with this process
-        out.put((merged, {la.name: la.weight.numpy() for la in whole}))
-    dist.barrier()  # both ranks leave together
-    dist.destroy_process_group()
+        return FSDP(model, use_orig_params=True, device_id=torch.device("cpu"),
+                    auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}))
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    for block in list(model)[:3]:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
-def test_fsdp_ranks_gather_their_share_and_the_merged_alphas_equal_one_process(tmp_path):
+def _pair(rank, record):
+    for kind in ("fsdp1", "fsdp2"):
+        model = _net()
+        if kind == "fsdp1":
+            layers = matrix_layers(model)  # found before wrapping, as the callbacks do in setup
+        root = _shard(kind, model)
+        if kind == "fsdp2":  # fully_shard puts new parameters in place: found after it
+            layers = matrix_layers(model)
+        assert all(la.weight.ndim == 1 for la in layers) or kind == "fsdp2"  # FSDP1: this rank's piece
+        owner = assign_shares([48 * 64] * len(layers), 2)
+        mine = {la.name for la, o in zip(layers, owner) if o == rank}
+        whole = whole_weights(root, layers, mine)  # the head is in the root unit: gathered through it
+        assert {la.name for la in whole} == mine and all(la.weight.ndim == 2 for la in whole)
+        parts = gather_objects(spectral.alphas(whole, fit="median"))
+        # a mask cut like each weight and put back together is the mask again; the pieces are where
+        # the rank's own piece of the weight is
+        layout = ShardLayout(root)
+        g = torch.Generator().manual_seed(1)
+        back = {}
+        for la in layers:
+            p = la.weight
+            full = torch.rand(layout.shape(p), generator=g) > 0.5
+            piece = layout.local(p, full)
+            assert piece.shape == p.shape and layout.sharded(p)
+            back[la.name] = bool(torch.equal(layout.whole(p, piece), full))
+        record(kind, ({k: v for part in parts for k, v in part.items()},
+                      {la.name: la.weight.numpy() for la in whole}, back))
+
+
+def test_fsdp_ranks_gather_their_share_through_the_root_and_cut_tensors_like_the_weights(tmp_path):
     from torch.distributed.fsdp import FullyShardedDataParallel  # noqa: F401 - skip where FSDP is absent
 
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    mp.start_processes(_worker, args=(str(tmp_path / "store"), out), nprocs=2, start_method="spawn")
-    merged, weights = out.get(timeout=60)
+    runs = run_pair(_pair, tmp_path)
     model = _net()
     expected = spectral.alphas(matrix_layers(model), fit="median")
-    assert merged == pytest.approx(expected, rel=1e-6) and set(merged) == set(expected)
     params = dict(model.named_parameters())
-    for name, w in weights.items():
-        assert torch.equal(torch.from_numpy(w), params[f"{name}.weight"]), name
+    for kind in ("fsdp1", "fsdp2"):
+        seen = {}
+        for rank in (0, 1):
+            assert kind in runs[rank], f"rank {rank} stopped before {kind} (see the output)"
+            merged, weights, back = runs[rank][kind]
+            assert merged == pytest.approx(expected, rel=1e-6) and set(merged) == set(expected), kind
+            assert all(back.values()), (kind, back)
+            seen.update(weights)
+        assert set(seen) == set(expected)  # every layer measured by one rank or the other
+        for name, w in seen.items():
+            assert np.array_equal(w, params[f"{name}.weight"].detach().numpy()), (kind, name)

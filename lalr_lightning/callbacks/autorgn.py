@@ -99,6 +99,8 @@ class AutoRGN(LayerSelection):
     """
 
     log_prefix = "surgical"
+    fsdp_refusal = ("it measures each rank's own gradient of every tensor with autograd on the whole parameters, "
+                    "which FSDP holds in shards and averages over the ranks in the backward; use strategy='ddp'")
     title = "Auto-RGN"
     decision_attr = "multipliers"
     decision_key = "multiplier"

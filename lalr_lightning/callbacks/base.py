@@ -41,7 +41,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lalr_lightning.callbacks import distributed
 from lalr_lightning.callbacks.distributed import SpawnHandoff, check_strategy
-from lalr_lightning.callbacks.planning import Planner
+from lalr_lightning.callbacks.planning import Planner, _NoFit
 from lalr_lightning.core.control import LayerControl
 from lalr_lightning.core.decision import Decision
 from lalr_lightning.core.errors import DivergenceError, reject_stray
@@ -186,6 +186,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, Callback):
         self.history: list[dict] = []
         self.restored = False
         self._sizes: dict[str, int] | None = None
+        self._names_before_wrap: dict[int, str] | None = None  # FSDP2: the parameters setup saw, by name
         self._handoff: str | None = None
         self._handoff_pending = False
 
@@ -311,6 +312,10 @@ class LayerwiseCallback(Planner, SpawnHandoff, Callback):
             return math.isfinite(float(v))
 
         bad = [k for k, v in named.items() if not finite(v)]
+        if bad and isinstance(trainer, _NoFit):  # plan(): nothing was trained, the model came this way
+            shown = ", ".join(bad[:5]) + (", ..." if len(bad) > 5 else "")
+            raise ValueError(f"{type(self).__name__}.plan(): {what} of {shown} hold NaN or Inf in the model as given "
+                             "(nothing has been trained); check the checkpoint or the code that built the model")
         if bad:
             raise DivergenceError(type(self).__name__, what, bad,
                                   epoch=None if trainer is None else trainer.current_epoch,
@@ -354,8 +359,9 @@ class LayerwiseCallback(Planner, SpawnHandoff, Callback):
 
     # ------------------------------------------------------------------ Lightning hooks
 
-    #: whether the callback works under FSDP (``check_strategy``)
-    fsdp_ok: ClassVar[bool] = False
+    #: why the callback cannot work where the strategy shards the weights (FSDP), and what to use
+    #: instead (``check_strategy`` raises it); None: it can
+    fsdp_refusal: ClassVar[str | None] = None
 
     def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Find ``self.layers`` (and anything else that depends on the model) at the start of a
@@ -365,14 +371,24 @@ class LayerwiseCallback(Planner, SpawnHandoff, Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._handoff_pending = False  # this instance runs the fit itself
         if stage == "fit":
-            check_strategy(trainer, type(self).__name__, fsdp=self.fsdp_ok)
+            check_strategy(trainer, type(self).__name__, refusal=self.fsdp_refusal)
             self.configure(trainer, pl_module)
             # sizes while the weights are whole (before any FSDP wrap), to share work out evenly
             self._sizes = {la.name: la.weight.numel() for la in self.layers if la.module is not None
                            and isinstance(getattr(la.module, "weight", None), torch.Tensor)}
+            replaced = distributed.replaces_parameters(trainer)
+            self._names_before_wrap = distributed.parameter_names(pl_module) if replaced else None
             self._publish(trainer, "start")  # settings into the run config, W&B's step axis
 
+    def follow_the_wrap(self, pl_module: pl.LightningModule) -> None:
+        """First thing at ``on_fit_start``: where the strategy put new parameters in place of
+        those ``setup`` found (FSDP2), everything this callback holds points to the new ones."""
+        names, self._names_before_wrap = self._names_before_wrap, None
+        if names:
+            distributed.rebind(self.__dict__, names, pl_module)
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.follow_the_wrap(pl_module)
         if self.restored:  # continue with the checkpoint's decision
             self.apply(trainer)
 

@@ -5,7 +5,11 @@
   weights of its own share only where the strategy shards them (:func:`measure_shards`);
 * deciding on rank zero and broadcasting, so ranks cannot drift apart (:func:`decide_on_zero`);
 * handing a ``ddp_spawn`` worker's final state back to the callback object in the main process
-  (:class:`SpawnHandoff`).
+  (:class:`SpawnHandoff`);
+* where the strategy shards the weights (FSDP1's ``FSDPStrategy``, FSDP2's
+  ``ModelParallelStrategy``): the root to gather through (:func:`model_root`), how to cut tensors
+  kept next to the weights like them (:func:`shard_layout`), and following the parameters FSDP2
+  puts in place of the old ones after ``setup`` (:func:`rebind`).
 
 :class:`~lalr_lightning.callbacks.base.LayerwiseCallback` calls these at the steps of its cycle;
 the pure parts (who measures what, gathering one unit's whole weights) are
@@ -22,29 +26,93 @@ from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from lalr_lightning.core.decision import Decision
 from lalr_lightning.core.layers import Layer
-from lalr_lightning.core.shards import assign_shares, gather_objects, whole_weights
+from lalr_lightning.core.shards import ShardLayout, assign_shares, gather_objects, whole_weights
 
-__all__ = ["SpawnHandoff", "check_strategy", "decide_on_zero", "measure_shards", "sharded"]
-
-
-def check_strategy(trainer: pl.Trainer, who: str, *, fsdp: bool = False) -> None:
-    """Raise a clear error for strategies whose parameter handling the callback cannot follow."""
-    name = type(trainer.strategy).__name__
-    if "DeepSpeed" in name:
-        raise RuntimeError(
-            f"{who} works on the optimizer's parameter groups and whole parameters, which DeepSpeed "
-            "owns and partitions; use strategy='ddp' (or 'fsdp' where supported)"
-        )
-    if "FSDP" in name and not fsdp:
-        raise RuntimeError(f"{who} reads whole weight matrices, which FSDP shards across ranks; use strategy='ddp'")
+__all__ = ["SpawnHandoff", "check_strategy", "decide_on_zero", "measure_shards", "model_root", "parameter_names",
+           "rebind", "replaces_parameters", "shard_layout", "sharded"]
 
 
 def sharded(trainer: pl.Trainer) -> bool:
-    """Whether the strategy holds each parameter in shards across the ranks (FSDP)."""
-    return "FSDP" in type(trainer.strategy).__name__
+    """Whether the strategy holds the parameters in shards across the ranks: Lightning's
+    ``FSDPStrategy`` (FSDP1) or ``ModelParallelStrategy`` (FSDP2, ``fully_shard`` in
+    ``configure_model``)."""
+    return isinstance(getattr(trainer, "strategy", None), (FSDPStrategy, ModelParallelStrategy))
+
+
+def check_strategy(trainer: pl.Trainer, who: str, *, refusal: str | None = None) -> None:
+    """Raise a one-line error for the strategies whose parameter handling the callback cannot
+    follow: DeepSpeed; FSDP1 without ``use_orig_params`` or with hybrid sharding; and any sharded
+    strategy where the callback gives a ``refusal`` (why, and what to use instead)."""
+    strategy = trainer.strategy
+    name = type(strategy).__name__
+    if "DeepSpeed" in name:
+        raise RuntimeError(
+            f"{who} works on the optimizer's parameter groups and whole parameters, which DeepSpeed "
+            "owns and partitions; use strategy='ddp' or 'fsdp'"
+        )
+    if not sharded(trainer):
+        return
+    if refusal:
+        raise RuntimeError(f"{who} under {name}: {refusal}")
+    if isinstance(strategy, FSDPStrategy):
+        if strategy.kwargs.get("use_orig_params") is False:
+            raise RuntimeError(f"{who} follows the model's own parameters, which FSDPStrategy(use_orig_params=False) "
+                               "hides inside flat ones; drop use_orig_params=False (Lightning's default is True)")
+        if "HYBRID" in str(strategy.sharding_strategy):
+            raise RuntimeError(f"{who} cuts its own tensors like the weights across all ranks, which hybrid sharding "
+                               f"({strategy.sharding_strategy}) does not; use sharding_strategy='FULL_SHARD', or "
+                               "ModelParallelStrategy with fully_shard on a 2-D mesh")
+
+
+def replaces_parameters(trainer: pl.Trainer) -> bool:
+    """Whether the model's parameters are replaced after the callbacks' ``setup``: FSDP2's
+    ``fully_shard`` (in ``configure_model``, under ``ModelParallelStrategy``) puts a new, sharded
+    parameter in place of every one it shards."""
+    return isinstance(getattr(trainer, "strategy", None), ModelParallelStrategy)
+
+
+def parameter_names(module: torch.nn.Module) -> dict[int, str]:
+    """``id(parameter) -> name`` of every parameter of ``module`` (shared ones under each name)."""
+    return {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+
+
+def rebind(obj: Any, names: Mapping[int, str], module: torch.nn.Module) -> Any:
+    """``obj`` with every parameter named in ``names`` (``parameter_names`` taken before the
+    strategy replaced them) swapped for the parameter of that name in ``module`` now, in place
+    in dicts, lists and :class:`Layer` parameter tables (where the callbacks keep parameters)."""
+    live = dict(module.named_parameters(remove_duplicate=False))
+
+    def swap(x: Any) -> Any:
+        if isinstance(x, torch.nn.Parameter):
+            name = names.get(id(x))
+            return live.get(name, x) if name is not None else x
+        if isinstance(x, Layer):
+            swap(x.params)
+        elif isinstance(x, dict):
+            for k in list(x):
+                x[k] = swap(x[k])
+        elif isinstance(x, list):
+            x[:] = [swap(v) for v in x]
+        return x
+
+    return swap(obj)
+
+
+def model_root(trainer: pl.Trainer, pl_module: pl.LightningModule) -> torch.nn.Module:
+    """The outermost module of the model: under FSDP1 the root unit, which wraps the
+    LightningModule from outside (units found inside ``pl_module`` miss it)."""
+    if sharded(trainer) and isinstance(getattr(trainer.strategy, "model", None), torch.nn.Module):
+        return trainer.strategy.model
+    return pl_module
+
+
+def shard_layout(trainer: pl.Trainer, pl_module: pl.LightningModule) -> ShardLayout:
+    """How the strategy cuts the parameters, to cut masks and anchors the same way."""
+    return ShardLayout(model_root(trainer, pl_module))
 
 
 def measure_shards(trainer: pl.Trainer, pl_module: pl.LightningModule, units: list[list[Layer]],
@@ -62,7 +130,7 @@ def measure_shards(trainer: pl.Trainer, pl_module: pl.LightningModule, units: li
     owner = assign_shares([sum(sizes.get(la.name, 1) for la in unit) for unit in units], world)
     mine = {la.name for unit, o in zip(units, owner) if o == trainer.global_rank for la in unit}
     try:
-        layers = whole_weights(pl_module, everything, mine, weight_of)
+        layers = whole_weights(model_root(trainer, pl_module), everything, mine, weight_of)
         part = ("ok", fn(layers) if layers else {})
     except Exception as err:  # noqa: BLE001 -- raised on every rank below
         part = ("error", err)

@@ -101,7 +101,6 @@ class LALRScheduleCallback(LayerwiseCallback):
     """
 
     log_prefix = "lalr"
-    fsdp_ok = True
     score_key = "metric"
     decides_from_weights = True  # plan(model): the decision without a fit
     heatmap = ("multipliers", "LALR LR multipliers (epoch:phase)", "x scheduled LR")

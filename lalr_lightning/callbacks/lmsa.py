@@ -150,6 +150,8 @@ class LMSAStepper(LayerSelection):
     """
 
     log_prefix = "lmsa"
+    fsdp_refusal = ("it runs each block alone with other parameters (the MSA metric, the Hamiltonian "
+                    "update), which FSDP's units allow only inside the model's forward; use strategy='ddp'")
     title = "L-MSA"
     score_key = "j_hat"
     measures = "data"

@@ -75,6 +75,8 @@ class NTKDiagnostics(LayerwiseCallback):
     """
 
     log_prefix = "ntk"
+    fsdp_refusal = ("the NTK and the linearization gap need per-sample Jacobians of the whole model, which FSDP "
+                    "holds in shards; run the diagnostics under strategy='ddp' or on one device")
     decision_attr = "etas"
     decision_key = "eta"
     score_key = "eta"

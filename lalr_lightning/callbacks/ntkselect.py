@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
+from lalr_lightning.callbacks.distributed import sharded
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.core import ntk
 from lalr_lightning.core.anchor import trainable
@@ -149,7 +150,11 @@ class NTKSelect(LayerSelection):
         try:
             loader = trainer.fit_loop._data_source.dataloader()
             fixed_batch(loader, 1)  # the probe can be drawn from it
-        except Exception:  # noqa: BLE001 -- any failure: decide at train start instead
+        except Exception as err:  # noqa: BLE001 -- any failure: decide at train start instead
+            if sharded(trainer):
+                raise RuntimeError(f"NTKSelect under {type(trainer.strategy).__name__} chooses in setup, before the "
+                                   f"model is sharded, but setup could not draw the probe ({type(err).__name__}: "
+                                   f"{err}); pass the data as a datamodule or a loader to fit()") from err
             if trainer.world_size > 1:
                 rank_zero_info(f"{type(self).__name__}: no training loader in setup, so the layers are chosen at train "
                                "start, after DDP wrapped the model: frozen layers still get (dropped) gradients")

@@ -29,6 +29,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, stop_on_sigterm
+from lalr_lightning.callbacks.distributed import shard_layout, sharded
 from lalr_lightning.core import proximal
 from lalr_lightning.core.anchor import check_anchor, load_anchor, snapshot, trainable
 from lalr_lightning.core.control import PostStep
@@ -37,6 +38,7 @@ from lalr_lightning.core.loss import batch_loss, loss_source, split_batch
 from lalr_lightning.core.ntk import estimate_lambda_o, layer_groups
 from lalr_lightning.core.placement import follow, placed
 from lalr_lightning.core.probe import fixed_batch
+from lalr_lightning.core.shards import ShardLayout, all_sum, local_tensor
 
 __all__ = ["ProximalRegularizer", "GRANULARITIES"]
 
@@ -165,10 +167,19 @@ class ProximalRegularizer(LayerwiseCallback):
         self._pulled: dict[str, int] = {}
         self._unit_lambda_o: float | None = None  # lambda_o at r = 1 (it scales as 1 / r)
         self._installed: set[int] = set()
+        self._sharded = False  # the strategy shards the weights (FSDP): sums over the ranks' pieces
+        self._layout = ShardLayout(torch.nn.Module())
+        self._late = False
 
     # ------------------------------------------------------------------ setup
 
     def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if sharded(trainer) and self.every_n_epochs is not None:
+            raise RuntimeError(
+                f"ProximalRegularizer(every_n_epochs={self.every_n_epochs}) under {type(trainer.strategy).__name__}: "
+                "lambda_o needs the Jacobian of the whole model, which FSDP holds in shards; pass every_n_epochs=None "
+                "(the proximal step itself works under FSDP)")
+        self._sharded = sharded(trainer)
         params = trainable(pl_module, type(self).__name__)
         groups = layer_groups(pl_module, params)
         if self.include is not None:
@@ -183,14 +194,16 @@ class ProximalRegularizer(LayerwiseCallback):
         self._installed = set()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.follow_the_wrap(pl_module)
+        self._layout = shard_layout(trainer, pl_module)  # under FSDP the anchor is cut like the weights
         if self.restored and self._anchor is not None:  # the checkpoint's theta_0, bitwise
-            check_anchor(self._anchor, self._params, "the checkpoint")
-            self._anchor = {n: self._anchor[n] for n in self._params}
-            self._placed_anchor()
+            self._cut_anchor()
         elif self.anchor == "fit_start":
             self._anchor = snapshot(self._params, self.offload_anchor)
         else:
-            self._anchor = load_anchor(self.anchor, self._params, self.offload_anchor)
+            whole = {n: torch.empty(self._layout.shape(p), dtype=p.dtype, device="meta") for n, p in self._params.items()}
+            self._anchor = load_anchor(self.anchor, whole, offload=True)
+            self._cut_anchor()
         if not self.restored:
             self._steps = dict.fromkeys(self._params, 0)
             self._pulled = dict.fromkeys(self._params, 0)
@@ -199,6 +212,27 @@ class ProximalRegularizer(LayerwiseCallback):
             raise ValueError(f"{self.state_key}: the checkpoint has no step counts for {missing[0]!r}; resume with the "
                              "same parameters trainable")
         self.apply(trainer)
+
+    def _cut_anchor(self) -> None:
+        """A whole ``theta_0`` (a checkpoint's, a file's) put where each parameter is: on its device
+        (the CPU with ``offload_anchor``), under FSDP this rank's piece of it."""
+        layout = self._layout
+        check_anchor(self._anchor, {n: torch.empty(layout.shape(p), device="meta") for n, p in self._params.items()},
+                     "the checkpoint")
+        self._anchor = {n: layout.local(p, self._anchor[n]) for n, p in self._params.items()}
+        if self.offload_anchor:
+            self._anchor = {n: a.cpu() for n, a in self._anchor.items()}
+        self._placed_anchor()  # in each parameter's dtype
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        if self._installed and self._anchor is not None:  # FSDP restores after fit start: cut at train start
+            self._late = True
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._late:
+            self._late = False
+            self._cut_anchor()
 
     def apply(self, trainer: pl.Trainer) -> None:
         for ctl in self.controls(trainer):
@@ -212,18 +246,25 @@ class ProximalRegularizer(LayerwiseCallback):
         """The proximal step after one optimizer step (LayerControl calls it)."""
         held = {id(p) for p in step.params}
         names = [n for n, p in self._params.items() if id(p) in held and p.grad is not None]
+        reduce = None
+        if self._sharded:  # a rank may hold no piece of a stepped tensor: the ranks agree on which stepped
+            names = [n for n, p in self._params.items() if id(p) in held]
+            got = all_sum(torch.tensor([self._params[n].grad is not None for n in names], dtype=torch.float64,
+                                       device=self._params[names[0]].device)) if names else []
+            names, reduce = [n for n, k in zip(names, list(got)) if k > 0], all_sum
         if not names:
             return
-        params = {n: self._params[n] for n in names}
+        params = {n: local_tensor(self._params[n]) for n in names}
         anchor = self._placed_anchor()
-        anchors = {n: anchor[n] for n in names}
+        anchors = {n: local_tensor(anchor[n]) for n in names}
         if self.selective:
             groups = {g: [n for n in m if n in params] for g, m in self._groups.items()}
-            pull = proximal.pull_decisions({n: p.grad for n, p in params.items()}, proximal.deltas(params, anchors),
-                                           self.granularity, {g: m for g, m in groups.items() if m})
+            grads = {n: None if self._params[n].grad is None else local_tensor(self._params[n].grad) for n in names}
+            pull = proximal.pull_decisions(grads, proximal.deltas(params, anchors), self.granularity,
+                                           {g: m for g, m in groups.items() if m}, reduce=reduce)
         else:
             pull = dict.fromkeys(names, True)
-        proximal.proximal_step_(params, anchors, self.lam, {n: step.lr(p) for n, p in params.items()}, pull)
+        proximal.proximal_step_(params, anchors, self.lam, {n: step.lr(self._params[n]) for n in names}, pull)
         for n in names:
             self._steps[n] += 1
             self._pulled[n] += int(pull[n])
@@ -237,8 +278,9 @@ class ProximalRegularizer(LayerwiseCallback):
 
     def current_distances(self) -> tuple[dict[str, float], float]:
         """(``{layer: ||theta - theta_0||}``, the norm over all regularized parameters)."""
-        d = proximal.deltas(self._params, self._placed_anchor())
-        per_layer = proximal.distances(d, self._groups)
+        d = proximal.deltas({n: local_tensor(p) for n, p in self._params.items()},
+                            {n: local_tensor(a) for n, a in self._placed_anchor().items()})
+        per_layer = proximal.distances(d, self._groups, reduce=all_sum if self._sharded else None)
         return per_layer, math.sqrt(math.fsum(v * v for v in per_layer.values()))
 
     def fractions(self) -> dict[str, float]:
@@ -290,7 +332,8 @@ class ProximalRegularizer(LayerwiseCallback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if trainer.loggers and trainer._logger_connector.should_update_logs and trainer.is_global_zero:
+        # under FSDP every rank takes part in the distances (each holds a piece of every tensor)
+        if trainer.loggers and trainer._logger_connector.should_update_logs and (trainer.is_global_zero or self._sharded):
             self.distances, _ = self.current_distances()
             p = self.prefix
             self.log_values(trainer, {**{f"{p}/distance/{k}": v for k, v in self.distances.items()},
@@ -313,7 +356,10 @@ class ProximalRegularizer(LayerwiseCallback):
 
     def _state(self) -> dict:
         keep = self.anchor == "fit_start" and self._anchor is not None
-        return {"anchor": {n: t.detach().cpu() for n, t in self._anchor.items()} if keep else None,
+        # under FSDP the whole anchor (a collective: Lightning takes every rank's state at a checkpoint)
+        whole = {n: self._layout.whole(self._params[n], t).detach().cpu() for n, t in self._anchor.items()} if keep \
+            else None
+        return {"anchor": whole,
                 "steps": dict(self._steps), "pulled": dict(self._pulled), "distances": dict(self.distances),
                 "lambda_o": self.lambda_o, "unit_lambda_o": self._unit_lambda_o}
 

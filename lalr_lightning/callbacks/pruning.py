@@ -7,6 +7,7 @@ hands the masks to :class:`~lalr_lightning.core.control.LayerControl`, which enf
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Iterable, Sequence
@@ -17,6 +18,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
+from lalr_lightning.callbacks.distributed import shard_layout, sharded
 from lalr_lightning.core import spectral
 from lalr_lightning.core.criterion_pruning import criterion_prune, load_weights, sample_count, take_samples
 from lalr_lightning.core.layers import DEFAULT_KINDS
@@ -33,6 +35,7 @@ from lalr_lightning.core.pruning import (
     pruning_ratios,
 )
 from lalr_lightning.core.pruning_settings import PRESETS, pruning_settings
+from lalr_lightning.core.shards import all_sum, local_tensor
 
 __all__ = ["HTSRPruning", "PRESETS", "PRUNING_METRICS", "DIRECTIONS", "CRITERIA", "pruning_ratios"]
 
@@ -228,6 +231,9 @@ class HTSRPruning(LayerwiseCallback):
         self._level = 1.0
         self._fresh = False
         self._weights: dict[str, torch.Tensor] = {}  # SparseGPT's updated weights, from rank zero
+        self._early: Decision | None = None  # FSDP: decided in setup, committed at fit start
+        self._started = False  # on_fit_start has run (a checkpoint loaded later is enforced at train start)
+        self._late = False
 
     metric_values = renamed("scores")  # deprecated name of ``scores`` (the metric per pruned layer)
 
@@ -249,17 +255,64 @@ class HTSRPruning(LayerwiseCallback):
             )
         self._params = {n: p for layer in self.layers for n, p in layer.params.items()}
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._early, self._started, self._late = None, False, False
+        if stage == "fit" and sharded(trainer):
+            self._prune_whole(trainer)
+
+    def _prune_whole(self, trainer: pl.Trainer) -> None:
+        """Under FSDP: the pruning event of ``when="fit_start"`` on the whole weights, here in
+        ``setup``, before the strategy shards them (calibration runs block by block on rank zero,
+        which a sharded model cannot do alone); recorded and enforced, on each rank's shards, at
+        fit start. A resumed run decides again here and the checkpoint's masks then replace it
+        (Lightning restores FSDP checkpoints only after fit start)."""
+        if self.when != "fit_start":
+            raise RuntimeError(
+                f"HTSRPruning(when={self.when!r}) under {type(trainer.strategy).__name__}: pruning during training "
+                "needs whole weights on every rank, which FSDP shards; use when='fit_start' (pruned before the model "
+                "is sharded) or strategy='ddp'")
+        if self.masks:
+            return  # kept from an earlier fit: enforced at fit start
+        self._model.to(trainer.strategy.root_device)  # where the strategy shards it next (and the batches go)
+        self._level, self._trainer = 1.0, trainer
+        try:
+            decision = self.decide_everywhere(trainer, self.measure(trainer, self._model))
+        finally:
+            self._trainer = None
+        masks, channels, weights = decision.payload
+        if weights and not trainer.is_global_zero:  # SparseGPT moved the kept weights: before the cut
+            load_weights(self._params, weights)
+        self._early = dataclasses.replace(decision, payload=(masks, channels, {}))
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.masks:  # restored from a checkpoint (or kept from a previous fit): enforce at once
-            unknown = sorted(set(self.masks) - set(self._params))
-            if unknown:
-                raise RuntimeError(
-                    f"HTSRPruning state holds masks for parameters this model's prunable layers lack: {unknown[:5]}; "
-                    "the checkpoint belongs to another architecture or other layer settings"
-                )
-            self.apply(trainer)
+        self.follow_the_wrap(pl_module)
+        self._started = True
+        early, self._early = self._early, None
+        if early is not None:
+            self.commit(trainer, early)  # decided in setup (FSDP): recorded, enforced and logged now
+        elif self.masks:  # restored from a checkpoint (or kept from a previous fit): enforce at once
+            self._enforce(trainer)
         elif self.when == "fit_start":
             self.prune(trainer, 1.0)
+
+    def _enforce(self, trainer: pl.Trainer) -> None:
+        unknown = sorted(set(self.masks) - set(self._params))
+        if unknown:
+            raise RuntimeError(
+                f"HTSRPruning state holds masks for parameters this model's prunable layers lack: {unknown[:5]}; "
+                "the checkpoint belongs to another architecture or other layer settings"
+            )
+        self.apply(trainer)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._late = self._started  # FSDP restores after fit start: enforced at train start
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._late:
+            self._late = False
+            self._enforce(trainer)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         epoch = trainer.current_epoch
@@ -275,7 +328,7 @@ class HTSRPruning(LayerwiseCallback):
             return
         for ctl in self.controls(trainer):
             ctl.apply_masks()
-        self.sparsity = self._measure()
+        self.sparsity = self._measure(trainer)
         self.log_values(trainer, self._sparsity_metrics())
         super().on_fit_end(trainer, pl_module)
         if self.make_permanent:
@@ -325,7 +378,7 @@ class HTSRPruning(LayerwiseCallback):
 
     def _ratio_array(self, metric: dict[str, float]) -> np.ndarray:
         """The ratio of every pruned layer (model order) from its metric."""
-        numels = [layer.weight.numel() for layer in self.layers]
+        numels = [self._numel(layer) for layer in self.layers]
         values = [metric.get(layer.name, 0.0) for layer in self.layers]
         return pruning_ratios(values, numels, self.target_sparsity, self.epsilon, self.direction,
                               overflow=self.overflow, max_ratio=self.max_ratio)
@@ -437,23 +490,32 @@ class HTSRPruning(LayerwiseCallback):
         if self._weights:  # SparseGPT's updated weights (rank zero already holds them)
             load_weights(self._params, self._weights)
             self._weights = {}
-        masks = {self._params[k]: v for k, v in self.masks.items()}
+        layout = shard_layout(trainer, self._model)  # under FSDP each rank keeps its piece of every mask
+        masks = {self._params[k]: layout.local(self._params[k], v) for k, v in self.masks.items()}
         names = {self._params[k]: k for k in self.masks}
         for ctl in self.controls(trainer):
             ctl.set_masks(self.state_key, masks, names, zero_state=self._fresh)
         self._fresh = False
-        self.sparsity = self._measure()
+        self.sparsity = self._measure(trainer)
         return {"sparsity": dict(self.sparsity)}
 
     # ------------------------------------------------------------------ reporting
 
-    def _measure(self) -> dict[str, float]:
-        return {layer.name: float((layer.weight.detach() == 0).float().mean()) for layer in self.layers}
+    def _measure(self, trainer: pl.Trainer) -> dict[str, float]:
+        if not sharded(trainer):
+            return {layer.name: float((layer.weight.detach() == 0).float().mean()) for layer in self.layers}
+        # each rank counts the zeros of its shards; the counts are summed over the ranks
+        zeros = all_sum(torch.stack([(local_tensor(la.weight.detach()) == 0).sum() for la in self.layers]).double())
+        return {la.name: float(z) / self._numel(la) for la, z in zip(self.layers, zeros.tolist())}
+
+    def _numel(self, layer) -> int:
+        """The whole weight's size (under FSDP1 ``layer.weight`` is this rank's piece)."""
+        return (self._sizes or {}).get(layer.name) or layer.weight.numel()
 
     def overall_sparsity(self) -> float:
         """Zero fraction over all pruned layers' weights (the quantity the target is about)."""
-        n = sum(layer.weight.numel() for layer in self.layers)
-        return sum(self.sparsity.get(layer.name, 0.0) * layer.weight.numel() for layer in self.layers) / max(n, 1)
+        n = sum(self._numel(layer) for layer in self.layers)
+        return sum(self.sparsity.get(layer.name, 0.0) * self._numel(layer) for layer in self.layers) / max(n, 1)
 
     def _sparsity_metrics(self) -> dict[str, float]:
         out = {f"{self.prefix}/ratio/{k}": v for k, v in self.ratios.items()}

@@ -36,6 +36,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
+from lalr_lightning.callbacks.distributed import replaces_parameters, sharded
 from lalr_lightning.core.control import LayerControl
 from lalr_lightning.core.forward_blocks import Trace, trace_modules
 from lalr_lightning.core.handsync import HandSync
@@ -164,15 +165,18 @@ class LayerSelection(LayerwiseCallback):
             if early is not None:
                 self.receive(early)
                 self._early = early
-                if self.save_compute:
+                if self.save_compute and not replaces_parameters(trainer):  # FSDP2: at fit start, on its own
                     self.follow_requires_grad()
 
     def _prepare_toggle(self, trainer: pl.Trainer) -> bool:
-        """Whether ``requires_grad`` may change after the strategy wraps the model; under DDP a
-        switching selection makes it so (its switching units kept out of DDP, the rest with
-        ``find_unused_parameters=True``), other multi-process strategies are refused."""
+        """Whether ``requires_grad`` may change after the strategy wraps the model: on one device
+        and under FSDP it may; under DDP a switching selection makes it so (its switching units
+        kept out of DDP, the rest with ``find_unused_parameters=True``); other multi-process
+        strategies are refused."""
         strategy = trainer.strategy
-        if isinstance(strategy, SingleDeviceStrategy):
+        if isinstance(strategy, SingleDeviceStrategy) or sharded(trainer):
+            # FSDP (use_orig_params) and FSDP2 follow requires_grad at every backward: a unit whose
+            # parameters all stop training gets no gradient, and every rank switches the same ones
             return True
         if not (self.switches and self.save_compute):
             return False
@@ -217,6 +221,11 @@ class LayerSelection(LayerwiseCallback):
             self._handsync.exclude()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.follow_the_wrap(pl_module)
+        if self.switches and self.save_compute and replaces_parameters(trainer):
+            # FSDP2 loads a checkpoint's optimizer state before the callbacks' state and wants state
+            # for every parameter that requires grad: nothing switching trains until the first switch
+            self.set_requires_grad(self.switching_units(), False)
         if self._handsync is not None:  # wrapped now: equal starting values, averaging from here on
             self._handsync.start(trainer.strategy.model)
         self._wrapped = True
@@ -235,6 +244,10 @@ class LayerSelection(LayerwiseCallback):
             # the checkpoint's choice wins; single device and DDP restore before the wrap, so the
             # flags follow it at no cost
             self.follow_requires_grad(strict=True)
+        elif self._wrapped and self._toggle and self.save_compute:
+            # FSDP: the flags follow the checkpoint's choice before Lightning restores the optimizer
+            # state, which holds state for what trained then (and torch's loader wants it so)
+            self.follow_requires_grad()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._restored_late:

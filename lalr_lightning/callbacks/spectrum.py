@@ -77,7 +77,6 @@ class SpectrumSelect(LayerSelection):
     title = "Spectrum"
     score_key = "snr"
     decides_from_weights = True  # plan(model): the decision without a fit
-    fsdp_ok = True
     readable = LayerSelection.readable + ("module_types", "grouping_summary")
 
     def __init__(

@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lalr_lightning.callbacks.base import Decision
+from lalr_lightning.callbacks.distributed import replaces_parameters
 from lalr_lightning.callbacks.selection import LayerSelection, SurgicalLayerSelect, register_mode
 from lalr_lightning.core.layers import describe_blocks
 from lalr_lightning.core.selection import check_selection, select_blocks
@@ -78,7 +79,8 @@ class SurgicalBlocks(LayerSelection):
         if self.select != "all" and set(self._chosen) == set(self.block_names):
             rank_zero_warn(f"SurgicalBlocks(select={self.select!r}) selects every block ({self.block_names}), so "
                            "nothing is frozen; select fewer blocks, or split the model with blocks=[...]")
-        if self.save_compute:  # static freezing before the strategy wraps the model: safe under DDP too
+        if self.save_compute and not replaces_parameters(trainer):  # FSDP2: at fit start, on its own parameters
+            # static freezing before the strategy wraps the model: safe under DDP too
             self.set_requires_grad([b for b in self.layers if b.name not in self._chosen], False)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -84,7 +84,6 @@ class TempBalanceCallback(LayerwiseCallback):
     """
 
     log_prefix = "tempbalance"
-    fsdp_ok = True
     score_key = "alpha"
     decides_from_weights = True  # plan(model): the decision without a fit
     heatmap = ("multipliers", "TempBalance LR multipliers", "x scheduled LR")

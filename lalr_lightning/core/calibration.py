@@ -14,7 +14,7 @@ mask, position ids, rotary position embeddings). Then, for each block in order:
 
 ``materialize(index)`` / ``release(index, block)`` let a caller that streams the weights from disk
 build a block just before step 1 and free it after step 3, so only one block's weights and the
-calibration activations are in memory (``lalr_lightning/oneshot.py``).
+calibration activations are in memory (``lalr_lightning/oneshot/prune.py``).
 
 API (pure PyTorch; ``transformers`` is only touched through the model object):
 
@@ -219,6 +219,11 @@ def run_blocks(
     """Calibrate and prune the blocks in order (module docstring); returns the inputs the block
     after the last would see.
 
+    ``inputs`` is updated in place: each batch is replaced by the block's output as soon as it is
+    computed, so the calibration activations are held once (the largest memory of a streamed
+    prune), not as inputs and outputs side by side. Pass a copy (``list(inputs)``) to keep them.
+    Activations stay in the dtype the model computes in.
+
     ``blocks``: the block modules, or their number when ``materialize`` builds each one.
     ``stats``: collect :class:`InputStats` of every linear layer (``hessian``: also ``X^T X``,
     for SparseGPT); ``False`` gives ``prune_block`` None and skips the first pass. Blocks run in
@@ -229,7 +234,7 @@ def run_blocks(
         if isinstance(blocks, int):
             raise ValueError("run_blocks needs the block modules or a materialize function")
         materialize = blocks.__getitem__
-    current = list(inputs)
+    current = inputs
     for index in range(n_blocks):
         block = materialize(index)
         was_training = block.training
@@ -239,7 +244,7 @@ def run_blocks(
             layers = linear_modules(block)
             collected = {
                 name: InputStats(weight_matrix(mod).shape[1], hessian=hessian, dtype=stats_dtype,
-                                 device=weight_matrix(mod).device)
+                                 device=weight_matrix(mod).device, name=f"block {index}'s {name}")
                 for name, mod in layers.items()
             }
             state: dict = {}
@@ -253,7 +258,9 @@ def run_blocks(
                     h.remove()
         prune_block(index, block, collected)
         del collected
-        current = [replace(batch, hidden=_run(block, batch)) for batch in current]
+        for j, batch in enumerate(current):  # each output replaces its input at once: one copy in memory
+            current[j] = replace(batch, hidden=_run(block, batch))
+            del batch
         block.train(was_training)
         if release is not None:
             release(index, block)

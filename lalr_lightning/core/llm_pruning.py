@@ -103,13 +103,15 @@ class InputStats:
     every batch.
     """
 
-    def __init__(self, columns: int, *, hessian: bool = True, dtype: torch.dtype = torch.float32, device=None):
+    def __init__(self, columns: int, *, hessian: bool = True, dtype: torch.dtype = torch.float32, device=None,
+                 name: str | None = None):
         if int(columns) < 1:
             raise ValueError(f"columns must be >= 1, got {columns}")
         if dtype not in (torch.float32, torch.float64):
             raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
         self.columns = int(columns)
         self.dtype = dtype
+        self.name = name  # the layer, for messages
         self.nsamples = 0
         self.ntokens = 0
         self._sq = torch.zeros(self.columns, dtype=dtype, device=device)
@@ -124,14 +126,25 @@ class InputStats:
         if x.shape[-1] != self.columns:
             raise ValueError(f"inputs have {x.shape[-1]} features, the layer takes {self.columns}")
         n = (x.shape[0] if x.ndim >= 3 else 1) if samples is None else int(samples)
-        flat = x.detach().reshape(-1, self.columns).to(self._sq.device, self.dtype)
-        if not bool(torch.isfinite(flat).all()):
-            raise ValueError("calibration inputs contain NaN or Inf; the model diverges on the calibration data")
-        self._sq += flat.square().sum(0)
+        x = x.detach()
+        flat = x.reshape(-1, self.columns).to(self._sq.device, self.dtype)
+        # Memory: the float32 copy of a (tokens, in) batch is the largest tensor here; square it in
+        # place when it is ours (a cast or a reshape copied it) instead of allocating another. The
+        # values and the order of every sum are the same either way.
+        own = flat.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
         if self._xtx is not None:
             self._xtx.addmm_(flat.T, flat)
+        part = (flat.square_() if own else flat.square()).sum(0)
+        del flat
+        # a NaN or Inf input makes its column's sum of squares NaN or Inf: one check on (in,)
+        # numbers instead of a pass over every input
+        if not bool(torch.isfinite(part).all()):
+            raise ValueError(f"the calibration inputs of {self.name or 'a layer'} hold NaN or Inf (or overflow "
+                             f"{self.dtype} when squared): a weight before it is not finite, or the forward "
+                             "overflows in the compute dtype")
+        self._sq += part
         self.nsamples += n
-        self.ntokens += flat.shape[0]
+        self.ntokens += x.numel() // self.columns
 
     def _check(self) -> None:
         if self.nsamples == 0:
@@ -196,9 +209,9 @@ def keep_mask(scores: torch.Tensor, ratio: float, *, n: int = 0, m: int = 0) -> 
 # ---------------------------------------------------------------------------- SparseGPT
 
 
-def _inverse_hessian_factor(hessian: torch.Tensor, percdamp: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(upper Cholesky factor ``U`` of the damped ``H^-1``, dead-column mask)."""
-    H = hessian.clone()
+def _inverse_hessian_factor(H: torch.Tensor, percdamp: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(upper Cholesky factor ``U`` of the damped ``H^-1``, dead-column mask). ``H`` is damped in
+    place: pass a copy you own (the largest layer's ``H`` is ``in x in`` floats; no third copy)."""
     dead = torch.diagonal(H) == 0
     H[dead, dead] = 1.0  # a column never active: any positive diagonal keeps H invertible
     diag = torch.diagonal(H)
@@ -210,7 +223,9 @@ def _inverse_hessian_factor(hessian: torch.Tensor, percdamp: float) -> tuple[tor
             "SparseGPT: the calibration Hessian is not positive definite even after dampening "
             f"(percdamp={percdamp}); raise percdamp (e.g. 0.1) or use more calibration samples"
         ) from None
-    return torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True), dead
+    inverse = torch.cholesky_inverse(L)
+    del L
+    return torch.linalg.cholesky(inverse, upper=True), dead
 
 
 def sparsegpt_prune(
@@ -222,6 +237,7 @@ def sparsegpt_prune(
     m: int = 0,
     blocksize: int = 128,
     percdamp: float = 0.01,
+    _owned: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SparseGPT on one layer: ``(new_weight, keep)`` (module docstring for the equations).
 
@@ -251,7 +267,11 @@ def sparsegpt_prune(
     dtype = torch.float64 if hessian.dtype == torch.float64 else torch.float32
     dev = hessian.device
     W = weight.detach().to(dev, dtype, copy=True)
-    U, dead = _inverse_hessian_factor(hessian.to(dtype), percdamp)
+    # _owned: the caller made ``hessian`` for this call alone (prune_weight), so it may be damped in place
+    H = hessian.to(dtype, copy=not _owned)
+    del hessian
+    U, dead = _inverse_hessian_factor(H, percdamp)
+    del H
     W[:, dead] = 0
     pruned = torch.zeros(rows, cols, dtype=torch.bool, device=dev)
     done = 0  # weights pruned so far (unstructured): the blocks share int(ratio * numel) exactly
@@ -319,7 +339,8 @@ def prune_weight(
         if stats.columns != weight.shape[1]:
             raise ValueError(f"the InputStats has {stats.columns} columns, the weight takes {weight.shape[1]} inputs")
     if criterion == "sparsegpt":
-        return sparsegpt_prune(weight, stats.hessian(), ratio, n=n, m=m, blocksize=blocksize, percdamp=percdamp)
+        return sparsegpt_prune(weight, stats.hessian(), ratio, n=n, m=m, blocksize=blocksize, percdamp=percdamp,
+                               _owned=True)
     if criterion == "wanda":
         keep = keep_mask(wanda_scores(weight, stats.scaler_row), ratio, n=n, m=m)
     elif m:

@@ -25,7 +25,7 @@ point where the pull is applied, with the gradient of the step just taken.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -51,12 +51,15 @@ def deltas(params: Mapping[str, Tensor], anchors: Mapping[str, Tensor]) -> dict[
     return {n: out[n] for n in names}
 
 
-def distances(deltas: Mapping[str, Tensor], groups: Mapping[str, Sequence[str]] | None = None) -> dict[str, float]:
+def distances(deltas: Mapping[str, Tensor], groups: Mapping[str, Sequence[str]] | None = None, *,
+              reduce: Callable[[Tensor], Tensor] | None = None) -> dict[str, float]:
     """``||theta - theta_0||_2`` per group (``{layer: [tensor names]}``; default: per tensor), float64.
 
     The l2 norm over all entries of the group's tensors, ``sqrt(sum_t ||d_t||^2)``; one
     ``torch._foreach_norm`` and one host transfer per device. The norm of the whole vector
     (Table 1's ``||theta_t - theta_0||_2``) is ``distances(d, {"all": list(d)})["all"]``.
+    ``reduce``: where each rank holds a piece of every tensor (FSDP), the sum over the ranks of
+    the float64 vector of squared norms (one collective, every rank with the same names).
     """
     names = list(deltas)
     sq: dict[str, float] = {}
@@ -64,6 +67,10 @@ def distances(deltas: Mapping[str, Tensor], groups: Mapping[str, Sequence[str]] 
         norms = torch._foreach_norm([deltas[n].detach().to(torch.promote_types(deltas[n].dtype, torch.float32))
                                      for n in members])
         sq.update(zip(members, (torch.stack(norms).double() ** 2).cpu().tolist()))
+    if reduce is not None and names:
+        device = deltas[names[0]].device
+        sq = dict(zip(names, reduce(torch.tensor([sq[n] for n in names], dtype=torch.float64, device=device))
+                      .cpu().tolist()))
     if groups is None:
         return {n: math.sqrt(sq[n]) for n in names}
     out = {}
@@ -75,12 +82,14 @@ def distances(deltas: Mapping[str, Tensor], groups: Mapping[str, Sequence[str]] 
     return out
 
 
-def inner_products(grads: Mapping[str, Tensor | None], deltas: Mapping[str, Tensor]) -> dict[str, float]:
+def inner_products(grads: Mapping[str, Tensor | None], deltas: Mapping[str, Tensor], *,
+                   reduce: Callable[[Tensor], Tensor] | None = None) -> dict[str, float]:
     """``{name: <g_t, d_t>}`` in float64 for every tensor of ``deltas``.
 
     A missing or ``None`` gradient (a parameter the loss did not reach) counts as 0. Each
     product is accumulated in at least float32 (bf16/fp16 tensors are upcast, so the sign is
-    reliable), and all of them reach the host in one transfer.
+    reliable), and all of them reach the host in one transfer. ``reduce``: as in
+    :func:`distances` (the pieces' products summed over the ranks).
     """
     names = list(deltas)
     vals: dict[str, Tensor] = {}
@@ -95,6 +104,9 @@ def inner_products(grads: Mapping[str, Tensor | None], deltas: Mapping[str, Tens
         ct = torch.promote_types(torch.promote_types(g.dtype, d.dtype), torch.float32)
         gd = torch.dot(g.detach().reshape(-1).to(ct), d.detach().reshape(-1).to(device=g.device, dtype=ct))
         vals[n] = gd.to(torch.float64)
+    if reduce is not None and names:
+        device = vals[names[0]].device
+        return dict(zip(names, reduce(torch.stack([vals[n].to(device) for n in names])).cpu().tolist()))
     out: dict[str, float] = {}
     by_dev: dict[torch.device, list[str]] = {}
     for n, v in vals.items():
@@ -111,6 +123,7 @@ def pull_decisions(
     groups: Mapping[str, Sequence[str]] | None = None,
     *,
     selective: bool = True,
+    reduce: Callable[[Tensor], Tensor] | None = None,
 ) -> dict[str, bool]:
     """Which tensors the proximal step pulls toward the anchor: ``{name: bool}``.
 
@@ -119,14 +132,15 @@ def pull_decisions(
     :func:`~lalr_lightning.core.ntk.layer_groups`; every tensor in exactly one layer). ``global``:
     ``sum_t <g_t, d_t> >= 0`` decides for all -- Theorem 1's condition verbatim, on the whole
     parameter vector. Ties (``= 0``, also a zero gradient) pull, as in the theorem.
-    ``selective=False`` pulls everything (plain L2-SP) and ignores the gradients.
+    ``selective=False`` pulls everything (plain L2-SP) and ignores the gradients. ``reduce``: as
+    in :func:`inner_products` (each rank then decides from the same sums).
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"unknown granularity {granularity!r}; valid: {', '.join(map(repr, GRANULARITIES))}")
     names = list(deltas)
     if not selective:
         return dict.fromkeys(names, True)
-    ip = inner_products(grads, deltas)
+    ip = inner_products(grads, deltas, reduce=reduce)
     if granularity == "tensor":
         return {n: ip[n] >= 0 for n in names}
     if granularity == "global":

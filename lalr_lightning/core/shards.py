@@ -1,8 +1,19 @@
-"""Measuring weights across ranks: each rank measures a share of the layers, and under FSDP
-gathers only the whole weights of that share, one FSDP unit at a time.
+"""Weights across ranks: each rank measures a share of the layers, and where a strategy shards the
+weights (FSDP) it gathers only the whole weights of that share, one FSDP unit at a time; and
+tensors kept next to sharded weights (pruning masks, proximal anchors) are cut like them.
 
-Pure PyTorch (``torch.distributed``); the callbacks' base decides when. The layers keep their
-clean names, so the share a rank gets, and the merged result, are the same on every rank.
+Two kinds of sharding are understood:
+
+* FSDP1 (``FullyShardedDataParallel``, ``use_orig_params=True``): each unit holds one flat
+  parameter, cut into equal contiguous pieces, one per rank; an original parameter is a 1-D view
+  of the part of it this rank holds (possibly empty). Whole weights come from
+  ``summon_full_params`` on each unit in turn, after the root unit -- the outermost one, which
+  the caller passes -- has initialised itself;
+* FSDP2 (``fully_shard``): every parameter is a ``DTensor`` cut along its first dimension; whole
+  weights come from ``unshard()`` / ``reshard()`` of each unit in turn.
+
+Pure PyTorch (``torch.distributed``); the callbacks decide when. The layers keep their clean
+names, so the share a rank gets, and the merged result, are the same on every rank.
 """
 
 from __future__ import annotations
@@ -12,11 +23,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lalr_lightning.core.layers import Layer
 
-__all__ = ["assign_shares", "fsdp_units", "gather_objects", "whole_weights"]
+__all__ = ["ShardLayout", "all_sum", "assign_shares", "fsdp_units", "gather_objects", "is_dtensor", "local_tensor",
+           "whole_weights"]
 
 
 def assign_shares(costs: Sequence[float], world_size: int) -> list[int]:
@@ -31,23 +44,58 @@ def assign_shares(costs: Sequence[float], world_size: int) -> list[int]:
     return owner
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def gather_objects(obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order (``[obj]`` outside a process group)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not _distributed():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
 
 
+def all_sum(values: torch.Tensor) -> torch.Tensor:
+    """``values`` summed over the ranks (a new tensor; ``values`` itself outside a process group)."""
+    if not _distributed():
+        return values
+    out = values.detach().clone()
+    dist.all_reduce(out)
+    return out
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``DTensor`` (an FSDP2 parameter, or anything cut like one)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed tensors
+        return False
+    return isinstance(t, DTensor)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this rank holds: an FSDP2 ``DTensor``'s local shard (sharing its
+    storage), anything else itself (an FSDP1 parameter is its own piece already)."""
+    return t.to_local() if is_dtensor(t) else t
+
+
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
-    """The FSDP instances in ``model``, innermost first (empty when it is not FSDP-wrapped)."""
+    """The FSDP1 instances in ``model``, innermost first (empty when it is not FSDP-wrapped)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     units = [m for m in model.modules() if isinstance(m, FSDP)]
     return units[::-1]
+
+
+def _fsdp2_units(model: nn.Module) -> list[nn.Module]:
+    """The modules ``fully_shard`` was applied to, innermost first."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)][::-1]
 
 
 def _owning_unit(units: list[nn.Module], p: nn.Parameter) -> nn.Module | None:
@@ -55,6 +103,10 @@ def _owning_unit(units: list[nn.Module], p: nn.Parameter) -> nn.Module | None:
         if any(q is p for q in u.parameters()):
             return u
     return None
+
+
+def _stand_in(layer: Layer, weight: torch.Tensor) -> Layer:
+    return Layer(layer.name, layer.kind, SimpleNamespace(weight=weight), {}, [], layer.index, layer.role)
 
 
 def whole_weights(
@@ -66,34 +118,134 @@ def whole_weights(
     """Stand-ins for the layers named in ``mine`` that hold their whole weight (``weight_of``,
     cloned), for measuring.
 
-    Without FSDP the weights are whole already and nothing is copied. Under FSDP
-    (``use_orig_params=True``) every rank must call this with the same ``layers``: each FSDP unit
-    holding one of them is gathered in turn (``summon_full_params``, no write-back, not
-    recursing into nested units), and only the ranks that measure one of its layers copy it, so
-    a rank's memory holds its own share plus one unit at a time.
+    ``model`` is the outermost module: under FSDP1 the root unit itself (Lightning's
+    ``trainer.strategy.model``, which wraps the LightningModule from outside), so that the root
+    initialises before any nested unit is gathered. Without sharding the weights are whole
+    already and nothing is copied. Under FSDP every rank must call this with the same ``layers``:
+    each unit holding one of them is gathered in turn (no write-back, not recursing into nested
+    units), and only the ranks that measure one of its layers copy it, so a rank's memory holds
+    its own share plus one unit at a time.
     """
     units = fsdp_units(model)
-    if not units:
-        return [layer for layer in layers if layer.name in mine]
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    if units:
+        return _fsdp1_whole(model, units, layers, mine, weight_of)
+    units = _fsdp2_units(model)
+    if units:
+        return _fsdp2_whole(units, layers, mine, weight_of)
+    return [layer for layer in layers if layer.name in mine]
 
-    by_unit: dict[int, tuple[nn.Module, list[Layer]]] = {}
+
+def _by_unit(units: list[nn.Module], layers: Sequence[Layer]) -> list[tuple[nn.Module | None, list[Layer]]]:
+    """The layers grouped by the unit that manages their first parameter, in model order (None:
+    in no unit, whole on every rank)."""
+    by_unit: dict[int, tuple[nn.Module | None, list[Layer]]] = {}
     for layer in layers:
         unit = _owning_unit(units, next(iter(layer.params.values())))
-        if unit is None:
-            raise RuntimeError(f"layer {layer.name!r} is in no FSDP unit of the model")
         by_unit.setdefault(id(unit), (unit, []))[1].append(layer)
+    return list(by_unit.values())
+
+
+def _fsdp1_whole(model, units, layers, mine, weight_of) -> list[Layer]:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
     # Gathering a nested unit first would make it a root: let each root initialise itself first
     # (a no-op once a forward pass has run, as it has after a training step).
     for root in FSDP.fsdp_modules(model, root_only=True):
         with FSDP.summon_full_params(root, writeback=False, recurse=False):
             pass
     out: dict[str, Layer] = {}
-    for unit, members in by_unit.values():  # the same order on every rank (model order)
+    for unit, members in _by_unit(units, layers):  # the same order on every rank (model order)
+        if unit is None:
+            raise RuntimeError(f"layer {members[0].name!r} is in no FSDP unit of the model; pass the root unit")
         with FSDP.summon_full_params(unit, writeback=False, recurse=False):
             for layer in members:
                 if layer.name in mine:
-                    w = weight_of(layer).clone()
-                    out[layer.name] = Layer(layer.name, layer.kind, SimpleNamespace(weight=w), {}, [], layer.index,
-                                            layer.role)
+                    out[layer.name] = _stand_in(layer, weight_of(layer).clone())
     return [out[layer.name] for layer in layers if layer.name in out]
+
+
+def _fsdp2_whole(units, layers, mine, weight_of) -> list[Layer]:
+    out: dict[str, Layer] = {}
+    for unit, members in _by_unit(units, layers):
+        if unit is not None:
+            unit.unshard()  # this unit's own parameters whole (nested units stay sharded)
+        try:
+            for layer in members:
+                if layer.name in mine:
+                    out[layer.name] = _stand_in(layer, weight_of(layer).clone())
+        finally:
+            if unit is not None:
+                unit.reshard()
+    return [out[layer.name] for layer in layers if layer.name in out]
+
+
+def _cat_pieces(piece: torch.Tensor) -> torch.Tensor:
+    """Every rank's 1-D ``piece`` (of any length), concatenated in rank order."""
+    if not _distributed():
+        return piece.clone()
+    if piece.dtype == torch.bool:  # gloo gathers no bools
+        return _cat_pieces(piece.to(torch.uint8)).bool()
+    world = dist.get_world_size()
+    n = torch.tensor([piece.numel()], device=piece.device)
+    sizes = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(sizes, n)
+    longest = int(max(int(k) for k in sizes))
+    padded = torch.zeros(longest, dtype=piece.dtype, device=piece.device)
+    padded[: piece.numel()] = piece
+    out = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(out, padded)
+    return torch.cat([o[: int(k)] for o, k in zip(out, sizes)])
+
+
+class ShardLayout:
+    """How the parameters of ``model`` (the outermost module: under FSDP1 the root unit) are cut
+    across the ranks, to cut other tensors the same way (:meth:`local`) and to put them back
+    together (:meth:`whole`, collective: every rank calls it, in the same order).
+
+    A parameter no strategy shards is whole on every rank: both are the identity for it.
+    """
+
+    def __init__(self, model: nn.Module):
+        self._fsdp1: dict[int, tuple[Any, torch.Size]] = {}  # id(original parameter) -> (shard info, its shape)
+        for unit in fsdp_units(model):
+            handle = getattr(unit, "_handle", None)
+            flat = getattr(handle, "flat_param", None)
+            if flat is None or getattr(flat, "_params", None) is None:
+                continue  # use_orig_params=False: no original parameters to follow
+            for p, info, shape in zip(flat._params, flat._shard_param_infos, flat._shapes):
+                self._fsdp1[id(p)] = (info, shape)
+
+    def sharded(self, p: torch.Tensor) -> bool:
+        return id(p) in self._fsdp1 or is_dtensor(p)
+
+    def shape(self, p: torch.Tensor) -> tuple[int, ...]:
+        """The whole shape of ``p``."""
+        if id(p) in self._fsdp1:
+            return tuple(self._fsdp1[id(p)][1])
+        return tuple(p.shape)
+
+    def local(self, p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of ``full`` (``p``'s whole shape), laid out as ``p`` holds its own:
+        an FSDP1 parameter's 1-D slice, an FSDP2 parameter's ``DTensor`` shard; on ``p``'s device."""
+        full = full.to(p.device)
+        if id(p) in self._fsdp1:
+            info, _ = self._fsdp1[id(p)]
+            flat = full.reshape(-1)
+            if not info.in_shard:
+                return flat[:0].clone()
+            return flat[info.intra_param_start_idx: info.intra_param_end_idx + 1].clone()
+        if is_dtensor(p):
+            from torch.distributed.tensor import distribute_tensor
+
+            # every rank holds ``full``: each cuts its own piece, no communication
+            return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+        return full
+
+    def whole(self, p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """The whole tensor from every rank's piece ``local`` (cut as :meth:`local` cuts it)."""
+        if id(p) in self._fsdp1:
+            # the ranks' pieces are consecutive runs of the flattened tensor, in rank order
+            return _cat_pieces(local.detach().reshape(-1)).reshape(self._fsdp1[id(p)][1])
+        if is_dtensor(local):
+            return local.full_tensor()
+        return local

@@ -1,0 +1,484 @@
+"""``prune``: the per-layer ratios and the prune, streamed from the checkpoint or in memory.
+
+``python -m lalr_lightning prune MODEL_DIR --out OUT_DIR --sparsity 0.7 --criterion wanda
+--preset alphapruning --calibration FILE`` streams the checkpoint: the model is built on the
+meta device (no memory), only the modules before the first block (embeddings, rotary
+position embeddings) are loaded to capture the calibration inputs, and then each block is
+loaded from the safetensors files, calibrated, pruned, re-run (its outputs feed the next block)
+and written to its own output shard before the next one is read
+(:func:`lalr_lightning.core.calibration.run_blocks`). Memory: one block's weights, the
+calibration activations and the embedding. ``--in-memory`` loads the whole model instead (the
+same numbers; for comparison).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lalr_lightning.core import llm_pruning
+from lalr_lightning.core.calibration import (
+    capture_block_inputs,
+    decoder_blocks,
+    linear_modules,
+    run_blocks,
+    set_weight_matrix,
+    weight_matrix,
+)
+from lalr_lightning.oneshot.checkpoint import (
+    _INDEX,
+    _Checkpoint,
+    _finite,
+    _first_line,
+    _load_config,
+    _load_tokenizer,
+    _resolve_device,
+    _resolve_dtype,
+    _Streamed,
+)
+from lalr_lightning.oneshot.outdir import OutputClaim
+from lalr_lightning.oneshot.text import calibration_samples
+
+# files of a model directory that are weights (never copied: the output has its own shards)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt")
+
+
+@dataclass
+class PruneReport:
+    """What :func:`prune_checkpoint` / :func:`prune_model` did: the target ratio and the achieved
+    zero fraction of every pruned matrix (by parameter-module name), the metric values used for
+    the ratios (empty: uniform), and the matrices' sizes."""
+
+    ratios: dict[str, float] = field(default_factory=dict)
+    sparsity: dict[str, float] = field(default_factory=dict)
+    numels: dict[str, int] = field(default_factory=dict)
+    metric: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def overall(self) -> float:
+        total = sum(self.numels.values())
+        return sum(self.sparsity[k] * self.numels[k] for k in self.sparsity) / max(total, 1)
+
+    def table(self) -> str:
+        width = max((len(k) for k in self.sparsity), default=5)
+        lines = [f"{'layer':<{width}}  {'target':>7}  {'sparsity':>8}"]
+        lines += [f"{k:<{width}}  {self.ratios[k]:7.4f}  {v:8.4f}" for k, v in self.sparsity.items()]
+        lines.append(f"{'overall':<{width}}  {self._target():7.4f}  {self.overall:8.4f}")
+        return "\n".join(lines)
+
+    def _target(self) -> float:
+        total = sum(self.numels.values())
+        return sum(self.ratios[k] * self.numels[k] for k in self.ratios) / max(total, 1)
+
+
+# ----------------------------------------------------------------------------- ratios
+
+
+def _check_prune_args(sparsity: float | None, criterion: str, n: int, m: int, preset, metric, epsilon=None,
+                      blocksize: int | None = None, percdamp: float | None = None) -> float:
+    """Every argument of a prune that needs no file, checked before anything is read or written;
+    returns the target sparsity (``n / m`` for N:M; 0.5 when left out)."""
+    from lalr_lightning.core.pruning import PRUNING_METRICS
+
+    n, m = llm_pruning.check_nm(n, m)
+    if criterion not in llm_pruning.CRITERIA:
+        raise ValueError(f"unknown criterion {criterion!r}; valid: {', '.join(llm_pruning.CRITERIA)}")
+    if m and (preset is not None or metric is not None):
+        raise ValueError(f"N:M sparsity prunes every layer to n/m = {n}/{m}; per-layer ratios (--preset / --metric) "
+                         "do not apply (AlphaPruning's ratios are for unstructured sparsity)")
+    if m and sparsity is not None and not math.isclose(float(sparsity), n / m):
+        raise ValueError(f"N:M sparsity {n}:{m} prunes exactly n/m = {n / m:g} of every layer; --sparsity {sparsity} "
+                         "does not apply: leave it out")
+    sparsity = n / m if m else 0.5 if sparsity is None else float(sparsity)
+    if not m and not (0.0 <= sparsity < 1.0):
+        raise ValueError(f"--sparsity must be in [0, 1) (the fraction of the blocks' linear weights set to zero), "
+                         f"got {sparsity}")
+    if metric is not None and metric not in PRUNING_METRICS:
+        raise ValueError(f"unknown --metric {metric!r}; valid: {', '.join(PRUNING_METRICS)}")
+    if epsilon is not None:
+        if preset is None and metric is None:
+            raise ValueError("--epsilon spreads per-layer ratios (--preset or --metric); uniform pruning has none: "
+                             "leave it out or add --preset alphapruning")
+        if not 0.0 <= float(epsilon) <= 1.0:  # NaN fails too
+            raise ValueError(f"--epsilon must be in [0, 1] (ratios spread over [1 - eps, 1 + eps] x the target), "
+                             f"got {epsilon}")
+    used = criterion == "sparsegpt"
+    for flag, value in (("--blocksize", blocksize), ("--percdamp", percdamp)):
+        if value is not None and not used:
+            raise ValueError(f"{flag} is SparseGPT's; --criterion {criterion} does not use it: leave it out")
+    if blocksize is not None and (isinstance(blocksize, bool) or int(blocksize) != blocksize or blocksize < 1):
+        raise ValueError(f"--blocksize must be an integer >= 1 (SparseGPT's columns per block), got {blocksize}")
+    if percdamp is not None and not (0.0 <= float(percdamp) < math.inf):
+        raise ValueError(f"--percdamp must be >= 0 (SparseGPT adds percdamp x mean(diag H) to the diagonal), "
+                         f"got {percdamp}")
+    if used and m and (blocksize or 128) % m:
+        raise ValueError(f"N:M sparsity with m={m} needs --blocksize ({blocksize or 128}) to be a multiple of m")
+    return sparsity
+
+
+def _ratio_settings(preset, metric, epsilon):
+    """(metric, epsilon, fit, filter_zeros, block_average) or None for uniform ratios."""
+    if preset is None and metric is None:
+        return None
+    from lalr_lightning.callbacks.pruning import PRESETS
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; valid: {', '.join(repr(p) for p in PRESETS if p)}")
+    fill = PRESETS[preset]
+    eps = fill["epsilon"] if epsilon is None else float(epsilon)
+    return (fill["metric"] if metric is None else metric, eps, fill["fit"], fill["filter_zeros"],
+            fill["block_average"])
+
+
+def _block_metric(block: nn.Module, qual: str, metric: str, fit: str, filter_zeros: bool) -> dict[str, float]:
+    import warnings
+
+    from lalr_lightning.core import spectral
+    from lalr_lightning.core.layers import Layer
+
+    layers = [Layer(f"{qual}.{n}", "hf_conv1d" if type(mod).__name__ == "Conv1D" else "linear", mod)
+              for n, mod in linear_modules(block).items()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        df = spectral.analyze(layers, fit=fit, metrics=[metric], min_evals=1, filter_zeros=filter_zeros)
+    values = dict(zip(df["name"], df[metric].astype(float)))
+    bad = {k: v for k, v in values.items() if not math.isfinite(v)}
+    if bad:
+        raise ValueError(f"metric {metric!r} is not finite for {sorted(bad)[:3]} (all-zero or constant weights?); "
+                         "choose another metric or prune uniformly")
+    return values
+
+
+def _ratios(settings, metric_values: dict[str, float], groups: list[list[str]], numels: dict[str, int],
+            sparsity: float) -> dict[str, float]:
+    from lalr_lightning.core.pruning import block_average_values, pruning_ratios
+
+    names = list(numels)
+    if settings is None:
+        return {k: float(sparsity) for k in names}
+    _, eps, _, _, block_average = settings
+    values = block_average_values(metric_values, groups) if block_average else dict(metric_values)
+    r = pruning_ratios([values[k] for k in names], [numels[k] for k in names], sparsity, eps)
+    return dict(zip(names, r.tolist()))
+
+
+# ----------------------------------------------------------------------------- prune
+
+
+def _pruner(report: PruneReport, qual_of, criterion: str, n: int, m: int, blocksize: int, percdamp: float):
+    def prune_block(index: int, block: nn.Module, stats) -> None:
+        for name, mod in linear_modules(block).items():
+            qual = qual_of(index, name)
+            w = weight_matrix(mod)
+            st = None if stats is None else stats.pop(name)
+            new, _ = llm_pruning.prune_weight(w, criterion, report.ratios[qual], st, n=n, m=m,
+                                              blocksize=blocksize, percdamp=percdamp)
+            del st
+            set_weight_matrix(mod, new)
+            del new
+            if not _finite(weight_matrix(mod)):  # e.g. SparseGPT's update overflowing float16
+                raise ValueError(f"pruning made {qual} non-finite in {w.dtype}; prune with --dtype float32")
+            report.sparsity[qual] = float((weight_matrix(mod) == 0).sum()) / w.numel()
+    return prune_block
+
+
+def _batches(samples: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
+    return [samples[i:i + batch_size] for i in range(0, samples.shape[0], batch_size)]
+
+
+def prune_model(
+    model: nn.Module,
+    samples: torch.Tensor | None,
+    *,
+    sparsity: float | None = None,
+    criterion: str = "wanda",
+    n: int = 0,
+    m: int = 0,
+    preset: str | None = None,
+    metric: str | None = None,
+    epsilon: float | None = None,
+    batch_size: int = 8,
+    blocksize: int | None = None,
+    percdamp: float | None = None,
+) -> PruneReport:
+    """Prune a loaded Hugging Face causal LM in place, block by block (the in-memory twin of
+    :func:`prune_checkpoint`; the same ratios and masks). ``samples``: ``(n, seq_len)`` token ids
+    (None for magnitude). ``sparsity``: default 0.5 (``n / m`` with N:M, which fixes it);
+    ``blocksize`` / ``percdamp``: SparseGPT's (default 128 and 0.01)."""
+    sparsity = _check_prune_args(sparsity, criterion, n, m, preset, metric, epsilon, blocksize, percdamp)
+    blocksize, percdamp = 128 if blocksize is None else int(blocksize), 0.01 if percdamp is None else float(percdamp)
+    settings = _ratio_settings(preset, metric, epsilon)
+    t0 = time.perf_counter()
+    path, blocks = decoder_blocks(model)
+    report = PruneReport()
+    groups = []
+    for i, blk in enumerate(blocks):
+        mods = linear_modules(blk)
+        groups.append([f"{path}.{i}.{k}" for k in mods])
+        report.numels.update({f"{path}.{i}.{k}": mod.weight.numel() for k, mod in mods.items()})
+        if settings is not None:
+            report.metric.update(_block_metric(blk, f"{path}.{i}", settings[0], settings[2], settings[3]))
+    report.ratios = _ratios(settings, report.metric, groups, report.numels, sparsity)
+    needs = llm_pruning.needs_stats(criterion)
+    if needs and samples is None:
+        raise ValueError(f"criterion {criterion!r} needs calibration samples")
+    use_cache = getattr(model.config, "use_cache", None)
+    was_training = model.training
+    model.eval()
+    try:
+        inputs = []
+        if needs:
+            device = next(model.parameters()).device
+            inputs = capture_block_inputs(model, _batches(samples, batch_size), device=device)
+        run_blocks(blocks, inputs, _pruner(report, lambda i, k: f"{path}.{i}.{k}", criterion, n, m, blocksize,
+                                           percdamp),
+                   stats=needs, hessian=criterion == "sparsegpt")
+        del inputs
+    finally:
+        model.train(was_training)
+        if use_cache is not None:
+            model.config.use_cache = use_cache
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _check_out(model_dir: Path, out_dir: Path) -> None:
+    if out_dir.resolve() == model_dir.resolve():
+        raise ValueError("--out must be a new directory, not the model directory itself")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ValueError(f"--out {out_dir} exists and is not an empty directory; choose a new one")
+
+
+def _available_bytes(device: torch.device) -> int | None:
+    """Memory a new allocation can take on ``device`` now (None: unknown)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+
+
+def _check_calibration_memory(n_samples: int, seq_len: int, hidden: int, dtype: torch.dtype,
+                              device: torch.device) -> None:
+    """Refuse a calibration whose activations (one copy: ``run_blocks`` replaces each batch by
+    its output) cannot fit, before drawing it: a clear line instead of an allocator's."""
+    size = torch.finfo(dtype).bits // 8
+    need = n_samples * seq_len * (hidden * size + 8)  # hidden states and the token ids
+    free = _available_bytes(device)
+    if free is not None and need > free:
+        raise ValueError(
+            f"--n-samples {n_samples} x --seq-len {seq_len} calibration tokens need {need / 2**30:.1f} GiB for their "
+            f"activations (hidden {hidden} x {size} bytes each, plus the ids) and {device} has {free / 2**30:.1f} GiB "
+            "free; lower --n-samples or --seq-len")
+
+
+def _copy_side_files(model_dir: Path, out_dir: Path, overwrite: bool = True) -> None:
+    """config, generation config, tokenizer files: everything but the weights and their index."""
+    for f in model_dir.iterdir():
+        if (f.is_file() and f.suffix not in _WEIGHT_SUFFIXES and not f.name.endswith(".index.json")
+                and (overwrite or not (out_dir / f.name).exists())):
+            shutil.copy2(f, out_dir / f.name)
+
+
+def _write_report(out_dir: Path, report: PruneReport, settings: dict) -> None:
+    (out_dir / "pruning.json").write_text(json.dumps(
+        {**settings, "ratios": report.ratios, "achieved": report.sparsity, "overall": report.overall,
+         "metric_values": report.metric}, indent=2) + "\n")
+
+
+def _verify_output(out_dir: Path, source: _Checkpoint | None, config) -> None:
+    """The written directory before it is renamed into place: every shard readable, every tensor
+    the config implies present with its shape (and, for a streamed prune, exactly the source's
+    tensors in their stored dtypes)."""
+    written = _Checkpoint(out_dir)
+    check = _Streamed(out_dir, config, torch.device("cpu"), torch.float32, ckpt=written)
+    check.validate()
+    if source is None:
+        return
+    lost = sorted(set(source.where) - set(written.where))
+    extra = sorted(set(written.where) - set(source.where))
+    changed = [k for k in source.where if k in written.where
+               and (written.shapes[k] != source.shapes[k] or written.where[k][1] != source.where[k][1])]
+    if lost or extra or changed:
+        raise RuntimeError(f"the written model differs from the source in its tensors (missing {lost[:3]}, extra "
+                           f"{extra[:3]}, other shape or dtype {changed[:3]}); please report this")
+
+
+def prune_checkpoint(
+    model_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    sparsity: float | None = None,
+    criterion: str = "wanda",
+    n: int = 0,
+    m: int = 0,
+    preset: str | None = None,
+    metric: str | None = None,
+    epsilon: float | None = None,
+    calibration: str | os.PathLike | None = None,
+    n_samples: int = 128,
+    seq_len: int = 2048,
+    seed: int = 0,
+    text_field: str = "text",
+    device: str | None = None,
+    dtype: str = "auto",
+    batch_size: int = 8,
+    blocksize: int | None = None,
+    percdamp: float | None = None,
+    in_memory: bool = False,
+    log=None,
+) -> PruneReport:
+    """Prune the causal LM in ``model_dir`` and write the pruned model to ``out_dir`` (module
+    docstring). Returns the :class:`PruneReport`; ``log`` receives progress lines.
+
+    Everything that can be checked is checked before the first block: the arguments, the
+    architecture, every tensor the config implies (present, with its shape) and every value
+    (finite), the calibration file and whether its activations fit. The output is written to a
+    temporary sibling of ``out_dir`` and renamed into place once complete and checked
+    (:class:`lalr_lightning.oneshot.outdir.OutputClaim`): a failure or an interrupt leaves no ``out_dir``
+    (or the empty one that was there), and a second run into the same ``out_dir`` is refused.
+    """
+    say = log or (lambda s: None)
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    # 1. arguments, the architecture and every tensor: nothing is written, nothing calibrated yet
+    sparsity = _check_prune_args(sparsity, criterion, n, m, preset, metric, epsilon, blocksize, percdamp)
+    given = dict(blocksize=blocksize, percdamp=percdamp)  # prune_model checks them again (None: not given)
+    blocksize, percdamp = 128 if blocksize is None else int(blocksize), 0.01 if percdamp is None else float(percdamp)
+    for flag, value in (("--n-samples", n_samples), ("--seq-len", seq_len), ("--batch-size", batch_size)):
+        if isinstance(value, bool) or int(value) != value or value < 1:
+            raise ValueError(f"{flag} must be an integer >= 1, got {value}")
+    settings = _ratio_settings(preset, metric, epsilon)
+    dev = _resolve_device(device)
+    config = _load_config(model_dir)
+    _check_out(model_dir, out_dir)
+    needs = llm_pruning.needs_stats(criterion)
+    if needs and calibration is None:
+        raise ValueError(f"criterion {criterion!r} needs --calibration FILE (text or JSON lines, e.g. a C4 shard)")
+    if calibration is not None and not Path(calibration).is_file():
+        raise FileNotFoundError(f"no such calibration file: {calibration}" + (
+            "" if needs else f" (--criterion {criterion} does not read one: leave --calibration out)"))
+    if not needs and calibration is not None:
+        say(f"note: --criterion {criterion} prunes by the weights alone; --calibration {calibration} (and --n-samples, "
+            "--seq-len, --seed, --batch-size) are not used")
+    max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if needs and max_pos and seq_len > max_pos:
+        raise ValueError(f"--seq-len {seq_len} exceeds the model's {max_pos} positions; lower --seq-len")
+    ckpt = _Checkpoint(model_dir)
+    cdtype = _resolve_dtype(dtype, dev, ckpt.stored_dtype())
+    sm = _Streamed(model_dir, config, dev, cdtype, ckpt=ckpt)
+    sm.validate()
+    ckpt.check_values(log=say)
+    if needs:
+        hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 0
+        _check_calibration_memory(int(n_samples), int(seq_len), int(hidden), cdtype, dev)
+    written = {"criterion": criterion, "sparsity": sparsity, "n": n, "m": m, "preset": preset,
+               "metric": None if settings is None else settings[0], "epsilon": None if settings is None else settings[1]}
+    # 2. claim --out (or learn who holds it), then work in a temporary sibling
+    claim = OutputClaim(out_dir, command=f"prune {model_dir} --out {out_dir} --criterion {criterion} --sparsity "
+                                         f"{sparsity:g}", log=say)
+    with claim as tmp:
+        samples = None
+        if needs:
+            tokenizer = _load_tokenizer(model_dir)
+            samples = calibration_samples(tokenizer, calibration, n_samples, seq_len, seed, text_field)
+            say(f"calibration: {samples.shape[0]} windows of {samples.shape[1]} tokens from {calibration}")
+        t0 = time.perf_counter()
+        if in_memory:
+            report = _prune_in_memory(model_dir, tmp, samples, cdtype, dev, ckpt.stored_dtype(), sparsity=sparsity,
+                                      criterion=criterion, n=n, m=m, preset=preset, metric=metric, epsilon=epsilon,
+                                      batch_size=batch_size, **given)
+        else:
+            report = _prune_streamed(sm, tmp, samples, settings, sparsity, criterion, n, m, batch_size, blocksize,
+                                     percdamp, say)
+        _copy_side_files(model_dir, tmp, overwrite=not in_memory)  # save_pretrained wrote its own config
+        report.seconds = time.perf_counter() - t0
+        _write_report(tmp, report, written)
+        _verify_output(tmp, None if in_memory else ckpt, config)
+        claim.commit()
+    return report
+
+
+def _prune_in_memory(model_dir: Path, tmp: Path, samples, cdtype, dev, stored, **kw) -> PruneReport:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype=cdtype).to(dev)
+    report = prune_model(model, samples, **kw)
+    model.to(stored or torch.float32).save_pretrained(str(tmp))
+    return report
+
+
+def _prune_streamed(sm: _Streamed, tmp: Path, samples, settings, sparsity, criterion, n, m, batch_size, blocksize,
+                    percdamp, say) -> PruneReport:
+    from safetensors.torch import save_file
+
+    nb = len(sm.blocks)
+    report = PruneReport()
+    groups = []
+    for i in range(nb):  # sizes from the meta skeleton; metric from each block loaded in turn
+        mods = linear_modules(sm.blocks[i])
+        groups.append([f"{sm.path}.{i}.{k}" for k in mods])
+        report.numels.update({f"{sm.path}.{i}.{k}": weight_matrix(mod).numel() for k, mod in mods.items()})
+    if settings is not None:
+        for i in range(nb):
+            report.metric.update(_block_metric(sm.block(i), f"{sm.path}.{i}", settings[0], settings[2], settings[3]))
+            sm.free(i)
+    report.ratios = _ratios(settings, report.metric, groups, report.numels, sparsity)
+    width = len(str(nb + 1))
+    total = nb + 1
+
+    def shard(j: int) -> str:
+        return f"model-{j:0{max(5, width)}d}-of-{total:0{max(5, width)}d}.safetensors"
+
+    weight_map: dict[str, str] = {}
+    size = 0
+
+    def write(j: int, tensors: dict[str, torch.Tensor]) -> None:
+        nonlocal size
+        name = shard(j)
+        try:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / name), metadata={"format": "pt"})
+        except Exception as e:  # noqa: BLE001 -- OSError (full disk), SafetensorError
+            raise OSError(f"cannot write {tmp / name}: {_first_line(e)}") from None
+        weight_map.update({k: name for k in tensors})
+        size += sum(v.numel() * v.element_size() for v in tensors.values())
+
+    def release(i: int, block: nn.Module) -> None:
+        keys = sm.block_keys(i)
+        state = {sm.key(f"{sm.path}.{i}.{k}"): v for k, v in block.state_dict().items()}
+        out = {}
+        for k in keys:  # every stored tensor of the block, in its stored dtype
+            out[k] = state[k].detach().to("cpu", sm.ckpt.dtype(k)) if k in state else sm.ckpt.get(k)
+        write(i + 2, out)
+        del state, out
+        sm.free(i)
+        say(f"block {i + 1}/{nb} pruned")
+
+    stats = llm_pruning.needs_stats(criterion)
+    inputs = []
+    if stats:
+        sm.load_stem()
+        inputs = capture_block_inputs(sm.model, _batches(samples, batch_size), device=sm.device)
+        sm.free_stem()
+    # run_blocks replaces each batch by the block's output in this list: one copy of the activations
+    run_blocks(nb, inputs, _pruner(report, lambda i, k: f"{sm.path}.{i}.{k}", criterion, n, m, blocksize, percdamp),
+               stats=stats, hessian=criterion == "sparsegpt", materialize=sm.block, release=release)
+    del inputs
+    block_keys = {k for i in range(nb) for k in sm.block_keys(i)}
+    write(1, {k: sm.ckpt.get(k) for k in sm.ckpt.where if k not in block_keys})
+    (tmp / _INDEX).write_text(json.dumps({"metadata": {"total_size": size},
+                                          "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+    return report

@@ -1,0 +1,301 @@
+"""Every callback under Lightning's sharded strategies on 2 CPU ranks (gloo): ``FSDPStrategy``
+(FSDP1, through ``CPUFSDPStrategy``) with one unit per decoder layer and with the whole model as
+one unit, and ``ModelParallelStrategy`` with ``fully_shard`` in ``configure_model`` (FSDP2). Each
+makes the same decisions and reaches the same weights as the DDP run, on both ranks, and a run
+resumed from a checkpoint equals the uninterrupted one.
+
+Spawning is the slow part: one pair of processes runs every fit of every strategy kind (Lightning
+joins the process group the pair made), records plain results (numpy, python), and the tests
+compare them here.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+import warnings
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from _dist import ddp, fsdp1, fsdp2, run_pair_once
+from _lm import tiny_lm
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+KINDS = ("fsdp1_wrap", "fsdp1", "fsdp2")
+
+
+class LM(pl.LightningModule):
+    """A tiny causal LM (4 decoder layers; LLaMA with an untied head, or GPT-2 / OPT with tied
+    embeddings) trained with SGD + momentum on fixed tokens; under FSDP2 it shards each decoder
+    layer and then the whole model in ``configure_model``."""
+
+    def __init__(self, fsdp2: bool = False, lr: float = 0.05, family: str = "llama", tied: bool = False):
+        super().__init__()
+        self.model = tiny_lm(family, tied, hidden=32, layers=4)
+        self.fsdp2, self.lr = fsdp2, lr
+
+    @property
+    def units(self) -> list[nn.Module]:
+        """The decoder layers: one FSDP unit each."""
+        m = self.model
+        if hasattr(m, "transformer"):  # GPT-2
+            return list(m.transformer.h)
+        if hasattr(m.model, "decoder"):  # OPT
+            return list(m.model.decoder.layers)
+        return list(m.model.layers)  # LLaMA
+
+    def configure_model(self):
+        if self.fsdp2:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.units:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+
+    def training_step(self, batch, _):
+        return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+    def train_dataloader(self):
+        ids = torch.randint(4, 60, (16, 8), generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(ids), batch_size=4)
+
+
+class MLP(pl.LightningModule):
+    """A plain ``Sequential`` classifier (no transformer naming), sharded per ``Linear`` under
+    FSDP2."""
+
+    def __init__(self, fsdp2: bool = False, lr: float = 0.05):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+        self.fsdp2, self.lr = fsdp2, lr
+
+    @property
+    def units(self) -> list[nn.Module]:
+        return [m for m in self.net if isinstance(m, nn.Linear)]
+
+    def configure_model(self):
+        if self.fsdp2:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.units:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self, mesh=mesh)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(32, 16, generator=g)
+        return DataLoader(TensorDataset(x, (x @ torch.randn(16, 4, generator=g)).argmax(1)), batch_size=8)
+
+
+def _cases():
+    """name -> (callback factory, model class, epochs of 2 steps): the callbacks as a user adds them."""
+    import lalr_lightning.callbacks as C
+
+    prune = dict(target_sparsity=0.5, min_numel=1, min_evals=3)
+    return {
+        "tempbalance": (lambda: C.TempBalanceCallback(min_evals=5, every_n_steps=2), LM, 2),
+        "lalr": (lambda: C.LALRScheduleCallback(), LM, 2),
+        "spectrum": (lambda: C.SpectrumSelect(top_percent=50), LM, 2),
+        "surgical": (lambda: C.SurgicalBlocks(select="block:1"), LM, 2),
+        "lisa": (lambda: C.BlockSchedule("lisa", gamma=1, every_n_steps=1), LM, 2),
+        "lift": (lambda: C.BlockSchedule("lift", every_n_steps=1), LM, 2),
+        "magnitude": (lambda: C.HTSRPruning(**prune), LM, 2),
+        "wanda": (lambda: C.HTSRPruning(criterion="wanda", n_calibration=8, **prune), LM, 2),
+        "sparsegpt": (lambda: C.HTSRPruning(criterion="sparsegpt", n_calibration=8, **prune), LM, 2),
+        "proximal": (lambda: C.ProximalRegularizer(lam=0.5, every_n_epochs=None), LM, 2),
+        "tempbalance_gpt2": (lambda: C.TempBalanceCallback(min_evals=5, every_n_steps=2),
+                             functools.partial(LM, family="gpt2", tied=True), 2),
+        "magnitude_opt": (lambda: C.HTSRPruning(**prune), functools.partial(LM, family="opt", tied=True), 2),
+        "ntkselect_mlp": (lambda: C.NTKSelect(probe_size=8, max_layers=1, kappa_max=1e6), MLP, 2),
+        "tempbalance_mlp": (lambda: C.TempBalanceCallback(min_evals=3, first=True, every_n_steps=2), MLP, 2),
+        "proximal_mlp": (lambda: C.ProximalRegularizer(lam=0.5, granularity="global", every_n_epochs=None), MLP, 2),
+    }
+
+
+#: where resuming cannot work, and why (the README's FSDP table says so too)
+NO_RESUME = {("lift", "fsdp2"): "torch's FSDP2 optimizer-state loader needs a parameter that trains when the "
+                                "checkpoint loads and has state in it; LIFT trains no parameter through every switch"}
+
+
+def _plain(x):
+    """Python / numpy only: the records cross the process boundary as files."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy()
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
+class _Capture(pl.Callback):
+    """The whole weights at the end of training (a collective under FSDP; rank 0 gets them)."""
+
+    def on_train_end(self, trainer, pl_module):
+        self.weights = {k: v.detach().float().cpu().numpy().copy()
+                        for k, v in trainer.strategy.lightning_module_state_dict().items()}
+
+
+def _fit(kind, make_cb, model_cls, epochs, ckpt_in=None, ckpt_dir=None):
+    model = model_cls(fsdp2=kind == "fsdp2")
+    strategy = {"ddp": lambda: ddp(),
+                "fsdp1_wrap": lambda: fsdp1(wrap={type(model.units[0])}),  # a unit per decoder layer / Linear
+                "fsdp1": lambda: fsdp1(),
+                "fsdp2": lambda: fsdp2(save_distributed_checkpoint=False)}[kind]()
+    cb, cap = make_cb(), _Capture()
+    # a checkpoint at every epoch end, as ModelCheckpoint writes them in a user's run
+    saves = [ModelCheckpoint(ckpt_dir, "{epoch}", save_top_k=-1, save_on_train_epoch_end=True)] if ckpt_dir else []
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False,
+                         enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[cb, cap, *saves])
+    trainer.fit(model, ckpt_path=ckpt_in)
+    decision = {"history": [{k: v for k, v in h.items() if k not in ("epoch", "step")} for h in cb.history],
+                "scores": cb.scores, "decision": getattr(cb, cb.decision_attr)}
+    for extra in ("masks", "distances", "regularized_fraction", "sparsity"):
+        if hasattr(cb, extra):
+            decision[extra] = getattr(cb, extra)
+    return _plain(decision), getattr(cap, "weights", {})
+
+
+def _strategy_pair(rank, record, workdir, kinds):
+    warnings.filterwarnings("ignore")
+    for name, (make, model_cls, epochs) in _cases().items():
+        for kind in kinds:
+            try:
+                ckpts = f"{workdir}/{name}_{kind}"
+                record((name, kind), _fit(kind, make, model_cls, epochs, ckpt_dir=ckpts if kind != "ddp" else None))
+                if kind != "ddp" and (name, kind) not in NO_RESUME:  # resumed from the end of the first epoch
+                    record((name, kind, "resumed"), _fit(kind, make, model_cls, epochs, ckpt_in=f"{ckpts}/epoch=0.ckpt"))
+            except Exception as err:  # noqa: BLE001 -- recorded; the test names it
+                record((name, kind), f"{type(err).__name__}: {err}")
+                raise
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every case under DDP and each sharded kind: {rank: {(case, kind[, "resumed"]): (decision, weights)}}."""
+    from torch.distributed.fsdp import FullyShardedDataParallel  # noqa: F401 -- skip where FSDP is absent
+
+    return run_pair_once("fsdp", tmp_path_factory, _strategy_pair, ("ddp", *KINDS))
+
+
+def _get(runs, rank, key):
+    got = runs[rank].get(key)
+    if got is None:
+        pytest.fail(f"{key} has no record on rank {rank}: its pair of processes stopped before it (see the output)")
+    if isinstance(got, str):
+        pytest.fail(f"{key} failed on rank {rank}: {got}")
+    return got
+
+
+def _same(a, b, tol: float, where: str = ""):
+    """``a`` equals ``b`` (nested dicts / lists of numbers, strings and arrays), floats within ``tol``."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(set(a) ^ set(b))[:5]} differ"
+        for k in a:
+            _same(a[k], b[k], tol, f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where}: lengths {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, tol, f"{where}[{i}]")
+    elif isinstance(a, np.ndarray):
+        if a.dtype == bool:
+            assert np.array_equal(a, b), f"{where}: {int((a != b).sum())} entries differ"
+        else:
+            np.testing.assert_allclose(a, b, rtol=tol, atol=tol, err_msg=where)
+    elif isinstance(a, float) and not isinstance(b, str):
+        assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=tol, abs=tol), f"{where}: {a} != {b}"
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+CASES = list(_cases())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("case", CASES)
+def test_same_decisions_and_weights_as_ddp_on_both_ranks(runs, case, kind):
+    ddp_decision, ddp_weights = _get(runs, 0, (case, "ddp"))
+    decision, weights = _get(runs, 0, (case, kind))
+    _same(decision, ddp_decision, 1e-4, f"{case} {kind} decision")
+    _same(weights, ddp_weights, 1e-4, f"{case} {kind} weights")
+    _same(_get(runs, 1, (case, kind))[0], decision, 0.0, f"{case} {kind} rank 1")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("case", CASES)
+def test_resume_equals_the_uninterrupted_run(runs, case, kind):
+    if (case, kind) in NO_RESUME:
+        pytest.skip(NO_RESUME[case, kind])
+    decision, weights = _get(runs, 0, (case, kind))
+    resumed, resumed_weights = _get(runs, 0, (case, kind, "resumed"))
+    _same(resumed, decision, 1e-6, f"{case} {kind} resumed decision")
+    _same(resumed_weights, weights, 1e-6, f"{case} {kind} resumed weights")
+
+
+# ---------------------------------------------------------------------- what cannot work: one line each
+
+
+def _setup_under(strategy, cb, model):
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    cb.setup(trainer, model, "fit")
+
+
+@pytest.mark.parametrize("kind", ["fsdp1", "fsdp2"])
+@pytest.mark.parametrize("make, words", [
+    (lambda C: C.LMSAStepper(), "use strategy='ddp'"),
+    (lambda C: C.NTKDiagnostics(), "strategy='ddp' or on one device"),
+    (lambda C: C.AutoRGN(), "use strategy='ddp'"),
+    (lambda C: C.HTSRPruning(when=1), "use when='fit_start'"),
+    (lambda C: C.ProximalRegularizer(lam=1.0), "pass every_n_epochs=None"),
+], ids=["lmsa", "ntk", "autorgn", "pruning_when", "proximal_lambda_o"])
+def test_what_cannot_work_under_fsdp_says_why_in_one_line(kind, make, words):
+    import lalr_lightning.callbacks as C
+
+    strategy = fsdp1() if kind == "fsdp1" else fsdp2()
+    with pytest.raises(RuntimeError) as err:
+        _setup_under(strategy, make(C), MLP())
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kw, words", [(dict(use_orig_params=False), "drop use_orig_params=False"),
+                                       (dict(sharding_strategy="HYBRID_SHARD", auto_wrap_policy={nn.Linear}),
+                                        "sharding_strategy='FULL_SHARD'")])
+def test_fsdp1_settings_the_callbacks_cannot_follow_are_refused(kw, words):
+    import lalr_lightning.callbacks as C
+
+    with pytest.raises(RuntimeError, match=re.escape(words)):
+        _setup_under(fsdp1(**kw), C.TempBalanceCallback(), MLP())
+
+
+def test_cpu_fsdp_strategy_is_lightnings_fsdp_strategy():
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from lalr_lightning.strategies import CPUFSDPStrategy
+
+    s = CPUFSDPStrategy(auto_wrap_policy={nn.Linear})
+    assert isinstance(s, FSDPStrategy) and s.process_group_backend == "gloo" and s.kwargs["use_orig_params"]
