@@ -108,3 +108,62 @@ def test_causal_lm_blocks_end_with_the_final_norm_in_the_head(family, head):
     assert not any(n.startswith(("model.decoder.final_layer_norm", "model.norm", "transformer.ln_f"))
                    for b in blocks[:-1] for n in b.params)
     assert [b.role for b in blocks] == ["block", "block", "head"]
+
+
+# ----------------------------------------------------------------------------- today's blocks, pinned
+
+def _bert():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2,
+                                                    num_attention_heads=2, intermediate_size=32,
+                                                    max_position_embeddings=32))
+
+
+def _pinned_models():
+    from lalr_lightning.models import SmallCNN, SmallResNet
+    from tests._lm import tiny_lm
+    from tests.test_plain_models import PlainCNN, PlainMLP
+
+    yield "timm test_resnet", lambda: timm.create_model("test_resnet"), [
+        ("conv1+bn1+layer1", "block", 15), ("layer2", "block", 9), ("layer3", "block", 12), ("layer4", "block", 9),
+        ("fc", "head", 2)]
+    yield "torchvision resnet18", torchvision.models.resnet18, [
+        ("conv1+bn1+layer1", "block", 15), ("layer2", "block", 15), ("layer3", "block", 15), ("layer4", "block", 15),
+        ("fc", "head", 2)]
+    yield "timm test_vit", lambda: timm.create_model("test_vit"), [
+        ("cls_token+pos_embed+patch_embed+blocks.0", "block", 16)] + [(f"blocks.{i}", "block", 12) for i in (1, 2, 3, 4)] \
+        + [("blocks.5+norm", "block", 14), ("head", "head", 2)]
+    yield "bert", _bert, [("bert.embeddings+bert.encoder.layer.0", "block", 21), ("bert.encoder.layer.1", "block", 16),
+                          ("bert.pooler+classifier", "head", 4)]
+    heads = {"gpt2": ("transformer.ln_f", 2), "opt": ("model.decoder.final_layer_norm", 2), "llama": ("model.norm", 1)}
+    firsts = {"gpt2": ("transformer.wte+transformer.wpe+transformer.h.0", 14, "transformer.h.1", 12),
+              "opt": ("model.decoder.embed_tokens+model.decoder.embed_positions+model.decoder.layers.0", 18,
+                      "model.decoder.layers.1", 16),
+              "llama": ("model.embed_tokens+model.layers.0", 10, "model.layers.1", 9)}
+    for family in ("gpt2", "opt", "llama"):
+        for tied in (True, False):
+            first, n0, second, n1 = firsts[family]
+            head, nh = heads[family]
+            want = [(first, "block", n0), (second, "block", n1),
+                    (head if tied else head + "+lm_head", "head", nh + (0 if tied else 1))]
+            yield f"{family} tied={tied}", (lambda f=family, t=tied: tiny_lm(f, t)), want
+    yield "Sequential MLP", PlainMLP, [("trunk.0+trunk.2", "block", 4), ("trunk.4", "block", 2),
+                                       ("trunk.6", "block", 2), ("classifier", "head", 2)]
+    yield "Sequential CNN", PlainCNN, [("features.0+features.1+features.3+features.4", "block", 6),
+                                       ("features.6+features.7", "block", 3), ("features.9+features.10", "block", 3),
+                                       ("head", "head", 2)]
+    yield "SmallCNN", lambda: SmallCNN(width=8, in_channels=1), [
+        (f"model.layer{i}", "block", 3) for i in (1, 2, 3, 4)] + [("model.fc", "head", 2)]
+    yield "SmallResNet", lambda: SmallResNet(width=4, blocks_per_group=1, in_channels=1), [
+        ("model.conv1+model.bn1+model.layer1", "block", 9), ("model.layer2", "block", 9), ("model.layer3", "block", 9),
+        ("model.fc", "head", 2)]
+
+
+@pytest.mark.parametrize("label,build,want", list(_pinned_models()), ids=lambda v: v if isinstance(v, str) else "")
+def test_the_blocks_of_every_family_that_worked_stay_as_they_were(label, build, want):
+    """Pinned before blocks could come from a forward pass: the models whose blocks come from a
+    registry, repeated children or a Sequential trunk keep exactly these blocks."""
+    blocks = block_layers(build())
+    assert [(b.name, b.role, len(b.params)) for b in blocks] == want, label

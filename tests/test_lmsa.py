@@ -610,11 +610,16 @@ def test_user_blocks_and_loss_fn_on_a_flat_mlp():
     _trainer(found, max_steps=1).fit(ToyMLP(d=16, width=16, n=16))
     assert found.block_names == ["net.0+net.2", "net.4", "net.6"] and set(found.scores) == set(found.block_names)
     model = ToyMLP(d=16, width=16, n=16)
-    with pytest.raises(TypeError, match="loss_fn"):
-        _trainer(LMSAStepper(blocks=["net.0", "net.2", "net.4"]), max_steps=1).fit(model)
+    # issue 24: a module without loss(output, target) is measured on the loss its own
+    # training_step returns (it was a TypeError asking for loss_fn): ToyMLP's training_step is
+    # toy_loss, so the scores are the same as with loss_fn=toy_loss
+    own = LMSAStepper(blocks=["net.0", "net.2", "net.4"])
+    _trainer(own, max_steps=1).fit(model)
+    model = ToyMLP(d=16, width=16, n=16)
     cb = LMSAStepper(blocks=["net.0", "net.2", "net.4"], loss_fn=toy_loss)
     _trainer(cb, max_steps=2).fit(model)
     assert set(cb.scores) == {"net.0", "net.2", "net.4", "net.6"} and len(cb.selected) == 1
+    assert own.scores == pytest.approx(cb.history[0]["scores"], rel=1e-6)
 
 
 def test_bad_input():

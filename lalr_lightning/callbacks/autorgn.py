@@ -21,8 +21,8 @@ Decided here (the paper and the reference are explicit about the rest):
 * the measurement is a *separate* forward/backward pass over the first ``n_batches`` batches
   of a fresh iterator over the train loader, before the epoch trains, at the epoch-start
   weights and with no update -- as the reference code does; every batch of the epoch then
-  trains. Buffers (norm layers' running statistics) are restored after the pass, so measuring
-  leaves the model exactly as it was;
+  trains. Buffers (norm layers' running statistics) and the global random state are restored
+  after the pass, so measuring leaves the model and the epoch's data order exactly as they were;
 * tensors whose name contains one of ``exclude`` (``"bn"``) are excluded as in the reference,
   whose re-built optimizer holds only the other tensors: they get ``excluded_multiplier``
   (0 = not trained, the reference; 1.0 trains them at the scheduled LR). The substring rule is
@@ -45,10 +45,18 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lalr_lightning.callbacks.base import Decision
+from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
+from lalr_lightning.core.layers import matrix_layers
 from lalr_lightning.core.loss import batch_loss
-from lalr_lightning.core.selection import eb_multipliers, eb_scores, relative_grad_norms, rgn_multipliers, tensor_layers
+from lalr_lightning.core.selection import (
+    eb_multipliers,
+    eb_scores,
+    relative_grad_norms,
+    rgn_multipliers,
+    tensor_layers,
+    zero_gradient_warning,
+)
 from lalr_lightning.core.taps import preserve_buffers
 
 __all__ = ["AutoRGN", "CRITERIA"]
@@ -76,8 +84,9 @@ class AutoRGN(LayerSelection):
             (reference: ``"bn"``).
         excluded_multiplier: the multiplier of excluded tensors (reference: 0).
         eb_threshold: ``eb`` only: minimum score to train (reference: 0.95).
-        loss_fn: ``(module, batch) -> loss``; default :func:`~lalr_lightning.core.loss.batch_loss`
-            (``module.loss(module(x), y)``, else cross-entropy, as the reference).
+        loss_fn: ``(module, batch) -> loss``; default :func:`~lalr_lightning.core.loss.batch_loss`:
+            the module's ``loss(module(x), y)``, else the loss its own ``training_step`` returns
+            (its logging silenced).
         blocks, join_stem: how blocks are found; they only label the per-block log.
         norm_eval: ``frozen``, ``all`` or ``none`` (:mod:`lalr_lightning.core.norms`).
         name, strict_resume: as every callback of the package.
@@ -140,6 +149,8 @@ class AutoRGN(LayerSelection):
         self.multipliers: dict[str, float] = {}
         self._measured_epoch: int | None = None
         self._block_of: dict[str, str] = {}
+        self._weights: list[str] = []  # the conv/linear weight tensors (the degeneracy warning counts them)
+        self._zero_scales: list[str] = []
 
     @property
     def score_key(self) -> str:
@@ -156,11 +167,14 @@ class AutoRGN(LayerSelection):
 
     def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         try:
-            self.find_blocks(pl_module, min_blocks=0)
+            self.find_blocks(pl_module, min_blocks=0, trainer=trainer)
         except ValueError:
             self.block_list = []  # tensors are the units; blocks only label the logs
         self.layers = tensor_layers(pl_module)
         self._block_of = {n: b.name for b in self.block_list for n in b.params}
+        units = {u.name for u in self.layers}
+        self._weights = [n for la in matrix_layers(pl_module) for n, p in la.params.items()
+                         if p is la.weight and n in units and not self._excluded(n)]
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
@@ -190,14 +204,23 @@ class AutoRGN(LayerSelection):
         if not units:
             raise ValueError(f"every trainable tensor is excluded by exclude={list(self.exclude)}; nothing to measure")
         params = [next(iter(u.params.values())) for u in units]
+        # norm scales at zero (timm's zero_init_last) block their branch's gradient: the warning names them
+        self._zero_scales = [u.name for u in self.layers if u.name.endswith("weight") and all(
+            p.ndim == 1 and not bool(p.detach().any()) for p in u.params.values())]
         total = torch.zeros(len(units), dtype=torch.float64)
         n = 0
-        with torch.enable_grad(), preserve_buffers(pl_module):
+        check = stop_on_sigterm(trainer)
+        device = pl_module.device
+        rng = [device.index or 0] if device.type == "cuda" else []
+        # buffers and the random state (the loader's shuffle, dropout) are put back: the epoch that
+        # follows trains as it would without the measurement
+        with torch.enable_grad(), preserve_buffers(pl_module), torch.random.fork_rng(devices=rng):
             for batch in loader:
                 if n >= self.n_batches:
                     break
+                check()
                 batch = self.device_batch(trainer, batch)
-                loss = (self.loss_fn or batch_loss)(pl_module, batch)
+                loss = batch_loss(pl_module, batch, self.loss_fn, batch_idx=n)
                 grads = torch.autograd.grad(loss, params, allow_unused=True)
                 self.check_finite(trainer, {u.name: g for u, g in zip(units, grads) if g is not None},
                                   f"the gradients measured for {self.criterion}")
@@ -219,6 +242,9 @@ class AutoRGN(LayerSelection):
                 rank_zero_warn(f"eb_criterion: no tensor reaches eb_threshold={self.eb_threshold} (max score "
                                f"{max(scores.values()):.3g}); all measured tensors are frozen this epoch")
         values = {u.name: mults.get(u.name, self.excluded_multiplier) for u in self.layers}
+        note = zero_gradient_warning(values, scores, self._weights, self._zero_scales, self.exclude)
+        if note is not None:
+            rank_zero_warn(note)
         return Decision(values=values, scores=dict(scores))
 
     def receive(self, decision: Decision) -> None:

@@ -48,7 +48,7 @@ from lalr_lightning.core.errors import DivergenceError, reject_stray
 from lalr_lightning.core.layers import Layer
 
 __all__ = ["DEFAULT_FIGURES", "FIGURES", "Decision", "LayerwiseCallback", "SettingsMismatchError", "check_figures",
-           "check_strategy", "renamed", "warn_deprecated"]
+           "check_strategy", "renamed", "stop_on_sigterm", "warn_deprecated"]
 
 
 #: settings of what is logged only: a resumed run may change them
@@ -75,6 +75,20 @@ def check_figures(value: Any, arg: str = "figures") -> str | int:
 
 class SettingsMismatchError(ValueError):
     """A checkpoint's callback state was written with other settings than this callback's."""
+
+
+def stop_on_sigterm(trainer: pl.Trainer):
+    """A check for long measurements to call between chunks of work: it raises Lightning's
+    ``SIGTERMException`` once the trainer received SIGTERM (Lightning's handler only sets a flag,
+    which its loops read between batches; a measurement in a hook would otherwise run to its end).
+    Ctrl-C needs nothing: ``KeyboardInterrupt`` is raised between the chunks."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    def check() -> None:
+        if getattr(trainer, "received_sigterm", False):
+            raise SIGTERMException()
+
+    return check
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lalr_lightning.callbacks.base import Decision
+from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
 from lalr_lightning.callbacks.selection import LayerSelection
 from lalr_lightning.core import msa
 from lalr_lightning.core.control import LayerControl
@@ -104,8 +104,9 @@ class LMSAStepper(LayerSelection):
         blocks, join_stem, head: how to find the blocks (:func:`core.layers.block_layers`).
             With ``head=False`` the head's parameters are left to the module's optimizer.
         loss_fn: ``f(pl_module, batch) -> loss``, the training objective, used to run the
-            rest of the network on an updated block. Default: the module's
-            ``loss(output, target)`` (:func:`~lalr_lightning.core.loss.batch_loss`).
+            rest of the network on an updated block. Default
+            (:func:`~lalr_lightning.core.loss.batch_loss`): the module's ``loss(output, target)``,
+            else the loss its own ``training_step`` returns (its logging silenced).
         norm_eval: ``"frozen"`` (default): norm layers of blocks that do not train keep their
             running statistics; ``"all"``: every such norm layer in eval; ``"none"``: modes as
             Lightning sets them (:mod:`lalr_lightning.core.norms`).
@@ -275,21 +276,15 @@ class LMSAStepper(LayerSelection):
         return self.measurements.get("rgn", {})
 
     def _loss(self, pl_module: pl.LightningModule, batch: Any) -> torch.Tensor:
-        return self.loss_fn(pl_module, batch) if self.loss_fn is not None else batch_loss(pl_module, batch,
-                                                                                          fallback=None)
+        return batch_loss(pl_module, batch, self.loss_fn)
 
     # ------------------------------------------------------------------ setup
 
     def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not pl_module.automatic_optimization:
             raise RuntimeError("LMSAStepper needs automatic optimization (it acts around Lightning's optimizer step)")
-        if self.loss_fn is None and not callable(getattr(pl_module, "loss", None)):
-            raise TypeError(
-                f"LMSAStepper: {type(pl_module).__name__} has no loss(output, target) method; pass loss_fn=f with "
-                "f(pl_module, batch) -> the scalar training loss"
-            )
         try:
-            self.layers = self.find_blocks(pl_module, head=self.head, min_blocks=1)
+            self.layers = self.find_blocks(pl_module, head=self.head, min_blocks=1, trainer=trainer)
         except ValueError as err:
             raise ValueError(f"LMSAStepper: {err}") from err
         for layer in self.layers:
@@ -402,8 +397,29 @@ class LMSAStepper(LayerSelection):
         self.taps.seed = self.seed * 1_000_003 + trainer.global_step
         if not self.taps.discovered:
             self.taps.discover(lambda: self._loss(pl_module, batch))
+            self._report_cost(pl_module)
         self.taps.set_capture(self._capture_names())
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    #: a measurement holding more than this many bytes of states and co-states warns (with its size)
+    warn_bytes: int = 2 * 2**30
+
+    def _report_cost(self, pl_module: pl.LightningModule) -> None:
+        """State, before the first measurement, what it holds and runs: every block's states and
+        co-states of a batch, and one forward pass of the model per block and batch; warn when
+        the states exceed :attr:`warn_bytes`, naming the largest (a language model's logits)."""
+        sizes = self.taps.capture_bytes()
+        total = sum(sizes.values())
+        big = max(sizes, key=sizes.get)
+        text = (f"L-MSA: measuring holds the states and co-states of {len(sizes)} blocks, about {total / 2**20:.3g} MiB "
+                f"per batch (the most: {big!r}, {sizes[big] / 2**20:.3g} MiB), and runs the model once per block and "
+                f"batch ({len(sizes)} x n_batches={self.n_batches} forward passes per selection)")
+        if total > self.warn_bytes:
+            head = self.layers[-1].role == "head" and big == self.layers[-1].name
+            rank_zero_warn(text + ("; head=False leaves the head to the module's optimizer and its outputs (the logits) "
+                                   "out of the measurement" if head else "; a smaller batch holds less"))
+        else:
+            rank_zero_info(text)
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         names = self._capture_names()
@@ -477,7 +493,9 @@ class LMSAStepper(LayerSelection):
                                   "learning rate or check the data and loss_fn")
         last = taps.captures[self.layers[-1].name][-1]
         out_dim = self.output_dim or int(last.out[0].numel())
+        check = stop_on_sigterm(trainer)
         for layer in self.layers:
+            check()
             cap = taps.captures[layer.name][-1]
             name = layer.name
             score = msa.block_score(
@@ -554,7 +572,8 @@ class LMSAStepper(LayerSelection):
                     i += g.numel()
                 return out
         self._last_h = msa.maximize_hamiltonian(terms, params, self._inner, steps=self.inner_steps, rho=self.rho,
-                                                feasibility=self.feasibility, reduce_grads=reduce)
+                                                feasibility=self.feasibility, reduce_grads=reduce,
+                                                check=stop_on_sigterm(trainer))
         if trainer.loggers and trainer._logger_connector.should_update_logs and self._last_h:
             self.log_values(trainer, {f"{self.prefix}/hamiltonian_first": self._last_h[0],
                                       f"{self.prefix}/hamiltonian_last": self._last_h[-1]})

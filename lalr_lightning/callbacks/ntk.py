@@ -12,8 +12,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lalr_lightning.callbacks.base import Decision, LayerwiseCallback
+from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, stop_on_sigterm
 from lalr_lightning.core import ntk
 from lalr_lightning.core.anchor import check_anchor, snapshot, trainable
 from lalr_lightning.core.placement import follow
@@ -50,7 +51,20 @@ class NTKDiagnostics(LayerwiseCallback):
         kernel: the kernel of a C-class output (:func:`~lalr_lightning.core.ntk.empirical_ntk`):
             ``"trace"`` (N x N, classes traced out), ``"full"`` (NC x NC) or ``"sum"``.
         max_jacobian_numel: memory bound of the Jacobian blocks (see ``empirical_ntk``).
+        positions: token outputs ``[N, T, V]`` (a language model on dict batches with
+            ``input_ids``): ``"last"`` (default) measures each sample's last real token,
+            ``"all"`` every position.
+        outputs: how many outputs per sample ``J`` holds (``trace`` kernel): ``None`` (default)
+            every output while the Jacobian's estimated time stays within ``ntk.DEFAULT_SECONDS``
+            (5 s), else the outputs projected onto as many random directions as fit (an unbiased
+            estimate of the trace kernel); ``"all"`` every output, or an integer: that many
+            directions -- beyond the budget with a warning that gives the estimated size and time.
+            The estimate times a few rows of the real computation before the first measurement;
+            the choice is logged, made once and kept in the checkpoint (``core.ntk.ntk_cost``).
         name, strict_resume: as every callback of the package.
+
+    The cost is estimated before the first measurement and stated in the log; a SIGTERM or
+    Ctrl-C stops a measurement between chunks of Jacobian rows.
 
     The kernel is taken w.r.t. the trainable parameters at the current weights; the gap
     ``||f_theta(x*) - f_lin(x*)||`` and ``KL(softmax f || softmax f_lin)`` compare the model with
@@ -72,7 +86,8 @@ class NTKDiagnostics(LayerwiseCallback):
     readable = LayerwiseCallback.readable + ("etas", "kappa", "gap", "kl")
 
     def __init__(self, every_n_epochs: int = 1, probe_size: int = 16, sigma: float = 1e-3, kernel: str = "trace",
-                 max_jacobian_numel: int = 2**28, name: str | None = None, strict_resume: bool = True):
+                 max_jacobian_numel: int = 2**28, positions: str = "last", outputs: int | str | None = None,
+                 name: str | None = None, strict_resume: bool = True):
         super().__init__(name=name, strict_resume=strict_resume)
         for arg, value in (("every_n_epochs", every_n_epochs), ("probe_size", probe_size),
                            ("max_jacobian_numel", max_jacobian_numel)):
@@ -87,6 +102,9 @@ class NTKDiagnostics(LayerwiseCallback):
         self.sigma = float(sigma)
         self.kernel = kernel
         self.max_jacobian_numel = max_jacobian_numel
+        self.positions = ntk.check_positions(positions)
+        self.outputs = ntk.check_outputs(outputs)
+        self._chosen: int | str | None = "unset"  # the outputs used, chosen at the first measurement
         self.etas: dict[str, float] = {}
         self.kappa = self.gap = self.kl = math.nan
         self._params: dict[str, torch.nn.Parameter] = {}
@@ -96,6 +114,7 @@ class NTKDiagnostics(LayerwiseCallback):
     def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._params = trainable(pl_module, type(self).__name__)
         self._groups = ntk.layer_groups(pl_module, self._params)
+        self._chosen = "unset"  # chosen at the first measurement (a checkpoint loaded after this restores it)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.restored and self._anchor is not None:
@@ -117,14 +136,22 @@ class NTKDiagnostics(LayerwiseCallback):
         x, _ = probe_inputs(pl_module, trainer.train_dataloader, self.probe_size,
                             to_device=lambda b: self.device_batch(trainer, b))
         params = {n: p.detach() for n, p in self._params.items()}
+        if self._chosen == "unset":  # once: the size and time of J, stated before computing it
+            cost = ntk.ntk_cost(pl_module, x, params, mode=self.kernel, positions=self.positions,
+                                outputs=self.outputs, max_jacobian_numel=self.max_jacobian_numel,
+                                check=stop_on_sigterm(trainer))
+            text, warn = cost.report(type(self).__name__, self.outputs)
+            (rank_zero_warn if warn else rank_zero_info)(text)
+            self._chosen = cost.outputs
         k = ntk.empirical_ntk(pl_module, x, params, self._groups, mode=self.kernel,
-                              max_jacobian_numel=self.max_jacobian_numel)
+                              max_jacobian_numel=self.max_jacobian_numel, positions=self.positions,
+                              outputs=self._chosen, check=stop_on_sigterm(trainer))
         self.check_finite(trainer, {"K": k.K}, "the NTK on the probe batch")
         sigma = self.sigma * float(torch.trace(k.K)) / k.K.shape[0]
         eig = torch.linalg.eigvalsh(k.K)
         # theta_0 where the weights are now (Lightning moves the model after the snapshot)
         anchor = follow(self._anchor, self._params)
-        gap = ntk.linearization_gap(*ntk.linearize(pl_module, x, anchor, params))
+        gap = ntk.linearization_gap(*ntk.linearize(pl_module, x, anchor, params, positions=self.positions))
         return {"etas": ntk.layer_etas(k.K, k.S, sigma), "kappa": ntk.condition_number(k.K, sigma),
                 "gap": gap.gap, "kl": gap.kl, "lambda_max": float(eig[-1]), "lambda_min": float(eig[0]),
                 "sigma": sigma}
@@ -142,8 +169,10 @@ class NTKDiagnostics(LayerwiseCallback):
 
     def _state(self) -> dict:
         return {"anchor": None if self._anchor is None else {n: t.detach().cpu() for n, t in self._anchor.items()},
-                "kappa": self.kappa, "gap": self.gap, "kl": self.kl}
+                "kappa": self.kappa, "gap": self.gap, "kl": self.kl, "outputs_used": self._chosen}
 
     def _load_state(self, state: dict) -> None:
         self._anchor = None if state.get("anchor") is None else dict(state["anchor"])
         self.kappa, self.gap, self.kl = (float(state.get(k, math.nan)) for k in ("kappa", "gap", "kl"))
+        self._chosen = state.get("outputs_used", "unset")  # a resumed run measures the same outputs
+

@@ -12,9 +12,9 @@ import warnings
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lalr_lightning.callbacks.base import Decision
+from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
 from lalr_lightning.callbacks.distributed import sharded
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.core import ntk
@@ -61,6 +61,11 @@ class NTKSelect(LayerSelection):
             default): the head is a candidate like any other layer.
         probe_size: samples of the fixed probe batch (the same on every rank).
         kernel: ``"trace"``, ``"full"`` or ``"sum"`` (:func:`~lalr_lightning.core.ntk.empirical_ntk`).
+        positions, outputs: which outputs the kernel is taken over, as for
+            :class:`~lalr_lightning.callbacks.ntk.NTKDiagnostics` (a language model: its last real
+            token by default; when the Jacobian's estimated time exceeds ``ntk.DEFAULT_SECONDS``,
+            the outputs projected onto random directions, stated in the log). A SIGTERM or Ctrl-C
+            stops the measurement.
         norm_eval: ``frozen``, ``all`` or ``none`` (:mod:`lalr_lightning.core.norms`).
         save_compute: turn ``requires_grad`` off for the frozen layers: before the model is
             wrapped when the probe can be drawn in ``setup`` (then under DDP they get no
@@ -84,7 +89,8 @@ class NTKSelect(LayerSelection):
 
     def __init__(self, kappa_max: float = 1e3, sigma: float = 0.1, max_layers: int | None = None,
                  probe_size: int = 16, kernel: str = "trace", head: bool = False, norm_eval: str = "frozen",
-                 save_compute: bool = True, name: str | None = None, strict_resume: bool = True):
+                 save_compute: bool = True, positions: str = "last", outputs: int | str | None = None,
+                 name: str | None = None, strict_resume: bool = True):
         super().__init__(norm_eval=norm_eval, save_compute=save_compute, name=name, strict_resume=strict_resume)
         if not (kappa_max >= 1) or not math.isfinite(kappa_max):
             raise ValueError(f"kappa_max must be a finite number >= 1 (a condition number is at least 1), got {kappa_max}")
@@ -100,6 +106,8 @@ class NTKSelect(LayerSelection):
         self.max_layers = max_layers
         self.probe_size = int(probe_size)
         self.kernel = kernel
+        self.positions = ntk.check_positions(positions)
+        self.outputs = ntk.check_outputs(outputs)
         self.head = bool(head)
         self.head_layer: str | None = None
         self.chosen_eta: dict[str, float] = {}
@@ -168,8 +176,13 @@ class NTKSelect(LayerSelection):
         # in setup the precision plugin has not converted the module yet (bf16-true): nor the batch
         to_device = trainer.strategy.batch_to_device if in_setup else (lambda b: self.device_batch(trainer, b))
         x, _ = probe_inputs(pl_module, loader, self.probe_size, to_device=to_device)
-        k = ntk.empirical_ntk(pl_module, x, {n: p.detach() for n, p in self._params.items()}, self._groups,
-                              mode=self.kernel)
+        params = {n: p.detach() for n, p in self._params.items()}
+        cost = ntk.ntk_cost(pl_module, x, params, mode=self.kernel, positions=self.positions, outputs=self.outputs,
+                            check=stop_on_sigterm(trainer))
+        text, warn = cost.report(type(self).__name__, self.outputs)  # stated before computing J
+        (rank_zero_warn if warn else rank_zero_info)(text)
+        k = ntk.empirical_ntk(pl_module, x, params, self._groups, mode=self.kernel, positions=self.positions,
+                              outputs=cost.outputs, check=stop_on_sigterm(trainer))
         self.check_finite(trainer, k.S, "the per-layer NTK on the probe batch")
         return {"S": {g: s.cpu() for g, s in k.S.items()}, "sigma": self.sigma * float(torch.trace(k.K)) / k.K.shape[0]}
 

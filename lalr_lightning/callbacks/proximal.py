@@ -20,22 +20,24 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from fnmatch import fnmatchcase
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 
-from lalr_lightning.callbacks.base import Decision, LayerwiseCallback
+from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, stop_on_sigterm
 from lalr_lightning.callbacks.distributed import shard_layout, sharded
 from lalr_lightning.core import proximal
 from lalr_lightning.core.anchor import check_anchor, load_anchor, snapshot, trainable
 from lalr_lightning.core.control import PostStep
 from lalr_lightning.core.layers import Layer
+from lalr_lightning.core.loss import batch_loss, loss_source, split_batch
 from lalr_lightning.core.ntk import estimate_lambda_o, layer_groups
 from lalr_lightning.core.placement import follow, placed
-from lalr_lightning.core.probe import probe_inputs
+from lalr_lightning.core.probe import fixed_batch
 from lalr_lightning.core.shards import ShardLayout, all_sum, local_tensor
 
 __all__ = ["ProximalRegularizer", "GRANULARITIES"]
@@ -83,7 +85,16 @@ class ProximalRegularizer(LayerwiseCallback):
         probe_size: samples of the fixed probe batch ``lambda_o`` is estimated on (the same on
             every rank: drawn from the training dataset by a fixed seed).
         every_n_epochs: estimate ``lambda_o`` at the end of every N-th epoch (``None``: never).
+        loss_fn: ``f(module, batch) -> loss`` for ``lambda_o``'s residual (below); default the
+            module's ``loss(output, target)``, else the loss its ``training_step`` returns.
         name, strict_resume: as every callback of the package.
+
+    ``lambda_o``'s residual ``||f(x*) - y*||``: for class-index targets ``[N]`` (or float targets
+    of the outputs' shape) and no ``loss_fn``, the paper's squared loss on one-hot targets; for
+    anything else (a language model's token labels, a dict batch without class labels, a given
+    ``loss_fn``) the gradient of the module's own loss with respect to its outputs,
+    ``N ||dL/df||`` (:func:`~lalr_lightning.core.ntk.output_gradient_norm`), which is
+    ``||f - y||`` again for ``L = ||f - y||^2 / (2N)``. Which one is used is logged once.
 
     Readable: ``distances`` (layer -> ``||theta - theta_0||``, refreshed at every logging step,
     epoch end and fit end), ``regularized_fraction`` (layer -> share of its tensors' steps that
@@ -115,6 +126,7 @@ class ProximalRegularizer(LayerwiseCallback):
         radius: float | None = None,
         probe_size: int = 16,
         every_n_epochs: int | None = 1,
+        loss_fn: Callable[[pl.LightningModule, Any], torch.Tensor] | None = None,
         name: str | None = None,
         strict_resume: bool = True,
     ):
@@ -133,6 +145,8 @@ class ProximalRegularizer(LayerwiseCallback):
                 raise ValueError(f"{arg} must be an integer >= 1, got {value!r}")
         if probe_size is None:
             raise ValueError("probe_size must be an integer >= 1, got None")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be a callable (module, batch) -> loss, got {type(loss_fn).__name__}")
         self.lam = lam
         self.selective = bool(selective)
         self.granularity = granularity
@@ -142,6 +156,7 @@ class ProximalRegularizer(LayerwiseCallback):
         self.radius = None if radius is None else float(radius)
         self.probe_size = probe_size
         self.every_n_epochs = every_n_epochs
+        self.loss_fn = loss_fn
         self.distances: dict[str, float] = {}
         self.regularized_fraction: dict[str, float] = {}
         self.lambda_o = math.nan
@@ -279,10 +294,18 @@ class ProximalRegularizer(LayerwiseCallback):
         """Theorem 4's ``lambda_o`` for radius ``r``, with the residual and ``Lip(f)`` at
         ``theta_0`` on the probe batch (computed once per fit: they do not change)."""
         if self._unit_lambda_o is None:
-            x, y = probe_inputs(pl_module, trainer.train_dataloader, self.probe_size,
-                                to_device=lambda b: self.device_batch(trainer, b))
+            batch = self.device_batch(trainer, fixed_batch(trainer.train_dataloader, self.probe_size))
+            x, y = split_batch(pl_module, batch)
             theta0 = {n: placed(a, self._params[n]) for n, a in self._placed_anchor().items()}
-            self._unit_lambda_o = estimate_lambda_o(pl_module, x, y, 1.0, theta0)["lambda_o"]
+            check = stop_on_sigterm(trainer)
+            if self.loss_fn is None and _squared_targets(y):
+                self._unit_lambda_o = estimate_lambda_o(pl_module, x, y, 1.0, theta0, check=check)["lambda_o"]
+            else:  # the residual from the gradient of the module's own loss (class docstring)
+                rank_zero_info(f"{type(self).__name__}: lambda_o's residual is N ||dL/df|| of "
+                               f"{loss_source(pl_module, self.loss_fn)} (the targets are not class indices)")
+                self._unit_lambda_o = estimate_lambda_o(
+                    pl_module, x, None, 1.0, theta0, check=check,
+                    loss=lambda: batch_loss(pl_module, batch, self.loss_fn))["lambda_o"]
         return self._unit_lambda_o / r if r > 0 else math.nan
 
     def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
@@ -347,3 +370,8 @@ class ProximalRegularizer(LayerwiseCallback):
         self.distances = dict(state.get("distances", {}))
         self.lambda_o = float(state.get("lambda_o", math.nan))
         self._unit_lambda_o = state.get("unit_lambda_o")
+
+
+def _squared_targets(y: Any) -> bool:
+    """Targets the paper's squared loss reads: class indices ``[N]``, or float targets."""
+    return isinstance(y, torch.Tensor) and (y.is_floating_point() or y.ndim == 1)

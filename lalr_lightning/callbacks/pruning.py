@@ -23,6 +23,7 @@ from lalr_lightning.core import spectral
 from lalr_lightning.core.criterion_pruning import criterion_prune, load_weights, sample_count, take_samples
 from lalr_lightning.core.layers import DEFAULT_KINDS
 from lalr_lightning.core.llm_pruning import CRITERIA, needs_stats
+from lalr_lightning.core.loss import call_model, split_batch, step_loss
 from lalr_lightning.core.pruning import (
     DIRECTIONS,
     PRUNING_METRICS,
@@ -115,8 +116,9 @@ class HTSRPruning(LayerwiseCallback):
             of its input feature over calibration tokens, the ``int(ratio * in)`` lowest of every
             output row) or ``"sparsegpt"`` (one-shot OBS: the mask from ``w^2 / [H^-1]_jj`` and the
             kept weights of the row updated to compensate, ``H`` from the calibration inputs).
-            Wanda and SparseGPT prune the rows of Linear layers (``layer_types=("linear",)`` for a
-            model with convolutions), once (not ``when="gradual"``), unstructured or N:M.
+            Wanda and SparseGPT prune the rows of Linear layers, and convolutions (``groups=1``) as
+            ``(out, in x kh x kw)`` matrices against their unfolded inputs (unstructured only; N:M
+            takes Linear layers: ``layer_types=("linear",)``), once (not ``when="gradual"``).
         n, m: N:M semi-structured sparsity: ``n`` of every ``m`` consecutive input weights of each
             row pruned (2:4, 4:8), any criterion. Every layer is then pruned at ``n / m``: the HT-SR
             per-layer ratios do not apply (AlphaPruning's code ignores them under N:M too), so a
@@ -440,7 +442,7 @@ class HTSRPruning(LayerwiseCallback):
         self.check_finite(self._trainer, {la.name: la.weight for la in self.layers}, "the weights")
         return criterion_prune(self._model, self.layers, ratios, self.criterion, batches, n=self.n, m=self.m,
                                blocksize=self.blocksize or 128, percdamp=0.01 if self.percdamp is None else
-                               self.percdamp, forward=self._forward)
+                               self.percdamp, forward=self._forward, convolutions=True)
 
     def _calibration_source(self):
         if self.calibration is not None:
@@ -455,14 +457,18 @@ class HTSRPruning(LayerwiseCallback):
         return loader
 
     def _forward(self, batch) -> None:
-        """Run a model without transformer blocks on one calibration batch: ``x`` of a
-        ``(x, ...)`` batch, a tensor batch, or a dict's entries as keyword arguments."""
+        """Run a model without transformer blocks on one calibration batch: its inputs (``x`` of a
+        ``(x, ...)`` batch, a tensor batch, a dict's entries but ``labels`` as keyword arguments)
+        through its ``forward`` (or the one child holding its parameters), else its own
+        ``training_step`` (logging silenced): ``core.loss``."""
         batch = self.device_batch(self._trainer, batch)
         try:
-            if isinstance(batch, dict):
-                self._model(**batch)
-            else:
-                self._model(batch[0] if isinstance(batch, (tuple, list)) else batch)
+            try:
+                call_model(self._model, split_batch(self._model, batch)[0])
+            except TypeError:  # no forward to call with these inputs: the step the module trains with
+                if not callable(getattr(self._model, "training_step", None)):
+                    raise
+                step_loss(self._model, batch)
         except Exception as err:  # noqa: BLE001 -- any failure means the batches do not fit the model
             raise ValueError(
                 f"HTSRPruning(criterion={self.criterion!r}) could not run {type(self._model).__name__} on a "

@@ -138,7 +138,7 @@ class BlockSchedule(LayerSelection):
     # ------------------------------------------------------------------ when
 
     def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.layers = self.find_blocks(pl_module)
+        self.layers = self.find_blocks(pl_module, trainer=trainer)
         rank_zero_info(f"{self.title} blocks of {type(pl_module).__name__}: {describe_blocks(self.layers)}")
         if self.schedule == "lisa":
             self._check_lisa(pl_module)

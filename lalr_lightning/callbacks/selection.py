@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info
@@ -37,11 +38,14 @@ from torch import nn
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
 from lalr_lightning.callbacks.distributed import replaces_parameters, sharded
 from lalr_lightning.core.control import LayerControl
+from lalr_lightning.core.forward_blocks import Trace, trace_modules
 from lalr_lightning.core.handsync import HandSync
-from lalr_lightning.core.layers import Layer, block_layers
+from lalr_lightning.core.layers import Layer, block_layers, suggest_blocks
+from lalr_lightning.core.loss import batch_loss, to_device
 from lalr_lightning.core.norms import NORM_EVAL, norm_layers, set_norm_modes
+from lalr_lightning.core.probe import fixed_batch
 
-__all__ = ["LayerSelection", "SurgicalLayerSelect", "MODES", "OPTIMIZER_STATE", "register_mode"]
+__all__ = ["LayerSelection", "SurgicalLayerSelect", "MODES", "OPTIMIZER_STATE", "forward_trace", "register_mode"]
 
 #: what a switching selection does with the optimizer state of blocks that stop training
 OPTIMIZER_STATE = ("release", "keep")
@@ -118,10 +122,13 @@ class LayerSelection(LayerwiseCallback):
 
     # ------------------------------------------------------------------ setup
 
-    def find_blocks(self, pl_module: nn.Module, *, head: bool = True, min_blocks: int = 2) -> list[Layer]:
-        """The model's blocks (``blocks`` patterns, or found: timm groups / repeated children); a
-        clear error when there are fewer than ``min_blocks`` to choose between."""
-        self.block_list = block_layers(pl_module, self.blocks, join_stem=self.join_stem, head=head)
+    def find_blocks(self, pl_module: nn.Module, *, head: bool = True, min_blocks: int = 2,
+                    trainer: pl.Trainer | None = None) -> list[Layer]:
+        """The model's blocks (``blocks`` patterns, or found: timm groups / repeated children / with
+        ``trainer``, the forward pass on a probe batch, :func:`forward_trace`); a clear error when
+        there are fewer than ``min_blocks`` to choose between."""
+        trace = None if trainer is None else (lambda: forward_trace(trainer, pl_module, getattr(self, "loss_fn", None)))
+        self.block_list = block_layers(pl_module, self.blocks, join_stem=self.join_stem, head=head, trace=trace)
         if len(self.block_list) < min_blocks:
             raise ValueError(
                 f"{type(pl_module).__name__} has a single block ({self.block_names}), so there is nothing to "
@@ -334,6 +341,46 @@ class LayerSelection(LayerwiseCallback):
             if self._handsync is not None:
                 self._handsync.stop()
             self._ctls, self._module, self._handsync = None, None, None
+
+
+def forward_trace(trainer: pl.Trainer, pl_module: pl.LightningModule, loss_fn=None) -> Trace:
+    """One forward pass of ``pl_module`` with every module hooked (``core.forward_blocks``), in
+    ``setup``: on its ``example_input_array`` when it has one, else on two samples of the training
+    loader run through the module's own loss (``core.loss.batch_loss``: ``loss_fn``, its
+    ``loss(output, target)`` or its ``training_step``, logging silenced)."""
+    example = getattr(pl_module, "example_input_array", None)
+    if example is not None:
+        device = next((p.device for p in pl_module.parameters()), torch.device("cpu"))
+        example = to_device(example, device)
+
+        def run():  # as Lightning's model summary calls it
+            if isinstance(example, dict):
+                return pl_module(**example)
+            return pl_module(*example) if isinstance(example, (tuple, list)) else pl_module(example)
+    else:
+        try:
+            batch = fixed_batch(trainer.fit_loop._data_source.dataloader(), 2)
+        except Exception as err:  # noqa: BLE001 -- any failure: say what to add instead
+            raise ValueError(
+                f"cannot find the blocks of {type(pl_module).__name__}: no timm group_matcher, repeated children or "
+                f"Sequential trunk, and no batch to run its forward pass on in setup ({type(err).__name__}: "
+                f"{str(err).splitlines()[0][:120] if str(err) else ''}); "
+                f"set {type(pl_module).__name__}.example_input_array, or pass blocks=[...], e.g. "
+                f"blocks={suggest_blocks(pl_module)!r}"
+            ) from None
+        batch = to_device(batch, next((p.device for p in pl_module.parameters()), torch.device("cpu")))
+
+        def run():
+            return batch_loss(pl_module, batch, loss_fn)
+    try:
+        return trace_modules(pl_module, run)
+    except Exception as err:  # noqa: BLE001 -- the forward pass was for the blocks: say what else works
+        raise ValueError(
+            f"cannot find the blocks of {type(pl_module).__name__}: no timm group_matcher, repeated children or "
+            f"Sequential trunk, and its forward pass on a training batch failed ({type(err).__name__}: "
+            f"{str(err).splitlines()[0][:120] if str(err) else ''}); set {type(pl_module).__name__}.example_input_array,"
+            f" or pass blocks=[...], e.g. blocks={suggest_blocks(pl_module)!r}"
+        ) from err
 
 
 class SurgicalLayerSelect(Callback):

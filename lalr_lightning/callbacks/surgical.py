@@ -72,7 +72,7 @@ class SurgicalBlocks(LayerSelection):
         self.select = select
 
     def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.layers = self.find_blocks(pl_module)
+        self.layers = self.find_blocks(pl_module, trainer=trainer)
         self._chosen = select_blocks(self.select, self.block_names)
         rank_zero_info(f"surgical blocks of {type(pl_module).__name__}: {describe_blocks(self.layers)}; "
                        f"select={self.select!r} trains {', '.join(self._chosen)}")

@@ -9,9 +9,12 @@ The glue between the per-layer ratios of :mod:`lalr_lightning.core.pruning` (wha
   (:func:`find_causal_lm`) they are taken block by block in the order the model runs its blocks
   (:func:`lalr_lightning.core.calibration.run_blocks`): each block is calibrated on what the
   already-pruned blocks before it produce, as Wanda's and SparseGPT's own code. In any other
-  model (no transformer blocks) every pruned layer must be a ``Linear``; the inputs are recorded
-  in one pass of ``forward`` over the calibration batches on the dense model, then every layer
-  is pruned -- there is no block order to follow.
+  model (no transformer blocks) every pruned layer must be a ``Linear`` -- or, with
+  ``convolutions=True``, a ``Conv2d`` (``groups=1``), pruned as its ``(out, in x kh x kw)``
+  matrix against its unfolded inputs (``F.unfold``: every patch a row; SparseGPT's reference
+  treats convolutions so); the inputs are recorded in one pass of ``forward`` over the
+  calibration batches on the dense model, then every layer is pruned -- there is no block
+  order to follow.
 
 The layers are pruned in place (weights set to zero; SparseGPT also updates the kept weights),
 and the keep-masks are returned in the parameters' own layout, keyed by parameter name, ready for
@@ -92,13 +95,56 @@ def weight_name(layer: Layer) -> str:
     return next(n for n, p in layer.params.items() if p is layer.weight)
 
 
-def _check_layers(layers: Sequence[Layer], criterion: str, m: int) -> None:
-    bad = [f"{la.name} ({la.kind})" for la in layers if la.kind not in LINEAR_KINDS]
+def _unfolds(layer: Layer) -> bool:
+    """A convolution the row-wise criteria prune through its unfolded inputs."""
+    mod = layer.module
+    return isinstance(mod, nn.Conv2d) and mod.groups == 1 and mod.padding_mode == "zeros" \
+        and not isinstance(mod.padding, str)
+
+
+def _matrix(mod: nn.Module) -> torch.Tensor:
+    return mod.weight.reshape(mod.weight.shape[0], -1) if isinstance(mod, nn.Conv2d) else weight_matrix(mod)
+
+
+def _set_matrix(mod: nn.Module, new: torch.Tensor) -> None:
+    if isinstance(mod, nn.Conv2d):
+        with torch.no_grad():
+            mod.weight.copy_(new.reshape(mod.weight.shape).to(mod.weight.dtype))
+    else:
+        set_weight_matrix(mod, new)
+
+
+def _unfolded(mod: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """The conv's input patches as rows ``(batch x positions, in x kh x kw)``, ordered as the
+    weight's flattened columns."""
+    cols = torch.nn.functional.unfold(x, mod.kernel_size, dilation=mod.dilation, padding=mod.padding,
+                                      stride=mod.stride)
+    return cols.transpose(1, 2).reshape(-1, cols.shape[1])
+
+
+def _check_layers(layers: Sequence[Layer], criterion: str, m: int, convolutions: bool = False) -> None:
+    if convolutions and not m:
+        grouped = [f"{la.name} (groups={la.module.groups})" for la in layers
+                   if la.kind == "conv2d" and not _unfolds(la) and getattr(la.module, "groups", 1) != 1]
+        if grouped:
+            raise ValueError(
+                f"criterion={criterion!r} prunes a convolution as its (out, in x kh x kw) matrix against its unfolded "
+                f"inputs, which grouped convolutions do not have: {', '.join(grouped[:5])}; prune by magnitude "
+                "(criterion='magnitude'), or leave the convolutions dense with layer_types=('linear',)"
+            )
+    bad = [f"{la.name} ({la.kind})" for la in layers
+           if la.kind not in LINEAR_KINDS and not (convolutions and not m and _unfolds(la))]
     if bad:
         what = f"criterion={criterion!r}" if not m else "N:M sparsity"
+        linear = [la.name for la in layers if la.kind in LINEAR_KINDS]
+        # where layer_types=('linear',) leads, said now: the Linear layers not among ``layers`` were
+        # left out as the output layer (head=False) or as too small
+        then = (f"prunes only {', '.join(linear[:5])}" if linear else
+                "prunes none of these: any Linear layer this model has is the output layer, pruned only with "
+                "head=True, or below min_numel / min_evals")
         raise ValueError(
             f"{what} prunes the rows of Linear layers; these prunable layers are not Linear: {', '.join(bad[:5])}; "
-            "use criterion='magnitude' without n/m, or layer_types=('linear',)"
+            f"use criterion='magnitude' without n/m, or layer_types=('linear',) (which {then})"
         )
 
 
@@ -106,12 +152,14 @@ def _prune_one(layer: Layer, ratio: float, criterion: str, stats: InputStats | N
                blocksize: int, percdamp: float) -> torch.Tensor:
     """Prune one layer in place; its keep-mask in the weight's own layout."""
     mod = layer.module
-    w = weight_matrix(mod)
+    w = _matrix(mod)
     try:
         new, keep = prune_weight(w, criterion, ratio, stats, n=n, m=m, blocksize=blocksize, percdamp=percdamp)
     except ValueError as err:
         raise ValueError(f"layer {layer.name}: {err}") from None
-    set_weight_matrix(mod, new)
+    _set_matrix(mod, new)
+    if isinstance(mod, nn.Conv2d):
+        return keep.reshape(mod.weight.shape).cpu()
     return (keep.T if w is not mod.weight else keep).cpu()
 
 
@@ -128,6 +176,7 @@ def criterion_prune(
     blocksize: int = 128,
     percdamp: float = 0.01,
     forward: Callable[[object], object] | None = None,
+    convolutions: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Prune ``layers`` of ``model`` in place by ``criterion`` at ``ratios[layer.name]`` (unused
     with N:M); returns ``{weight parameter name: keep-mask}`` (CPU, bool, the weight's shape).
@@ -136,10 +185,13 @@ def criterion_prune(
     ``(input_ids, ...)`` tuples or dicts with ``input_ids`` for a causal LM; for a model without
     transformer blocks, whatever ``forward(batch)`` runs the model on (module docstring).
     The model is run in eval mode (no dropout); every module's mode is put back afterwards.
+    ``convolutions``: also prune ``Conv2d`` layers (``groups=1``) by Wanda / SparseGPT, as
+    ``(out, in x kh x kw)`` matrices against their unfolded inputs (module docstring); without it
+    they are refused, as the reference criteria prune Linear rows only.
     """
     n, m = check_nm(n, m)
     if criterion != "magnitude" or m:
-        _check_layers(layers, criterion, m)
+        _check_layers(layers, criterion, m, convolutions)
     if not needs_stats(criterion):
         return {weight_name(la): _prune_one(la, ratios[la.name], criterion, None, n, m, blocksize, percdamp)
                 for la in layers}
@@ -177,11 +229,18 @@ def criterion_prune(
                     f"{type(model).__name__} has no transformer blocks and no forward function was given to run "
                     "it on the calibration batches"
                 )
-            stats = {la.name: InputStats(weight_matrix(la.module).shape[1], hessian=hessian,
+            stats = {la.name: InputStats(_matrix(la.module).shape[1], hessian=hessian,
                                          device=la.weight.device) for la in layers}
 
             def hook(name):
-                return lambda _mod, args: stats[name].add(args[0])
+                def add(mod, args):
+                    x = args[0]
+                    if isinstance(mod, nn.Conv2d):  # every patch a row; the samples are the images
+                        stats[name].add(_unfolded(mod, x if x.ndim == 4 else x.unsqueeze(0)),
+                                        samples=x.shape[0] if x.ndim == 4 else 1)
+                    else:
+                        stats[name].add(x)
+                return add
 
             handles = [la.module.register_forward_pre_hook(hook(la.name)) for la in layers]
             try:

@@ -371,7 +371,10 @@ def _repeated_children(model: nn.Module) -> tuple[str, list[list[str]]] | None:
             if m:
                 series.setdefault(m["stem"], []).append((int(m["num"]), pre + n))
         for stem, items in series.items():
-            if len(items) >= 2 and stem not in ("conv", "bn", "fc", "norm", "relu", "linear", "dropout", "act"):
+            # blocks are modules of layers (layer1..layer4); a series of single layers named c1, c2
+            # (and b1, b2 beside them) says nothing about how they group: the forward pass does
+            if len(items) >= 2 and stem not in ("conv", "bn", "fc", "norm", "relu", "linear", "dropout", "act") \
+                    and all(_is_container(model.get_submodule(_raw_path(model, n))) for _, n in items):
                 cands.append([n for _, n in sorted(items)])
         for names in cands:
             size = sum(p.numel() for n in names for p in model.get_submodule(_raw_path(model, n)).parameters())
@@ -382,15 +385,37 @@ def _repeated_children(model: nn.Module) -> tuple[str, list[list[str]]] | None:
     return None if flat is None else (flat[2], flat[3])
 
 
-def suggest_blocks(model: nn.Module) -> list[str | list[str]]:
+def _resolve_trace(trace):
+    return trace() if callable(trace) else trace
+
+
+def _traced_blocks(model: nn.Module, trace) -> tuple[list[str], list[list[str]], list[str]] | None:
+    """``(stem, blocks, head)`` as clean module names from a forward pass, or None."""
+    from .forward_blocks import forward_blocks
+
+    trace = _resolve_trace(trace)
+    if trace is None:
+        return None
+    found = forward_blocks(model, trace)
+    if found is None:
+        return None
+    stem, blocks, head = found
+    return [clean_name(n) for n in stem], [[clean_name(n) for n in b] for b in blocks], [clean_name(n) for n in head]
+
+
+def suggest_blocks(model: nn.Module, trace=None) -> list[str | list[str]]:
     """A ``blocks=`` value to paste as it is, one entry (a module-name prefix, or a list of them)
-    per middle block: the blocks :func:`block_layers` finds by itself when it can; else the
-    layers of the module with most of them (each layer with the norms after it), without its
-    first layer when nothing comes before it (left as the stem) and its last when it holds the
-    output layer (left as the head). The latter assumes children registered in forward order."""
+    per middle block: the blocks :func:`block_layers` finds by itself when it can (with ``trace``,
+    from a forward pass: :mod:`lalr_lightning.core.forward_blocks`); else the layers of the module
+    with most of them (each layer with the norms after it), without its first layer when nothing
+    comes before it (left as the stem) and its last when it holds the output layer (left as the
+    head). The latter assumes children registered in forward order."""
     rep = _repeated_children(model)
     if rep is not None:
         return [b[0] if len(b) == 1 else list(b) for b in rep[1]]
+    traced = _traced_blocks(model, trace) if trace is not None else None
+    if traced is not None:
+        return [b[0] if len(b) == 1 else list(b) for b in traced[1]]
     first_param = next((clean_name(n) for n, _ in model.named_parameters()), None)
     last_matrix = None
     for raw, mod in model.named_modules():
@@ -464,13 +489,18 @@ def block_layers(
     *,
     join_stem: bool = True,
     head: bool = True,
+    trace=None,
 ) -> list[Layer]:
     """The model's blocks, in forward order.
 
     ``blocks`` (optional): a list of module-name prefixes (``"layer1"``) or regexes (starting
     with ``^``), one entry (or a list of entries) per block. Without it: timm's
     ``group_matcher(coarse=True)`` when the model (or a submodule) is a timm model, else the
-    repeated children found by :func:`_repeated_children`.
+    repeated children found by :func:`_repeated_children`, else -- with ``trace``, a
+    :class:`~lalr_lightning.core.forward_blocks.Trace` of one forward pass or a no-argument
+    callable making one (called only then) -- the layers in the order they ran
+    (:func:`~lalr_lightning.core.forward_blocks.forward_blocks`: the first layer the stem, the
+    output layer the head, each conv with its norm, a residual branch inside one block).
 
     Parameters not in any block and registered before the first block form the stem, joined
     to the first block when ``join_stem`` (surgical fine-tuning's ``conv1+block1``); the rest
@@ -505,21 +535,41 @@ def block_layers(
             source = "timm group_matcher"
         else:
             rep = _repeated_children(model)
-            if rep is None:
+            traced = _traced_blocks(model, trace) if rep is None and trace is not None else None
+            if rep is None and traced is None:
+                ran = "" if trace is None else " (nor three layers in the forward pass it ran)"
                 raise ValueError(
                     f"cannot find the blocks of {type(model).__name__}: it has no timm group_matcher "
                     "and no repeated children (ModuleList/Sequential of blocks, children named layer1, "
-                    "layer2, ..., or a Sequential trunk of layers). Pass blocks=[...] with one module-name "
+                    f"layer2, ..., or a Sequential trunk of layers){ran}. Pass blocks=[...] with one module-name "
                     "prefix (or a list of them) per block; parameters before the first block form the stem, "
                     f"those after the last the head: e.g. blocks={suggest_blocks(model)!r}"
                 )
-            _, names = rep
-            found_blocks = [[n for n, _ in params if _inside(n, prefixes)] for prefixes in names]
-            inside = {n for g in found_blocks for n in g}
-            first = min(order[n] for n in found_blocks[0])
-            stem_names = [n for n, _ in params if n not in inside and order[n] < first]
-            head_names = [n for n, _ in params if n not in inside and order[n] >= first]
-            source = "repeated children"
+            if rep is not None:
+                _, names = rep
+                found_blocks = [[n for n, _ in params if _inside(n, prefixes)] for prefixes in names]
+                inside = {n for g in found_blocks for n in g}
+                first = min(order[n] for n in found_blocks[0])
+                stem_names = [n for n, _ in params if n not in inside and order[n] < first]
+                head_names = [n for n, _ in params if n not in inside and order[n] >= first]
+                source = "repeated children"
+            else:
+                stem_mods, middle, head_mods = traced
+                found_blocks = [[n for n, _ in params if _inside(n, mods)] for mods in middle]
+                # the modules that ran, kept with their groups (a name like ``layers`` may be a
+                # ModuleList that never runs itself)
+                ran = {tuple(g): mods for g, mods in zip(found_blocks, middle)}
+                ran["stem"], ran["head"] = stem_mods, head_mods
+                inside = {n for g in found_blocks for n in g}
+                first = min(order[n] for n in found_blocks[0])
+                # the first unit that ran is the stem, the last the head; parameters of modules that
+                # did not run (or of the root) go by where they are registered
+                stem_names = [n for n, _ in params if n not in inside and (_inside(n, stem_mods) or (
+                    order[n] < first and not _inside(n, head_mods)))]
+                head_names = [n for n, _ in params if n not in inside and n not in stem_names]
+                source = "forward pass"
+    if source != "forward pass":
+        ran = None
     del source
     late = [n for n in stem_names if _FINAL.search(n)]
     if late:  # OPT registers its final norm before its layers; it runs after them
@@ -528,22 +578,31 @@ def block_layers(
     out: list[Layer] = []
     allp = [n for n, _ in params]
     blocks_names = [list(g) for g in found_blocks if g]
+    def mods(key) -> list[str] | None:
+        return None if ran is None else ran.get(key)
+
     if stem_names and join_stem and blocks_names:
         name0 = _group_name(stem_names, allp) + "+" + _group_name(blocks_names[0], allp)
-        out.append(_mk_block(model, name0, stem_names + blocks_names[0], lookup, "block"))
+        joined = None if ran is None else mods("stem") + mods(tuple(blocks_names[0]))
+        out.append(_mk_block(model, name0, stem_names + blocks_names[0], lookup, "block", joined))
         blocks_names = blocks_names[1:]
     elif stem_names:
-        out.append(_mk_block(model, _group_name(stem_names, allp), stem_names, lookup, "stem"))
+        out.append(_mk_block(model, _group_name(stem_names, allp), stem_names, lookup, "stem", mods("stem")))
     for g in blocks_names:
-        out.append(_mk_block(model, _group_name(g, allp), g, lookup, "block"))
+        out.append(_mk_block(model, _group_name(g, allp), g, lookup, "block", mods(tuple(g))))
     if head and head_names:
-        out.append(_mk_block(model, _group_name(head_names, allp), head_names, lookup, "head"))
+        out.append(_mk_block(model, _group_name(head_names, allp), head_names, lookup, "head", mods("head")))
     for i, layer in enumerate(out):
         layer.index = i
     return out
 
 
-def _mk_block(model: nn.Module, name: str, pnames: list[str], lookup: dict[str, nn.Parameter], role: str) -> Layer:
+def _mk_block(model: nn.Module, name: str, pnames: list[str], lookup: dict[str, nn.Parameter], role: str,
+              ran: list[str] | None = None) -> Layer:
+    if ran is not None:  # from a forward pass: the modules that ran, in that order
+        modules = [model.get_submodule(_raw_path(model, m)) for m in ran]
+        return Layer(name=name, kind="block", module=modules[0] if len(modules) == 1 else None,
+                     params={n: lookup[n] for n in pnames}, modules=modules, role=role)
     module = None
     if "+" not in name:
         try:

@@ -260,20 +260,23 @@ def maximize_hamiltonian(
     rho: float,
     feasibility: float = 0.0,
     reduce_grads: Callable[[list[Tensor]], list[Tensor]] | None = None,
+    check: Callable[[], None] | None = None,
 ) -> list[float]:
     """``steps`` iterations of ``optimizer`` on ``-H`` (so ``H`` increases), anchored at the
     parameters' values on entry (``theta_m`` of eq. 10), ``x_n`` and ``p_{n+1}`` held fixed.
 
     Updates ``params`` in place. Their ``.grad`` is used as a scratch slot for the optimizer
     and restored afterwards, so the caller's gradients are untouched. ``reduce_grads`` averages
-    the gradients across processes (DDP), keeping every rank's parameters identical.
-    Returns ``H`` before each step.
+    the gradients across processes (DDP), keeping every rank's parameters identical. ``check``
+    runs before every step and may raise to stop (a signal). Returns ``H`` before each step.
     """
     anchor = [p.detach().clone() for p in params]
     saved = [p.grad for p in params]
     values: list[float] = []
     try:
         for _ in range(steps):
+            if check is not None:
+                check()
             th = [p.detach().requires_grad_(True) for p in params]
             with torch.enable_grad(), (twice_differentiable() if feasibility > 0 else contextlib.nullcontext()):
                 h = hamiltonian(terms, th, anchor, rho, feasibility)

@@ -34,8 +34,11 @@ kernels have no forward-mode derivative (``jvp``) or batching rule (``vmap``).
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import re
+import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,10 +48,19 @@ from torch import Tensor, nn
 from torch.func import functional_call, jvp, vjp, vmap
 
 from .layers import Layer, clean_name, matrix_layers
+from .loss import call_model, forward_module, output_tensor
+from .taps import call_with_params
 
 __all__ = [
     "MODES",
+    "POSITIONS",
+    "DEFAULT_SECONDS",
     "NTK",
+    "NTKCost",
+    "ntk_cost",
+    "check_outputs",
+    "check_positions",
+    "projection",
     "NTKSelection",
     "LinearizationGap",
     "trainable_parameters",
@@ -63,9 +75,17 @@ __all__ = [
     "jacobian_spectral_norm",
     "lambda_o",
     "estimate_lambda_o",
+    "output_gradient_norm",
 ]
 
 MODES = ("trace", "full", "sum")
+#: which positions of token outputs ``[N, T, V]`` count as outputs: every one, or each sample's last
+#: real token (the next-token prediction at the end of the sequence)
+POSITIONS = ("all", "last")
+#: the seconds the default output choice keeps the Jacobian to (:func:`ntk_cost`): a timed estimate
+#: on a shared machine can be off several times, so a measurement of a 0.7 M-parameter LM stays well
+#: within half a minute on 2 CPU cores (benchmarks/results/any_module.md)
+DEFAULT_SECONDS = 5.0
 
 Inputs = Tensor | Sequence[Tensor] | Mapping[str, Tensor]
 
@@ -248,23 +268,36 @@ def _on(inputs: Inputs, params: Mapping[str, Tensor]) -> Inputs:
 
 
 def _default_output(out: Any) -> Tensor:
-    if isinstance(out, Tensor):
-        return out
-    logits = getattr(out, "logits", None)
-    if isinstance(logits, Tensor):
-        return logits
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
-        return out[0]
-    raise TypeError(
-        f"cannot find the outputs in a {type(out).__name__}; pass output_fn=lambda out: <the logits tensor>"
-    )
+    try:
+        return output_tensor(out)
+    except TypeError:
+        raise TypeError(
+            f"cannot find the outputs in a {type(out).__name__}; pass output_fn=lambda out: <the logits tensor>"
+        ) from None
 
 
-def _forward(
+def _last_positions(y: Tensor, inputs: Inputs) -> Tensor:
+    """``[N, T, V]`` token outputs -> ``[N, V]`` at each sample's last real token (its last
+    ``attention_mask`` entry that is not 0, whichever side is padded; the last position without a
+    mask). A gather, so it also runs per sample under ``vmap``."""
+    mask = inputs.get("attention_mask")
+    if not isinstance(mask, Tensor) or mask.shape[-1] != y.shape[1]:
+        return y[:, -1]
+    order = torch.arange(1, y.shape[1] + 1, device=y.device)
+    idx = ((mask != 0).to(order.dtype) * order).argmax(-1)
+    return y.gather(1, idx.reshape(-1, 1, 1).expand(-1, 1, y.shape[-1])).squeeze(1)
+
+
+def _raw(
     model: nn.Module, params: Mapping[str, Tensor], inputs: Inputs, output_fn: Callable[[Any], Tensor] | None
 ) -> Tensor:
-    """Model outputs as ``[batch, C]`` (trailing dimensions flattened; a 1-D output is ``C = 1``)."""
-    if isinstance(inputs, Mapping):
+    """The model's output tensor on ``inputs`` with ``params`` substituted, as
+    :func:`~lalr_lightning.core.loss.call_model` calls it (a module without a ``forward`` of its own
+    through its one child holding every parameter)."""
+    target = forward_module(model)
+    if target is not model:  # parameters are named from ``model``: substitute there, call the child
+        out = call_with_params(model, dict(params), lambda: call_model(model, inputs))
+    elif isinstance(inputs, Mapping):
         out = functional_call(model, dict(params), (), dict(inputs), strict=False)
     elif isinstance(inputs, Tensor):
         out = functional_call(model, dict(params), (inputs,), strict=False)
@@ -273,7 +306,31 @@ def _forward(
     y = (output_fn or _default_output)(out)
     if not isinstance(y, Tensor) or y.ndim == 0:
         raise TypeError("the model output (after output_fn) must be a tensor with a batch dimension")
+    return y
+
+
+def _token_outputs(y: Tensor, inputs: Inputs) -> bool:
+    """Whether ``y`` holds one output vector per token: ``[N, T, V]`` from a dict batch with ``input_ids``."""
+    return y.ndim == 3 and isinstance(inputs, Mapping) and "input_ids" in inputs
+
+
+def _forward(
+    model: nn.Module, params: Mapping[str, Tensor], inputs: Inputs, output_fn: Callable[[Any], Tensor] | None,
+    positions: str = "all",
+) -> Tensor:
+    """Model outputs as ``[batch, C]`` (trailing dimensions flattened; a 1-D output is ``C = 1``).
+    ``positions="last"``: token outputs (:func:`_token_outputs`) at each sample's last real token
+    (:func:`_last_positions`)."""
+    y = _raw(model, params, inputs, output_fn)
+    if positions == "last" and _token_outputs(y, inputs):
+        y = _last_positions(y, inputs)
     return y.reshape(y.shape[0], -1) if y.ndim != 1 else y[:, None]
+
+
+def check_positions(positions: str) -> str:
+    if positions not in POSITIONS:
+        raise ValueError(f"unknown positions {positions!r}; valid: {', '.join(map(repr, POSITIONS))}")
+    return positions
 
 
 # --------------------------------------------------------------------------- the NTK
@@ -285,9 +342,11 @@ class NTK:
 
     ``K``: ``M x M`` float64 (``M = N`` for ``trace``/``sum``, ``N*C`` for ``full``, row
     ``i*C + c``). ``S``: per-group kernels, same shape, ``sum(S.values()) == K`` (empty when no
-    groups were given). ``num_outputs``: ``C`` of the model. ``vectorized``: whether samples
-    were vmapped (else looped); ``jacobian_blocks``: how many row blocks of ``J`` were computed
-    (more than the number of blocks means recomputation under the memory bound).
+    groups were given). ``num_outputs``: ``C`` of the model. ``projected``: the number of random
+    directions the ``C`` outputs were projected onto (``None``: all outputs, exact).
+    ``vectorized``: whether samples were vmapped (else looped); ``jacobian_blocks``: how many row
+    blocks of ``J`` were computed (more than the number of blocks means recomputation under the
+    memory bound).
     """
 
     K: Tensor
@@ -297,6 +356,174 @@ class NTK:
     num_outputs: int = 1
     vectorized: bool = True
     jacobian_blocks: int = 1
+    projected: int | None = None
+
+
+@dataclass
+class NTKCost:
+    """What an :func:`empirical_ntk` call will compute (:func:`ntk_cost`): ``J`` has
+    ``num_samples x rows_per_sample`` rows of ``num_params`` entries; ``outputs`` is what to pass
+    as ``empirical_ntk(outputs=...)`` (``None``: every output, exact); ``seconds`` is the
+    estimate from timing a few rows of one sample; ``budget`` the seconds the default keeps to."""
+
+    num_samples: int
+    num_outputs: int
+    num_params: int
+    outputs: int | None
+    mode: str
+    positions: str
+    seconds: float
+    budget: float
+    tokens: bool = False  # the outputs are per token and were taken at the last one
+
+    @property
+    def rows_per_sample(self) -> int:
+        if self.mode == "sum":
+            return 1
+        return self.num_outputs if self.outputs is None else self.outputs
+
+    @property
+    def entries(self) -> int:
+        """Gradient entries of the Jacobian, ``N x rows x P``."""
+        return self.num_samples * self.rows_per_sample * self.num_params
+
+    @property
+    def over_budget(self) -> bool:
+        return self.seconds > self.budget
+
+    def describe(self) -> str:
+        """One phrase: ``J: 16 samples x 5 random projections of 500 outputs at the last token x
+        718,976 parameters = 5.8e+07 entries (0.21 GiB in fp32), about 9 s``."""
+        rows = self.rows_per_sample
+        if self.mode == "sum":
+            what = "the summed output"
+        elif rows < self.num_outputs:
+            what = f"{rows} random projection{'s' if rows != 1 else ''} of {self.num_outputs} outputs"
+        else:
+            what = f"{self.num_outputs} outputs"
+        where = " at the last token" if self.tokens else ""
+        return (f"J: {self.num_samples} samples x {what}{where} x {self.num_params:,} parameters = {self.entries:.2g} "
+                f"entries ({self.entries * 4 / 2**30:.2g} GiB in fp32), about {self.seconds:.2g} s")
+
+    def report(self, who: str, asked: int | str | None) -> tuple[str, bool]:
+        """(one line for the log, whether it is a warning): a warning when ``asked`` (the user's
+        ``outputs``) takes ``J`` beyond the budget."""
+        if asked is not None and self.over_budget:
+            return (f"{who}(outputs={asked!r}): {self.describe()}, beyond the default's budget of {self.budget:.3g} s; "
+                    "outputs=None keeps it there", True)
+        text = f"{who}: {self.describe()}"
+        if self.outputs is not None and asked is None:
+            text += (f"; the {self.num_outputs} outputs per sample are projected onto {self.outputs} random directions "
+                     f"(an unbiased estimate of the trace kernel) to stay within {self.budget:.3g} s; outputs='all' "
+                     "measures every output, outputs=k more directions")
+        return text, False
+
+
+def check_outputs(outputs: int | str | None) -> int | str | None:
+    if outputs is None or outputs == "all":
+        return outputs
+    if isinstance(outputs, bool) or not isinstance(outputs, int) or outputs < 1:
+        raise ValueError(f"outputs must be None (within the budget), 'all' or an integer >= 1, got {outputs!r}")
+    return outputs
+
+
+def ntk_cost(
+    model: nn.Module,
+    inputs: Inputs,
+    params: Mapping[str, Tensor] | None = None,
+    *,
+    mode: str = "trace",
+    positions: str = "all",
+    outputs: int | str | None = None,
+    seconds: float | None = None,
+    output_fn: Callable[[Any], Tensor] | None = None,
+    max_jacobian_numel: int = 2**28,
+    check: Callable[[], None] | None = None,
+) -> NTKCost:
+    """The size and time of ``J`` before computing it, from timing the computation on one sample
+    (one row until the runs stop getting faster, then the fastest of two runs of eight rows; the
+    estimate errs on the slow side of an idle machine).
+
+    ``outputs``: ``None`` keeps every output when the estimate stays within ``seconds`` (default
+    :data:`DEFAULT_SECONDS`) and otherwise (``trace`` mode) projects the ``C`` outputs onto as many
+    random directions as fit, at least 1; ``"all"``: every output, whatever the time; an integer
+    ``k``: ``k`` directions (all outputs when ``k >= C``). ``full`` and ``sum`` never project. The
+    estimate times the real computation (a vmapped backward per row), so it follows the machine
+    and its load: the choice is made once per fit and stated by the callbacks.
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown NTK mode {mode!r}; valid: {', '.join(map(repr, MODES))}")
+    check_positions(positions)
+    outputs = check_outputs(outputs)
+    budget = DEFAULT_SECONDS if seconds is None else float(seconds)
+    params = _check_params(model, params)
+    n = _num_samples(inputs)
+    total = sum(t.numel() for t in params.values())
+    inputs = _on(inputs, params)
+    one = _map(inputs, lambda t: t[:1])
+    with _eval_math(model), torch.no_grad():
+        y = _raw(model, params, one, output_fn)
+    tokens = positions == "last" and _token_outputs(y, one)
+    c = (y[:, -1] if tokens else y).reshape(1, -1).shape[1]
+    # time the real computation on one sample, after a first call that pays the warm-up: one row
+    # (its forward, the call and one vmapped backward) and k rows; both taken whole, so that a busy
+    # machine errs towards fewer rows: t(rows) <= t(1) + rows * t(k) / k
+    k = 1 if mode == "sum" else min(c, 8)
+    run_mode = "sum" if mode == "sum" else "trace"
+
+    def timed(rows: int) -> float:
+        start = time.perf_counter()
+        empirical_ntk(model, one, params, mode=run_mode, positions=positions, outputs=None if rows >= c else rows,
+                      output_fn=output_fn, check=check)
+        return time.perf_counter() - start
+
+    # a cold process runs its first calls several times slower (kernel caches for new shapes):
+    # repeat while the runs still get clearly faster (at most 6); then the fastest of two runs of
+    # k rows -- a load spike on a shared machine does not decide the size
+    times = [timed(1), timed(1)]
+    while len(times) < 6 and times[-1] < 0.7 * min(times[:-1]):
+        times.append(timed(1))
+    per_sample = min(times)
+    per_row = min(timed(k), timed(k)) / k if k > 1 else per_sample
+    # the memory bound splits J into blocks of classes (empirical_ntk's _blocks): each sample runs
+    # its forward once per block, then one backward per row
+    block = max(1, max_jacobian_numel // max(total, 1))
+
+    def estimate(rows: int) -> float:
+        per_block = max(1, block // n) if n <= block else 1
+        return n * (math.ceil(rows / per_block) * per_sample + rows * per_row)
+
+    if mode != "trace" or outputs == "all":
+        chosen = None
+    elif outputs is None:
+        lo, hi = 1, c  # the most rows whose estimate fits the budget (the estimate grows with rows)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if estimate(mid) <= budget else (lo, mid - 1)
+        # a projection stays within one block of J per class chunk (one forward per sample, the
+        # memory bound held once): the timing of a few rows says less about many
+        chosen = None if lo >= c else min(lo, max(1, block // n))
+    else:
+        chosen = outputs
+    if chosen is not None and chosen >= c:
+        chosen = None
+    cost = NTKCost(n, c, total, chosen, mode, positions, 0.0, budget, tokens)
+    cost.seconds = estimate(cost.rows_per_sample)
+    return cost
+
+
+def projection(c: int, k: int, seed: int = 0) -> Tensor:
+    """``C x k`` float64: ``k`` orthonormal random directions (QR of a Gaussian matrix drawn from
+    ``seed``) scaled by ``sqrt(C / k)``, so ``E[R R^T] = I`` -- with less variance than Gaussian
+    directions, and ``R R^T = I`` exactly at ``k = C``."""
+    gen = torch.Generator().manual_seed(int(seed))
+    q, _ = torch.linalg.qr(torch.randn(c, k, generator=gen, dtype=torch.float64))
+    return q * math.sqrt(c / k)
+
+
+#: models whose forward vmap could not batch (data-dependent control flow: Hugging Face attention
+#: masks); they are looped over at once -- a failed vmap attempt costs seconds on a small LM
+_LOOPED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _blocks(n: int, c: int, rows: int) -> list[tuple[range, range]]:
@@ -321,6 +548,10 @@ def empirical_ntk(
     max_jacobian_numel: int = 2**28,
     vmap_chunk: int | None = None,
     vectorize: bool | None = None,
+    positions: str = "all",
+    outputs: int | None = None,
+    seed: int = 0,
+    check: Callable[[], None] | None = None,
 ) -> NTK:
     """The empirical NTK Gram matrix ``K = J J^T`` of ``model`` on ``inputs`` (and ``S_l``).
 
@@ -340,21 +571,34 @@ def empirical_ntk(
             blocks of at most ``max(1, max_jacobian_numel // P)`` rows; at most two blocks are
             alive, so the Jacobian takes at most ``2 * max(max_jacobian_numel, P)`` elements, plus
             the kernels (``(groups + 1) * M^2`` float64) and the model's activations for one
-            vmapped backward (bounded by ``vmap_chunk``; a chunked vmap also concatenates its
-            chunks, a transient second copy of the block). When ``J`` fits in one block it is
+            vmapped backward (bounded by ``vmap_chunk``). When ``J`` fits in one block it is
             computed once; otherwise off-diagonal blocks are recomputed (``full`` mode: every
             pair of blocks; ``trace``/``sum``: pairs of sample chunks of one class chunk), which
             trades time for memory.
-        vmap_chunk: samples per vmapped call (``torch.func.vmap(chunk_size=...)``); default all
-            of a block.
+        vmap_chunk: samples per vmapped call, written into the block in place; default: as many
+            as keep a call under 2**24 gradient entries.
         vectorize: ``True`` vmaps over samples, ``False`` loops over them (one forward each),
             ``None`` tries vmap and falls back to the loop when the model's forward has
             data-dependent control flow (Hugging Face attention masks). Same numbers either way.
+        positions: ``"all"`` or ``"last"`` (token outputs at each sample's last real token,
+            :func:`_forward`).
+        outputs: ``trace`` mode only: project the ``C`` outputs onto ``k`` random directions,
+            ``f(x) R`` with ``R`` = :func:`projection` ``(C, k, seed)`` (``E[R R^T] = I``, so the
+            trace kernel of the projection is an unbiased estimate of the exact one); ``None``:
+            every output. :func:`ntk_cost` chooses it.
+        check: called between chunks of Jacobian rows (every few seconds of work at most); it
+            may raise to stop the computation (a SIGTERM or Ctrl-C seen by the caller).
     """
     if mode not in MODES:
         raise ValueError(f"unknown NTK mode {mode!r}; valid: {', '.join(map(repr, MODES))}")
     if max_jacobian_numel < 1:
         raise ValueError(f"max_jacobian_numel must be >= 1, got {max_jacobian_numel}")
+    check_positions(positions)
+    if outputs is not None and (isinstance(outputs, bool) or not isinstance(outputs, int) or outputs < 1):
+        raise ValueError(f"outputs must be None (every output) or an integer >= 1, got {outputs!r}")
+    if outputs is not None and mode != "trace":
+        raise ValueError(f"outputs={outputs} projects the outputs of the 'trace' kernel; mode={mode!r} uses every "
+                         "output (drop outputs or use mode='trace')")
     params = _check_params(model, params)
     owner = _check_groups(groups, params) if groups is not None else {n: "" for n in params}
     names = list(params)
@@ -362,48 +606,74 @@ def empirical_ntk(
     total = sum(t.numel() for t in params.values())
     dev = next(iter(params.values())).device
     inputs = _on(inputs, params)
+    check = check or (lambda: None)
     with _eval_math(model):
         with torch.no_grad():
-            probe = _forward(model, params, _map(inputs, lambda t: t[:1]), output_fn)
+            probe = _forward(model, params, _map(inputs, lambda t: t[:1]), output_fn, positions)
         c_model, out_dtype = probe.shape[1], probe.dtype
-        c = 1 if mode == "sum" else c_model
+        proj = None
+        if outputs is not None and outputs < c_model:
+            proj = projection(c_model, outputs, seed).to(device=dev, dtype=out_dtype)
+        c = 1 if mode == "sum" else c_model if proj is None else proj.shape[1]
 
-        def outputs(p: Mapping[str, Tensor], x: Inputs) -> Tensor:
-            y = _forward(model, p, x, output_fn)
+        def outputs_of(p: Mapping[str, Tensor], x: Inputs) -> Tensor:
+            y = _forward(model, p, x, output_fn, positions)
+            if proj is not None:
+                y = y @ proj
             return y.sum(1, keepdim=True) if mode == "sum" else y
 
         def rows_one(p: dict[str, Tensor], xi: Inputs, basis: Tensor) -> dict[str, Tensor]:
             """Gradients of the ``basis`` classes of one sample: ``{name: [k, *shape]}``."""
-            _, pull = vjp(lambda q: outputs(q, _map(xi, lambda t: t.unsqueeze(0)))[0], p)
+            _, pull = vjp(lambda q: outputs_of(q, _map(xi, lambda t: t.unsqueeze(0)))[0], p)
             if basis.shape[0] == 1:
                 return {k: v.unsqueeze(0) for k, v in pull(basis[0])[0].items()}
             return vmap(pull)(basis)[0]
 
-        state = {"vectorize": vectorize}
+        state = {"vectorize": False if vectorize is None and model in _LOOPED else vectorize}
+
+        # samples per vmapped call: ``vmap_chunk``, else at most 2**24 gradient entries (a second or
+        # so of work), so that ``check`` runs often enough to stop on a signal
+        step = vmap_chunk or max(1, 2**24 // max(c * total, 1))
 
         def block_jacobian(samples: range, classes: range) -> dict[str, Tensor]:
-            """``{name: [len(samples), len(classes), *shape]}``."""
+            """``{name: [len(samples), len(classes), *shape]}``, filled chunk by chunk in place."""
             basis = torch.zeros(len(classes), c, device=dev, dtype=out_dtype)
             basis[torch.arange(len(classes)), torch.tensor(list(classes))] = 1
             xb = _map(inputs, lambda t: t[samples.start : samples.stop])
-            if state["vectorize"] is not False:
+            out: dict[str, Tensor] = {}
+
+            def put(at: int, rows: dict[str, Tensor], count: int) -> None:
+                if count == len(samples):
+                    out.update(rows)  # one chunk: no copy
+                    return
+                for k in names:
+                    if k not in out:
+                        out[k] = rows[k].new_empty((len(samples), *rows[k].shape[1:]))
+                    out[k][at : at + count] = rows[k]
+
+            at = 0
+            while state["vectorize"] is not False and at < len(samples):
+                check()
+                count = min(step, len(samples) - at)
                 try:
-                    fn = vmap(rows_one, in_dims=(None, 0, None), chunk_size=vmap_chunk)
-                    out = fn(params, xb, basis)
+                    chunk = _map(xb, lambda t, at=at, count=count: t[at : at + count])
+                    put(at, vmap(rows_one, in_dims=(None, 0, None))(params, chunk, basis), count)
                     state["vectorize"] = True
-                    return out
+                    at += count
                 except (RuntimeError, NotImplementedError) as err:
                     msg = str(err).lower()
                     if state["vectorize"] is True or not ("vmap" in msg or "batching rule" in msg):
                         raise
                     state["vectorize"] = False  # data-dependent forward: loop over samples
-            out = {}
-            for i in range(len(samples)):  # filled in place: no second copy of the block
-                rows = rows_one(params, _map(xb, lambda t, i=i: t[i]), basis)
-                for k in names:
-                    if k not in out:
-                        out[k] = rows[k].new_empty((len(samples), *rows[k].shape))
-                    out[k][i] = rows[k]
+                    _LOOPED[model] = True
+                if state["vectorize"] is False:
+                    # the failed vmap leaves reference cycles (through its traceback) that keep
+                    # functorch's state alive and slow every later op down ~100x until collected
+                    gc.collect()
+            for i in range(at, len(samples)):
+                check()
+                put(i, {k: v.unsqueeze(0) for k, v in rows_one(params, _map(xb, lambda t, i=i: t[i]), basis).items()},
+                    1)
             return out
 
         kdtype = torch.float64
@@ -449,7 +719,7 @@ def empirical_ntk(
     K = (K + K.T) / 2  # exact symmetry; the blocks are symmetric up to rounding
     S = {g: (v + v.T) / 2 for g, v in kern.items()} if groups is not None else {}
     return NTK(K=K, S=S, mode=mode, num_samples=n, num_outputs=c_model, vectorized=state["vectorize"] is not False,
-               jacobian_blocks=computed)
+               jacobian_blocks=computed, projected=None if proj is None else proj.shape[1])
 
 
 # --------------------------------------------------------------------------- spectra
@@ -620,21 +890,24 @@ def linearize(
     params: Mapping[str, Tensor] | None = None,
     *,
     output_fn: Callable[[Any], Tensor] | None = None,
+    positions: str = "all",
 ) -> tuple[Tensor, Tensor]:
     """``(f_theta(x), f_lin(x))``, ``f_lin(x) = f_{theta_0}(x) + J_{theta_0} (theta - theta_0)``.
 
     Section 3's linearized model (``bar f(x) = f_{theta_0}(x) + <grad f_{theta_0}(x),
     theta - theta_0>``), by one ``torch.func.jvp`` at ``theta_0 = anchor`` with tangent
     ``theta - theta_0``. ``params`` is ``theta`` (default: the current trainable parameters);
-    ``anchor`` holds ``theta_0`` for the same names. Both outputs are ``[N, C]``.
+    ``anchor`` holds ``theta_0`` for the same names. Both outputs are ``[N, C]``; ``positions`` as
+    in :func:`empirical_ntk`.
     """
+    check_positions(positions)
     params = _check_params(model, params)
     delta = _deltas(params, anchor)
     inputs = _on(inputs, params)
     theta0 = {n: anchor[n].detach().to(device=params[n].device, dtype=params[n].dtype) for n in params}
     with _eval_math(model), torch.no_grad():
-        f0, jd = jvp(lambda p: _forward(model, p, inputs, output_fn), (theta0,), (delta,))
-        f = _forward(model, params, inputs, output_fn)
+        f0, jd = jvp(lambda p: _forward(model, p, inputs, output_fn, positions), (theta0,), (delta,))
+        f = _forward(model, params, inputs, output_fn, positions)
     return f, f0 + jd
 
 
@@ -672,6 +945,8 @@ def jacobian_spectral_norm(
     tol: float = 1e-6,
     seed: int = 0,
     output_fn: Callable[[Any], Tensor] | None = None,
+    positions: str = "all",
+    check: Callable[[], None] | None = None,
 ) -> float:
     """``||J||_2``: the largest singular value of the Jacobian of the stacked outputs
     ``f(x*) in R^{N C}`` w.r.t. ``params``, by power iteration on ``J^T J`` (one ``jvp`` and one
@@ -682,8 +957,10 @@ def jacobian_spectral_norm(
     paper's ``Lip(f)`` is its supremum over the ``r``-ball around ``theta_0``, which no probe
     can compute, so this is the estimate. Stops when the estimate changes by less than
     ``tol`` (relative) or after ``iters`` iterations; ``seed`` fixes the start vector so
-    every rank gets the same number.
+    every rank gets the same number. ``positions`` as in :func:`empirical_ntk`; ``check`` is
+    called before every iteration and may raise to stop.
     """
+    check_positions(positions)
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
     params = _check_params(model, params)
@@ -697,11 +974,13 @@ def jacobian_spectral_norm(
 
     sig = 0.0
     with _eval_math(model), torch.no_grad():
-        f = lambda p: _forward(model, p, inputs, output_fn)  # noqa: E731
+        f = lambda p: _forward(model, p, inputs, output_fn, positions)  # noqa: E731
         _, pull = vjp(f, params)
         nv = norm(v)
         v = {n: t / nv.to(t.dtype) for n, t in v.items()}
         for _ in range(iters):
+            if check is not None:
+                check()
             _, u = jvp(f, (params,), (v,))
             new = float(torch.linalg.vector_norm(u.double()))
             w = pull(u)[0]
@@ -732,7 +1011,7 @@ def lambda_o(residual_norm: float, lip: float, r: float) -> float:
 def estimate_lambda_o(
     model: nn.Module,
     inputs: Inputs,
-    targets: Tensor,
+    targets: Tensor | None,
     r: float,
     params: Mapping[str, Tensor] | None = None,
     *,
@@ -741,6 +1020,8 @@ def estimate_lambda_o(
     iters: int = 100,
     tol: float = 1e-6,
     seed: int = 0,
+    loss: Callable[[], Tensor] | None = None,
+    check: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """Theorem 4's ``lambda_o`` on a probe batch: ``{"lambda_o", "residual_norm", "lip"}``.
 
@@ -755,11 +1036,27 @@ def estimate_lambda_o(
     *averaged* over samples, the way trainers reduce it (rescaling the loss by ``1/N`` rescales
     the gradient-flow time, so the equivalent ``lambda`` is ``lambda / N``), and it does not
     grow with the probe size, so it compares with the ``lam`` a proximal callback uses.
+
+    ``loss`` (a no-argument callable running the model on these inputs and returning the scalar
+    loss, a batch mean, as the module trains with it): for models trained on another loss than a
+    squared one on class scores -- a language model's token cross-entropy -- the residual is that
+    loss's gradient with respect to the outputs, ``residual_norm = N ||dL/df||``
+    (:func:`output_gradient_norm`; for ``L = ||f - y||^2 / (2N)`` it is ``||f - y||`` again);
+    ``targets`` is then not used. ``check`` as in :func:`jacobian_spectral_norm`.
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"unknown reduction {reduction!r}; valid: 'mean', 'sum'")
     params = _check_params(model, params)
     inputs = _on(inputs, params)
+    if loss is not None:
+        n = _num_samples(inputs)
+        res = n * output_gradient_norm(model, loss, params, output_fn=output_fn)
+        lip = jacobian_spectral_norm(model, inputs, params, iters=iters, tol=tol, seed=seed, output_fn=output_fn,
+                                     check=check)
+        lam = lambda_o(res, lip, r)
+        return {"lambda_o": lam / n if reduction == "mean" else lam, "residual_norm": res, "lip": lip}
+    if targets is None:
+        raise ValueError("estimate_lambda_o needs the targets of the probe batch, or loss=<the batch loss>")
     with _eval_math(model), torch.no_grad():
         f = _forward(model, params, inputs, output_fn)
     n, c = f.shape
@@ -776,6 +1073,44 @@ def estimate_lambda_o(
         if y.shape != f.shape:
             raise ValueError(f"float targets must match the outputs' shape {tuple(f.shape)}, got {tuple(targets.shape)}")
     res = float(torch.linalg.vector_norm((f - y).double()))
-    lip = jacobian_spectral_norm(model, inputs, params, iters=iters, tol=tol, seed=seed, output_fn=output_fn)
+    lip = jacobian_spectral_norm(model, inputs, params, iters=iters, tol=tol, seed=seed, output_fn=output_fn,
+                                 check=check)
     lam = lambda_o(res, lip, r)
     return {"lambda_o": lam / n if reduction == "mean" else lam, "residual_norm": res, "lip": lip}
+
+
+def output_gradient_norm(
+    model: nn.Module,
+    loss: Callable[[], Tensor],
+    params: Mapping[str, Tensor] | None = None,
+    *,
+    output_fn: Callable[[Any], Tensor] | None = None,
+) -> float:
+    """``||dL/df||_2``: the gradient of the scalar ``loss()`` (which runs ``model``, e.g. the
+    module's own training step) with respect to the outputs ``f`` of the model's forward
+    (:func:`~lalr_lightning.core.loss.forward_module`; ``output_fn`` or ``.logits`` of its
+    output), at ``params``, in eval mode."""
+    params = _check_params(model, params)
+    target = forward_module(model)
+    seen: list[Tensor] = []
+
+    def grab(_module, _args, out):
+        y = (output_fn or _default_output)(out)
+        if y.requires_grad:
+            seen.append(y)
+
+    handle = target.register_forward_hook(grab)
+    try:
+        with _eval_math(model), torch.enable_grad():
+            theta = {n: p.detach().requires_grad_(True) for n, p in params.items()}
+            value = call_with_params(model, theta, loss)
+            if not seen:
+                raise RuntimeError(f"the loss did not run {type(target).__name__} (the model's forward) with "
+                                   "gradients, so dL/df is unknown; pass loss_fn=f computing the loss from its outputs")
+            if len(seen) > 1:
+                raise RuntimeError(f"the loss ran {type(target).__name__} {len(seen)} times; dL/df needs one output "
+                                   "per batch: pass loss_fn=f computing the loss from one forward pass")
+            (g,) = torch.autograd.grad(value, seen[0])
+    finally:
+        handle.remove()
+    return float(torch.linalg.vector_norm(g.double()))

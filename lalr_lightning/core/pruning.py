@@ -321,9 +321,18 @@ def prunable_layers(
     keep = [layer for layer in considered if layer.name not in excluded]
     if not keep:
         detail = "; ".join(f"{k} ({v})" for k, v in excluded.items())
+        # only the remedies that would bring a layer back, each saying which
+        fixes = []
+        if any("min_numel" in v for v in excluded.values()):
+            fixes.append("lower min_numel")
+        if any("min_evals" in v for v in excluded.values()):
+            fixes.append("lower min_evals")
+        if head_name in excluded:
+            alone = " (it alone: the only layer of these layer_types)" if len(considered) == 1 else ""
+            fixes.append(f"set head=True to prune the output layer {head_name}{alone}")
         raise ValueError(
             f"HTSRPruning has no layer left to prune in {type(model).__name__} (excluded: {detail}); "
-            "lower min_numel / min_evals or set head=True"
+            + ("; or ".join(fixes) if fixes else "this model has nothing HTSRPruning can prune")
         )
     return keep, excluded
 

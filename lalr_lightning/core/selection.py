@@ -81,6 +81,31 @@ def rgn_multipliers(rgn: Mapping[str, float]) -> dict[str, float]:
     return {k: (1.0 if not math.isfinite(v) else v / top) for k, v in rgn.items()}
 
 
+def zero_gradient_warning(multipliers: Mapping[str, float], scores: Mapping[str, float], weights: Sequence[str],
+                          zero_scales: Sequence[str], exclude: Sequence[str]) -> str | None:
+    """One line when most weight matrices (``weights``: the tensor names of the conv/linear
+    weights) get multiplier 0 because their measured gradient is exactly 0 (score 0), naming the
+    cause when it is visible: norm-layer scales that are all zeros (``zero_scales``; timm
+    zero-initialises the last BatchNorm of each residual branch), which block the gradient of
+    their branch -- for good when the exclusion keeps them at multiplier 0. ``None`` when at most
+    half of the weight matrices are affected."""
+    dead = [w for w in weights if multipliers.get(w, 1.0) == 0.0 and scores.get(w) == 0.0]
+    if not weights or 2 * len(dead) <= len(weights):
+        return None
+    head = (f"AutoRGN: {len(dead)} of {len(weights)} weight matrices get multiplier 0.0 and do not train "
+            f"(e.g. {dead[0]}): their measured gradient is exactly 0")
+    if not zero_scales:
+        return f"{head} on the measured batches; check that the loss depends on them"
+    cause = (f"{head}, because {len(zero_scales)} norm-layer scales are all zeros (e.g. {zero_scales[0]}; timm "
+             "zero-initialises the last BatchNorm of each residual branch)")
+    frozen = [n for n in zero_scales if multipliers.get(n, 0.0) == 0.0]
+    if frozen:
+        return (f"{cause} and exclude={tuple(exclude)!r} keeps {len(frozen)} of them at multiplier 0.0, so they never "
+                "move and no gradient reaches their branches; pass exclude=() or excluded_multiplier=1.0 to train them "
+                "(the branches then get gradients from the next measurement)")
+    return f"{cause}; they train now, so their branches get gradients from the next measurement on"
+
+
 def eb_multipliers(scores: Mapping[str, float], threshold: float = 0.95) -> dict[str, float]:
     """1 for tensors whose eb score is at least ``threshold``, else 0 (frozen), as the reference."""
     return {k: (1.0 if v >= threshold else 0.0) for k, v in scores.items()}

@@ -56,6 +56,10 @@ def first_tensor(out, where: str = "block") -> Tensor:
 
 
 def _clone_tree(obj):
+    if type(obj).__name__.endswith("Cache"):
+        # a Hugging Face KV cache (LLaMA makes one even in training when the config says use_cache):
+        # re-running the block with it would append to it; a block's state is its hidden input
+        return None
     if isinstance(obj, Tensor):
         return obj.detach().clone()
     if isinstance(obj, tuple):
@@ -203,6 +207,7 @@ class _Block:
     entry: nn.Module | None = None
     exit: nn.Module | None = None
     names_of_modules: list[str] = field(default_factory=list)
+    state_bytes: tuple[int, int] = (0, 0)  # (input x_n, output x_{n+1}) on the discovery batch
 
 
 class BlockTaps:
@@ -273,8 +278,8 @@ class BlockTaps:
         best = module
         for k in range(len(parts) - 1, 0, -1):
             parent = model.get_submodule(".".join(parts[:k]))
-            if {id(p) for p in parent.parameters()} != own:
-                break
+            if {id(p) for p in parent.parameters()} != own or isinstance(parent, (nn.ModuleList, nn.ModuleDict)):
+                break  # (a ModuleList of one layer holds its parameters but is never called)
             best = parent
         return best
 
@@ -301,17 +306,26 @@ class BlockTaps:
         handles = []
         all_mods = {id(m): m for b in self.blocks.values() for m in b.modules}
 
+        sizes: dict[int, list[int]] = {}  # module -> [input bytes, output bytes] of its first call
+
         def pre(m, args):
             counter[0] += 1
             calls.setdefault(id(m), [None, None, 0])
             c = calls[id(m)]
             if c[0] is None:
                 c[0] = counter[0]
+                x = next((a for a in args if isinstance(a, Tensor)), None)
+                sizes[id(m)] = [0 if x is None else x.numel() * x.element_size(), 0]
             c[2] += 1
 
         def post(m, args, out):
             counter[0] += 1
             calls[id(m)][1] = counter[0]
+            try:
+                t = first_tensor(out)
+                sizes[id(m)][1] = max(sizes[id(m)][1], t.numel() * t.element_size())
+            except TypeError:
+                pass
 
         for m in all_mods.values():
             handles.append(m.register_forward_pre_hook(pre))
@@ -332,6 +346,7 @@ class BlockTaps:
                 )
             b.entry = min(ran, key=lambda m: calls[id(m)][0])
             b.exit = max(ran, key=lambda m: calls[id(m)][1])
+            b.state_bytes = (sizes[id(b.entry)][0], sizes[id(b.exit)][1])
             for m in (b.entry, b.exit):
                 if calls[id(m)][2] != 1:
                     raise RuntimeError(
@@ -348,6 +363,16 @@ class BlockTaps:
                 )
         self._attach()
         self.discovered = True
+
+    def capture_bytes(self, names: Sequence[str] | None = None) -> dict[str, int]:
+        """Bytes one captured batch holds per block (after :meth:`discover`, for its batch size):
+        the input ``x_n``, the output ``x_{n+1}`` and the co-state ``p_{n+1}`` (the output's
+        size), plus ``p_n`` with ``want_input_costate``."""
+        out = {}
+        for name in (self.blocks if names is None else names):
+            x, y = self.blocks[name].state_bytes
+            out[name] = x * (2 if self.want_input_costate else 1) + 2 * y
+        return out
 
     def _device(self) -> torch.device | None:
         for p in self.model.parameters():
