@@ -89,7 +89,7 @@ def part_ntk(repeats: int) -> list[str]:
     out = [f"## NTKDiagnostics() on the issue's LM ({params:,} parameters, {torch.get_num_threads()} threads)", "",
            f"- what the issue ran (every position, every vocabulary entry; estimated, not run): {everything.describe()}",
            "- the default: each sample at its last real token; the 500 outputs projected onto as many random "
-           f"directions as the timed estimate fits in ntk.DEFAULT_SECONDS = {ntk.DEFAULT_SECONDS:g} s", "",
+           f"directions as fit in ntk.DEFAULT_ENTRIES = {ntk.DEFAULT_ENTRIES:.3g} Jacobian entries", "",
            "| run | fit, 1 step, without (s) | with NTKDiagnostics() (s) | on_train_start measurement, estimate "
            "included: wall s (CPU s of the process) | epoch-end measurement: wall (CPU) | directions chosen | kappa | "
            "load average |",

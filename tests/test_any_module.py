@@ -102,9 +102,9 @@ def test_every_callback_fits_six_steps_with_no_glue(name, monkeypatch):
     the module as a user wrote it. (Today's main: the LM, the classifier and the timm model stop
     in AutoRGN / NTK / the proximal diagnostics / L-MSA / Wanda; the attribute CNN gets c1 | c2 |
     b1+b2+f1+f2+f3; the MLP stops in L-MSA.)"""
-    # the NTK's time budget per measurement (5 s by default, three measurements here): a setting of
-    # the test's speed, not glue -- the default path (a timed choice of outputs) is what runs
-    monkeypatch.setattr(ntk, "DEFAULT_SECONDS", 0.5)
+    # the NTK's size budget per measurement (2**28 Jacobian entries by default, three measurements
+    # here): a setting of the test's speed, not glue -- the default path (a chosen projection) runs
+    monkeypatch.setattr(ntk, "DEFAULT_ENTRIES", 2**22)
     for label, make in callbacks().items():
         cb = make()
         with warnings.catch_warnings():
@@ -363,11 +363,15 @@ def test_the_projected_trace_kernel_is_the_kernel_of_the_projected_outputs():
     assert torch.allclose(mean, exact, rtol=0.1, atol=0.02 * float(exact.abs().max()))
     with pytest.raises(ValueError, match="'trace' kernel"):
         ntk.empirical_ntk(model, x, outputs=2, mode="full")
-    # the default fits the time budget: every output under it, the most directions that fit over it
+    # the default fits the size budget: every output under it, the most directions that fit over
+    # it -- sizes only, so the same choice on every machine
+    p = sum(q.numel() for q in model.parameters())
     assert ntk.ntk_cost(model, x).outputs is None
-    tight = ntk.ntk_cost(model, x, seconds=1e-9)
-    assert tight.outputs == 1 and tight.seconds > 1e-9
-    assert ntk.ntk_cost(model, x, seconds=1e-9, outputs="all").over_budget
+    assert ntk.ntk_cost(model, x, entries=4 * p * 6).outputs is None  # exactly J: 4 samples x 6 outputs
+    assert ntk.ntk_cost(model, x, entries=4 * p * 6 - 1).outputs == 5
+    tight = ntk.ntk_cost(model, x, entries=1)
+    assert tight.outputs == 1 and tight.entries == 4 * p and tight.over_budget and tight.seconds > 0
+    assert ntk.ntk_cost(model, x, entries=1, outputs="all").over_budget
 
 
 class _LastToken(nn.Module):
@@ -396,7 +400,7 @@ def test_an_lm_is_measured_at_its_last_real_token():
 
 
 def test_ntk_states_its_cost_warns_beyond_the_budget_and_stops_on_sigterm(monkeypatch, caplog):
-    monkeypatch.setattr(ntk, "DEFAULT_SECONDS", 1e-6)  # the tiny LM then needs the projection
+    monkeypatch.setattr(ntk, "DEFAULT_ENTRIES", 1)  # the tiny LM then needs the projection
     caplog.set_level("INFO")
     diag = NTKDiagnostics(probe_size=4)
     _fit(diag, HFCausalLM(layers=1, hidden=16), steps=1)

@@ -55,12 +55,13 @@ class NTKDiagnostics(LayerwiseCallback):
             ``input_ids``): ``"last"`` (default) measures each sample's last real token,
             ``"all"`` every position.
         outputs: how many outputs per sample ``J`` holds (``trace`` kernel): ``None`` (default)
-            every output while the Jacobian's estimated time stays within ``ntk.DEFAULT_SECONDS``
-            (5 s), else the outputs projected onto as many random directions as fit (an unbiased
-            estimate of the trace kernel); ``"all"`` every output, or an integer: that many
-            directions -- beyond the budget with a warning that gives the estimated size and time.
-            The estimate times a few rows of the real computation before the first measurement;
-            the choice is logged, made once and kept in the checkpoint (``core.ntk.ntk_cost``).
+            every output while the Jacobian stays within ``ntk.DEFAULT_ENTRIES`` gradient entries
+            (2**28, 1 GiB in fp32), else the outputs projected onto as many random directions as
+            fit (an unbiased estimate of the trace kernel); ``"all"`` every output, or an integer:
+            that many directions -- beyond the budget with a warning that gives the size and the
+            time estimated by timing a few rows of the real computation. The choice depends on
+            sizes only (the same on every machine and rerun); it is logged, made once and kept in
+            the checkpoint (``core.ntk.ntk_cost``).
         name, strict_resume: as every callback of the package.
 
     The cost is estimated before the first measurement and stated in the log; a SIGTERM or

@@ -63,7 +63,7 @@ class NTKSelect(LayerSelection):
         kernel: ``"trace"``, ``"full"`` or ``"sum"`` (:func:`~lalr_lightning.core.ntk.empirical_ntk`).
         positions, outputs: which outputs the kernel is taken over, as for
             :class:`~lalr_lightning.callbacks.ntk.NTKDiagnostics` (a language model: its last real
-            token by default; when the Jacobian's estimated time exceeds ``ntk.DEFAULT_SECONDS``,
+            token by default; when the Jacobian exceeds ``ntk.DEFAULT_ENTRIES`` gradient entries,
             the outputs projected onto random directions, stated in the log). A SIGTERM or Ctrl-C
             stops the measurement.
         norm_eval: ``frozen``, ``all`` or ``none`` (:mod:`lalr_lightning.core.norms`).

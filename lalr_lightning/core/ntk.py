@@ -54,7 +54,7 @@ from .taps import call_with_params
 __all__ = [
     "MODES",
     "POSITIONS",
-    "DEFAULT_SECONDS",
+    "DEFAULT_ENTRIES",
     "NTK",
     "NTKCost",
     "ntk_cost",
@@ -82,10 +82,12 @@ MODES = ("trace", "full", "sum")
 #: which positions of token outputs ``[N, T, V]`` count as outputs: every one, or each sample's last
 #: real token (the next-token prediction at the end of the sequence)
 POSITIONS = ("all", "last")
-#: the seconds the default output choice keeps the Jacobian to (:func:`ntk_cost`): a timed estimate
-#: on a shared machine can be off several times, so a measurement of a 0.7 M-parameter LM stays well
-#: within half a minute on 2 CPU cores (benchmarks/results/any_module.md)
-DEFAULT_SECONDS = 5.0
+#: the Jacobian entries (samples x rows x parameters) the default output choice keeps J to
+#: (:func:`ntk_cost`). A size, not a timing: the choice, and every number measured with it, is the
+#: same on every machine, rank and rerun, whatever the load. 2**28 entries (1 GiB in fp32) give the
+#: 0.7 M-parameter LM of benchmarks/any_module.py, 16 probe samples, 23 directions: about 1 s on 2
+#: CPU cores (benchmarks/results/any_module.md)
+DEFAULT_ENTRIES = 2**28
 
 Inputs = Tensor | Sequence[Tensor] | Mapping[str, Tensor]
 
@@ -364,7 +366,8 @@ class NTKCost:
     """What an :func:`empirical_ntk` call will compute (:func:`ntk_cost`): ``J`` has
     ``num_samples x rows_per_sample`` rows of ``num_params`` entries; ``outputs`` is what to pass
     as ``empirical_ntk(outputs=...)`` (``None``: every output, exact); ``seconds`` is the
-    estimate from timing a few rows of one sample; ``budget`` the seconds the default keeps to."""
+    estimate from timing a few rows of one sample (for the log only: it follows the machine's
+    load); ``budget`` the Jacobian entries the default keeps to."""
 
     num_samples: int
     num_outputs: int
@@ -373,7 +376,7 @@ class NTKCost:
     mode: str
     positions: str
     seconds: float
-    budget: float
+    budget: int
     tokens: bool = False  # the outputs are per token and were taken at the last one
 
     @property
@@ -389,7 +392,7 @@ class NTKCost:
 
     @property
     def over_budget(self) -> bool:
-        return self.seconds > self.budget
+        return self.entries > self.budget
 
     def describe(self) -> str:
         """One phrase: ``J: 16 samples x 5 random projections of 500 outputs at the last token x
@@ -409,12 +412,12 @@ class NTKCost:
         """(one line for the log, whether it is a warning): a warning when ``asked`` (the user's
         ``outputs``) takes ``J`` beyond the budget."""
         if asked is not None and self.over_budget:
-            return (f"{who}(outputs={asked!r}): {self.describe()}, beyond the default's budget of {self.budget:.3g} s; "
-                    "outputs=None keeps it there", True)
+            return (f"{who}(outputs={asked!r}): {self.describe()}, beyond the default's budget of {self.budget:.3g} "
+                    "entries; outputs=None keeps it there", True)
         text = f"{who}: {self.describe()}"
         if self.outputs is not None and asked is None:
             text += (f"; the {self.num_outputs} outputs per sample are projected onto {self.outputs} random directions "
-                     f"(an unbiased estimate of the trace kernel) to stay within {self.budget:.3g} s; outputs='all' "
+                     f"(an unbiased estimate of the trace kernel) to stay within {self.budget:.3g} entries; outputs='all' "
                      "measures every output, outputs=k more directions")
         return text, False
 
@@ -435,27 +438,26 @@ def ntk_cost(
     mode: str = "trace",
     positions: str = "all",
     outputs: int | str | None = None,
-    seconds: float | None = None,
+    entries: int | None = None,
     output_fn: Callable[[Any], Tensor] | None = None,
     max_jacobian_numel: int = 2**28,
     check: Callable[[], None] | None = None,
 ) -> NTKCost:
-    """The size and time of ``J`` before computing it, from timing the computation on one sample
-    (one row until the runs stop getting faster, then the fastest of two runs of eight rows; the
-    estimate errs on the slow side of an idle machine).
+    """The size and time of ``J`` before computing it. The time is an estimate from timing the
+    computation on one sample (one row until the runs stop getting faster, then the fastest of two
+    runs of eight rows), for the log; the choice depends on sizes only.
 
-    ``outputs``: ``None`` keeps every output when the estimate stays within ``seconds`` (default
-    :data:`DEFAULT_SECONDS`) and otherwise (``trace`` mode) projects the ``C`` outputs onto as many
-    random directions as fit, at least 1; ``"all"``: every output, whatever the time; an integer
-    ``k``: ``k`` directions (all outputs when ``k >= C``). ``full`` and ``sum`` never project. The
-    estimate times the real computation (a vmapped backward per row), so it follows the machine
-    and its load: the choice is made once per fit and stated by the callbacks.
+    ``outputs``: ``None`` keeps every output while ``J`` stays within ``entries`` gradient entries
+    (default :data:`DEFAULT_ENTRIES`) and otherwise (``trace`` mode) projects the ``C`` outputs onto
+    as many random directions as fit, at least 1; ``"all"``: every output, whatever the size; an
+    integer ``k``: ``k`` directions (all outputs when ``k >= C``). ``full`` and ``sum`` never
+    project. The choice is made once per fit and stated by the callbacks.
     """
     if mode not in MODES:
         raise ValueError(f"unknown NTK mode {mode!r}; valid: {', '.join(map(repr, MODES))}")
     check_positions(positions)
     outputs = check_outputs(outputs)
-    budget = DEFAULT_SECONDS if seconds is None else float(seconds)
+    budget = DEFAULT_ENTRIES if entries is None else int(entries)
     params = _check_params(model, params)
     n = _num_samples(inputs)
     total = sum(t.numel() for t in params.values())
@@ -465,9 +467,9 @@ def ntk_cost(
         y = _raw(model, params, one, output_fn)
     tokens = positions == "last" and _token_outputs(y, one)
     c = (y[:, -1] if tokens else y).reshape(1, -1).shape[1]
-    # time the real computation on one sample, after a first call that pays the warm-up: one row
-    # (its forward, the call and one vmapped backward) and k rows; both taken whole, so that a busy
-    # machine errs towards fewer rows: t(rows) <= t(1) + rows * t(k) / k
+    # the time, for the log: the real computation on one sample, after a first call that pays the
+    # warm-up: one row (its forward, the call and one vmapped backward) and k rows, both taken
+    # whole: t(rows) <= t(1) + rows * t(k) / k
     k = 1 if mode == "sum" else min(c, 8)
     run_mode = "sum" if mode == "sum" else "trace"
 
@@ -479,7 +481,7 @@ def ntk_cost(
 
     # a cold process runs its first calls several times slower (kernel caches for new shapes):
     # repeat while the runs still get clearly faster (at most 6); then the fastest of two runs of
-    # k rows -- a load spike on a shared machine does not decide the size
+    # k rows, so that a load spike on a shared machine weighs less
     times = [timed(1), timed(1)]
     while len(times) < 6 and times[-1] < 0.7 * min(times[:-1]):
         times.append(timed(1))
@@ -496,13 +498,10 @@ def ntk_cost(
     if mode != "trace" or outputs == "all":
         chosen = None
     elif outputs is None:
-        lo, hi = 1, c  # the most rows whose estimate fits the budget (the estimate grows with rows)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if estimate(mid) <= budget else (lo, mid - 1)
-        # a projection stays within one block of J per class chunk (one forward per sample, the
-        # memory bound held once): the timing of a few rows says less about many
-        chosen = None if lo >= c else min(lo, max(1, block // n))
+        # the most rows per sample within the budget, and within one memory block of J per class
+        # chunk (one forward per sample): sizes only, so every machine chooses the same
+        fit = budget // max(n * total, 1)
+        chosen = None if fit >= c else max(1, min(fit, block // n))
     else:
         chosen = outputs
     if chosen is not None and chosen >= c:
