@@ -129,6 +129,11 @@ def _cases():
         "tempbalance_gpt2": (lambda: C.TempBalanceCallback(min_evals=5, every_n_steps=2),
                              functools.partial(LM, family="gpt2", tied=True), 2),
         "magnitude_opt": (lambda: C.HTSRPruning(**prune), functools.partial(LM, family="opt", tied=True), 2),
+        # pruning during training: masks from each layer's whole weight, each rank enforcing its piece
+        "magnitude_epoch": (lambda: C.HTSRPruning(when=1, **prune), LM, 2),
+        "magnitude_gradual": (lambda: C.HTSRPruning(when="gradual", gradual_epochs=2, **prune), LM, 2),
+        "structured_gradual_mlp": (lambda: C.HTSRPruning(when="gradual", gradual_epochs=2, structured=True,
+                                                         channel_step=0.1, **prune), MLP, 2),
         "ntkselect_mlp": (lambda: C.NTKSelect(probe_size=8, max_layers=1, kappa_max=1e6), MLP, 2),
         "tempbalance_mlp": (lambda: C.TempBalanceCallback(min_evals=3, first=True, every_n_steps=2), MLP, 2),
         "proximal_mlp": (lambda: C.ProximalRegularizer(lam=0.5, granularity="global", every_n_epochs=None), MLP, 2),
@@ -270,9 +275,10 @@ def _setup_under(strategy, cb, model):
     (lambda C: C.LMSAStepper(), "use strategy='ddp'"),
     (lambda C: C.NTKDiagnostics(), "strategy='ddp' or on one device"),
     (lambda C: C.AutoRGN(), "use strategy='ddp'"),
-    (lambda C: C.HTSRPruning(when=1), "use when='fit_start'"),
+    (lambda C: C.HTSRPruning(when=1, criterion="wanda"), "use when='fit_start'"),
+    (lambda C: C.HTSRPruning(when=1, n=2, m=4, target_sparsity=0.5), "without N:M"),
     (lambda C: C.ProximalRegularizer(lam=1.0), "pass every_n_epochs=None"),
-], ids=["lmsa", "ntk", "autorgn", "pruning_when", "proximal_lambda_o"])
+], ids=["lmsa", "ntk", "autorgn", "pruning_when_wanda", "pruning_when_nm", "proximal_lambda_o"])
 def test_what_cannot_work_under_fsdp_says_why_in_one_line(kind, make, words):
     import lalr_lightning.callbacks as C
 

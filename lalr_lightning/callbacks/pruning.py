@@ -234,6 +234,7 @@ class HTSRPruning(LayerwiseCallback):
         self._early: Decision | None = None  # FSDP: decided in setup, committed at fit start
         self._started = False  # on_fit_start has run (a checkpoint loaded later is enforced at train start)
         self._late = False
+        self._masks_later = False  # FSDP, during training: decide() leaves the masks to _prune_sharded
 
     metric_values = renamed("scores")  # deprecated name of ``scores`` (the metric per pruned layer)
 
@@ -259,7 +260,15 @@ class HTSRPruning(LayerwiseCallback):
         super().setup(trainer, pl_module, stage)
         self._early, self._started, self._late = None, False, False
         if stage == "fit" and sharded(trainer):
-            self._prune_whole(trainer)
+            if self.when == "fit_start":
+                self._prune_whole(trainer)
+            elif self.criterion != "magnitude" or self.m:
+                what = f"criterion={self.criterion!r}" + (f" with n={self.n}, m={self.m}" if self.m else "")
+                raise RuntimeError(
+                    f"HTSRPruning({what}, when={self.when!r}) under {type(trainer.strategy).__name__}: its masks "
+                    "come from running (or rewriting) whole layers on one rank, which a sharded model cannot do "
+                    "during training; use when='fit_start' (pruned before the model is sharded), "
+                    "criterion='magnitude' without N:M, or strategy='ddp'")
 
     def _prune_whole(self, trainer: pl.Trainer) -> None:
         """Under FSDP: the pruning event of ``when="fit_start"`` on the whole weights, here in
@@ -267,11 +276,6 @@ class HTSRPruning(LayerwiseCallback):
         which a sharded model cannot do alone); recorded and enforced, on each rank's shards, at
         fit start. A resumed run decides again here and the checkpoint's masks then replace it
         (Lightning restores FSDP checkpoints only after fit start)."""
-        if self.when != "fit_start":
-            raise RuntimeError(
-                f"HTSRPruning(when={self.when!r}) under {type(trainer.strategy).__name__}: pruning during training "
-                "needs whole weights on every rank, which FSDP shards; use when='fit_start' (pruned before the model "
-                "is sharded) or strategy='ddp'")
         if self.masks:
             return  # kept from an earlier fit: enforced at fit start
         self._model.to(trainer.strategy.root_device)  # where the strategy shards it next (and the batches go)
@@ -343,9 +347,39 @@ class HTSRPruning(LayerwiseCallback):
         self._level = float(level)
         self._trainer = trainer  # for the calibration data; only during the event
         try:
-            self.update(trainer, self._model)
+            if sharded(trainer):
+                self._prune_sharded(trainer)
+            else:
+                self.update(trainer, self._model)
         finally:
             self._trainer = None
+
+    def _prune_sharded(self, trainer: pl.Trainer) -> None:
+        """A magnitude pruning event during training under FSDP: the ratios decided on rank zero
+        from the metric (measured on whole weights, a share of the layers per rank), then each
+        rank computes the masks of its share of the layers on their whole weights (one
+        threshold per layer, as on one device) and the masks are all-gathered; each rank then
+        enforces its piece of every mask (``apply``)."""
+        self._masks_later = True  # rank zero's decide leaves the masks to the ranks
+        try:
+            decision = self.decide_everywhere(trainer, self.measure(trainer, self._model))
+        finally:
+            self._masks_later = False
+        layout = shard_layout(trainer, self._model)
+        shapes = {k: layout.shape(p) for k, p in self._params.items()}
+        real = {la.name: la for la in self.layers}
+
+        def masks_of(stand_ins):
+            return {s.name: layer_masks([real[s.name]], decision.values, self._level, structured=self.structured,
+                                        channel_step=self.channel_step, previous=self.masks,
+                                        weights={s.name: s.weight}, shapes=shapes)
+                    for s in stand_ins}
+
+        masks, channels = {}, {}
+        for m, c in self.measure_shards(trainer, self._model, [[la] for la in self.layers], masks_of).values():
+            masks.update(m)
+            channels.update(c)
+        self.commit(trainer, dataclasses.replace(decision, payload=(masks, channels, {})))
 
     def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float] | None:
         """The metric of every pruned layer on the current weights (block-averaged if asked);
@@ -416,7 +450,9 @@ class HTSRPruning(LayerwiseCallback):
             ratios = dict(zip(names, r.tolist()))
         record: dict = {"level": self._level}
         weights: dict[str, torch.Tensor] = {}
-        if self.criterion == "magnitude" and not self.m:
+        if self._masks_later:  # sharded weights: the ranks compute the masks after the broadcast
+            masks, channels = {}, {}
+        elif self.criterion == "magnitude" and not self.m:
             masks, channels = layer_masks(self.layers, ratios, self._level, structured=self.structured,
                                           channel_step=self.channel_step, previous=self.masks)
         else:

@@ -262,20 +262,23 @@ def channel_mask(weight: torch.Tensor, n_prune: int, out_dim: int = 0, keep: tor
     return mask
 
 
-def channel_masks_of(layer: Layer, ch_keep: torch.Tensor) -> dict[str, torch.Tensor]:
+def channel_masks_of(layer: Layer, ch_keep: torch.Tensor,
+                     shapes: Mapping[str, Sequence[int]] | None = None) -> dict[str, torch.Tensor]:
     """Keep-masks for every parameter of a layer that has one entry per output channel: the
     weight (its output dimension), the bias, and the tied norm's weight and bias -- so a
-    pruned channel outputs exactly 0 after its BatchNorm too."""
+    pruned channel outputs exactly 0 after its BatchNorm too. ``shapes``: the parameters'
+    whole shapes by name, where the layer holds pieces of them (FSDP)."""
     out: dict[str, torch.Tensor] = {}
     n = ch_keep.numel()
     d = out_dim(layer)
     w = layer.weight
     for pname, p in layer.params.items():
+        shape = tuple((shapes or {}).get(pname, p.shape))
         if p is w:
-            shape = [1] * w.ndim
-            shape[d] = n
-            out[pname] = ch_keep.view(shape).expand_as(w).clone()
-        elif p.ndim == 1 and p.shape[0] == n:
+            view = [1] * len(shape)
+            view[d] = n
+            out[pname] = ch_keep.view(view).expand(shape).clone()
+        elif len(shape) == 1 and shape[0] == n:
             out[pname] = ch_keep.clone()
     return out
 
@@ -345,6 +348,8 @@ def layer_masks(
     structured: bool = False,
     channel_step: float = 0.01,
     previous: Mapping[str, torch.Tensor] | None = None,
+    weights: Mapping[str, torch.Tensor] | None = None,
+    shapes: Mapping[str, Sequence[int]] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
     """Keep-masks (CPU, keyed by parameter name) for ``level`` x each layer's ratio, grown from
     the ``previous`` masks (pruned entries stay pruned), and the pruned channel count per layer
@@ -354,6 +359,10 @@ def layer_masks(
     channel budget (:func:`incremental_channel_budgets`), channels by L2 norm
     (:func:`channel_mask`), spread over every parameter with one entry per output channel
     (:func:`channel_masks_of`).
+
+    Where the layers hold pieces of their parameters (FSDP), ``weights`` gives each layer's whole
+    weight by layer name and ``shapes`` every parameter's whole shape by name: the masks are
+    those of the whole tensors.
     """
     previous = previous or {}
     masks: dict[str, torch.Tensor] = {}
@@ -361,16 +370,17 @@ def layer_masks(
     for layer in layers:
         ratio = min(ratios[layer.name] * level, 1.0)
         wname = next(n for n, p in layer.params.items() if p is layer.weight)
+        weight = (weights or {}).get(layer.name, layer.weight)
         old = previous.get(wname)
         if not structured:
-            masks[wname] = magnitude_mask(layer.weight, ratio, old).cpu()
+            masks[wname] = magnitude_mask(weight, ratio, old).cpu()
             continue
         d = out_dim(layer)
-        c = layer.weight.shape[d]
+        c = weight.shape[d]
         _, counts = incremental_channel_budgets([ratio], [c], channel_step)
         old_ch = None if old is None else old.movedim(d, 0).reshape(c, -1).any(dim=1)
-        ch_keep = channel_mask(layer.weight, int(counts[0]), d, old_ch).cpu()
-        masks.update(channel_masks_of(layer, ch_keep))
+        ch_keep = channel_mask(weight, int(counts[0]), d, old_ch).cpu()
+        masks.update(channel_masks_of(layer, ch_keep, shapes))
         channels[layer.name] = int((~ch_keep).sum())
     return masks, channels
 
