@@ -134,6 +134,8 @@ def _cases():
         "magnitude_gradual": (lambda: C.HTSRPruning(when="gradual", gradual_epochs=2, **prune), LM, 2),
         "structured_gradual_mlp": (lambda: C.HTSRPruning(when="gradual", gradual_epochs=2, structured=True,
                                                          channel_step=0.1, **prune), MLP, 2),
+        "autorgn": (lambda: C.AutoRGN(n_batches=2), LM, 2),
+        "eb_mlp": (lambda: C.AutoRGN(criterion="eb", eb_threshold=0.975, exclude=()), MLP, 2),
         "ntkselect_mlp": (lambda: C.NTKSelect(probe_size=8, max_layers=1, kappa_max=1e6), MLP, 2),
         "tempbalance_mlp": (lambda: C.TempBalanceCallback(min_evals=3, first=True, every_n_steps=2), MLP, 2),
         "proximal_mlp": (lambda: C.ProximalRegularizer(lam=0.5, granularity="global", every_n_epochs=None), MLP, 2),
@@ -142,7 +144,10 @@ def _cases():
 
 #: where resuming cannot work, and why (the README's FSDP table says so too)
 NO_RESUME = {("lift", "fsdp2"): "torch's FSDP2 optimizer-state loader needs a parameter that trains when the "
-                                "checkpoint loads and has state in it; LIFT trains no parameter through every switch"}
+                                "checkpoint loads and has state in it; LIFT trains no parameter through every switch",
+             ("eb_mlp", "fsdp2"): "torch's FSDP2 optimizer-state loader wants state for every parameter that requires "
+                                  "grad when the checkpoint loads, before the callback's state says which are frozen; "
+                                  "a tensor frozen before its first step has none"}
 
 
 def _plain(x):
@@ -274,11 +279,10 @@ def _setup_under(strategy, cb, model):
 @pytest.mark.parametrize("make, words", [
     (lambda C: C.LMSAStepper(), "use strategy='ddp'"),
     (lambda C: C.NTKDiagnostics(), "strategy='ddp' or on one device"),
-    (lambda C: C.AutoRGN(), "use strategy='ddp'"),
     (lambda C: C.HTSRPruning(when=1, criterion="wanda"), "use when='fit_start'"),
     (lambda C: C.HTSRPruning(when=1, n=2, m=4, target_sparsity=0.5), "without N:M"),
     (lambda C: C.ProximalRegularizer(lam=1.0), "pass every_n_epochs=None"),
-], ids=["lmsa", "ntk", "autorgn", "pruning_when_wanda", "pruning_when_nm", "proximal_lambda_o"])
+], ids=["lmsa", "ntk", "pruning_when_wanda", "pruning_when_nm", "proximal_lambda_o"])
 def test_what_cannot_work_under_fsdp_says_why_in_one_line(kind, make, words):
     import lalr_lightning.callbacks as C
 

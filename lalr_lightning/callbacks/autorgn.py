@@ -32,7 +32,11 @@ Decided here (the paper and the reference are explicit about the rest):
 * the reference rebuilds Adam every epoch (its moments restart); here the optimizer and its
   state are the user's, only the per-tensor LR changes (through :mod:`core.control`);
 * under DDP each rank measures on its own shard and the per-tensor values are averaged over
-  ranks (mean) before the decision, which is made on rank zero and broadcast.
+  ranks (mean) before the decision, which is made on rank zero and broadcast. Under FSDP the
+  same: each rank's own gradient of each tensor is read whole in the backward before FSDP
+  reduce-scatters it (:func:`~lalr_lightning.core.taps.gradient_taps`), with no more gradient
+  memory than a training step; each measured batch costs a forward and backward of the
+  strategy's, whose reduced gradients are dropped.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
+from lalr_lightning.callbacks.distributed import backward_discarded, loss_through_root, sharded
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.core.layers import matrix_layers
 from lalr_lightning.core.loss import batch_loss
@@ -57,7 +62,8 @@ from lalr_lightning.core.selection import (
     tensor_layers,
     zero_gradient_warning,
 )
-from lalr_lightning.core.taps import preserve_buffers
+from lalr_lightning.core.shards import all_sum, local_tensor
+from lalr_lightning.core.taps import gradient_taps, preserve_buffers
 
 __all__ = ["AutoRGN", "CRITERIA"]
 
@@ -99,8 +105,6 @@ class AutoRGN(LayerSelection):
     """
 
     log_prefix = "surgical"
-    fsdp_refusal = ("it measures each rank's own gradient of every tensor with autograd on the whole parameters, "
-                    "which FSDP holds in shards and averages over the ranks in the backward; use strategy='ddp'")
     title = "Auto-RGN"
     decision_attr = "multipliers"
     decision_key = "multiplier"
@@ -151,6 +155,7 @@ class AutoRGN(LayerSelection):
         self._block_of: dict[str, str] = {}
         self._weights: list[str] = []  # the conv/linear weight tensors (the degeneracy warning counts them)
         self._zero_scales: list[str] = []
+        self._sharded = False  # FSDP: frozen tensors stop requiring grad (apply)
 
     @property
     def score_key(self) -> str:
@@ -171,6 +176,7 @@ class AutoRGN(LayerSelection):
         except ValueError:
             self.block_list = []  # tensors are the units; blocks only label the logs
         self.layers = tensor_layers(pl_module)
+        self._sharded = sharded(trainer)
         self._block_of = {n: b.name for b in self.block_list for n in b.params}
         units = {u.name for u in self.layers}
         self._weights = [n for la in matrix_layers(pl_module) for n, p in la.params.items()
@@ -209,6 +215,8 @@ class AutoRGN(LayerSelection):
             p.ndim == 1 and not bool(p.detach().any()) for p in u.params.values())]
         total = torch.zeros(len(units), dtype=torch.float64)
         n = 0
+        frozen = [u for u in units if u.name not in set(self.selected)] if self._sharded else []
+        self.set_requires_grad(frozen, True)  # FSDP: the tensors frozen now are measured too (see apply)
         check = stop_on_sigterm(trainer)
         device = pl_module.device
         rng = [device.index or 0] if device.type == "cuda" else []
@@ -220,18 +228,47 @@ class AutoRGN(LayerSelection):
                     break
                 check()
                 batch = self.device_batch(trainer, batch)
-                loss = batch_loss(pl_module, batch, self.loss_fn, batch_idx=n)
-                grads = torch.autograd.grad(loss, params, allow_unused=True)
-                self.check_finite(trainer, {u.name: g for u, g in zip(units, grads) if g is not None},
-                                  f"the gradients measured for {self.criterion}")
-                total += relative_grad_norms(grads, params) if self.criterion == "rgn" else eb_scores(grads)
+                if sharded(trainer):
+                    total += self._sharded_scores(trainer, pl_module, batch, n, units, params)
+                else:
+                    loss = batch_loss(pl_module, batch, self.loss_fn, batch_idx=n)
+                    grads = torch.autograd.grad(loss, params, allow_unused=True)
+                    self.check_finite(trainer, {u.name: g for u, g in zip(units, grads) if g is not None},
+                                      f"the gradients measured for {self.criterion}")
+                    total += relative_grad_norms(grads, params) if self.criterion == "rgn" else eb_scores(grads)
                 n += 1
+        self.set_requires_grad(frozen, False)
         if n == 0:
             raise ValueError(f"{self.criterion}: the training dataloader yielded no batch to measure on")
         # each rank measured its own shard: average over ranks (inf, from zero-norm tensors, stays inf)
         mean = trainer.strategy.reduce((total / n).to(pl_module.device), reduce_op="mean").cpu()
         self._measured_epoch = trainer.current_epoch
         return {u.name: float(v) for u, v in zip(units, mean.tolist())}
+
+    def _sharded_scores(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
+                        units: list, params: list) -> torch.Tensor:
+        """One batch's scores under FSDP, equal to DDP's: this rank's own gradient of each tensor is
+        read whole in the backward, as FSDP computes it and before it reduce-scatters it
+        (``gradient_taps``; no more gradient is held than the backward holds), through a forward
+        and backward of the strategy's own (whose reduced gradients are then dropped); the
+        weights' norms from the ranks' pieces."""
+        keys = {id(p): u.name for u, p in zip(units, params)}
+
+        def stat(g: torch.Tensor) -> tuple[float, float]:  # (||g||, for the finiteness check; the score)
+            score = float(eb_scores([g])[0]) if self.criterion == "eb" else 0.0
+            return torch.linalg.vector_norm(g.detach().double()).item(), score
+
+        with gradient_taps(pl_module, keys, stat) as got:
+            loss = loss_through_root(trainer, pl_module,
+                                     lambda: batch_loss(pl_module, batch, self.loss_fn, batch_idx=batch_idx))
+            backward_discarded(pl_module, loss)
+        self.check_finite(trainer, {k: v[0] for k, v in got.items()}, f"the gradients measured for {self.criterion}")
+        if self.criterion == "eb":
+            return torch.tensor([got[u.name][1] if u.name in got else 0.0 for u in units], dtype=torch.float64)
+        # ||theta|| from the squared norms of the ranks' pieces; as relative_grad_norms: inf where it is 0
+        norms = all_sum(torch.stack([local_tensor(p.detach()).double().square().sum() for p in params])).sqrt()
+        return torch.tensor([(got[u.name][0] if u.name in got else 0.0) / pn if pn > 0 else math.inf
+                             for u, pn in zip(units, norms.tolist())], dtype=torch.float64)
 
     def decide(self, scores: dict[str, float]) -> Decision:
         if self.criterion == "rgn":
@@ -254,7 +291,17 @@ class AutoRGN(LayerSelection):
     def apply(self, trainer: pl.Trainer) -> None:
         self.apply_multipliers(trainer, self.multipliers)
         self.apply_frozen(trainer, [k for k, v in self.multipliers.items() if v == 0])
+        if self._sharded:
+            # FSDP1 saves optimizer state per unit and wants it for every tensor there that requires
+            # grad: a frozen tensor that never stepped has none, so it stops requiring grad (FSDP
+            # follows requires_grad at every backward)
+            self.follow_requires_grad()
         self.apply_norm_modes()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        if self._sharded and self._wrapped:  # FSDP restores after fit start: before the optimizer state
+            self.follow_requires_grad()
 
     # ------------------------------------------------------------------ state
 

@@ -32,8 +32,8 @@ from lalr_lightning.core.decision import Decision
 from lalr_lightning.core.layers import Layer
 from lalr_lightning.core.shards import ShardLayout, assign_shares, gather_objects, whole_weights
 
-__all__ = ["SpawnHandoff", "check_strategy", "decide_on_zero", "measure_shards", "model_root", "parameter_names",
-           "rebind", "replaces_parameters", "shard_layout", "sharded"]
+__all__ = ["SpawnHandoff", "backward_discarded", "check_strategy", "decide_on_zero", "loss_through_root",
+           "measure_shards", "model_root", "parameter_names", "rebind", "replaces_parameters", "shard_layout", "sharded"]
 
 
 def sharded(trainer: pl.Trainer) -> bool:
@@ -108,6 +108,40 @@ def model_root(trainer: pl.Trainer, pl_module: pl.LightningModule) -> torch.nn.M
     if sharded(trainer) and isinstance(getattr(trainer.strategy, "model", None), torch.nn.Module):
         return trainer.strategy.model
     return pl_module
+
+
+def loss_through_root(trainer: pl.Trainer, pl_module: pl.LightningModule, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``fn()`` (a loss computed with ``pl_module``) run inside the forward of the strategy's root
+    module where that wraps ``pl_module`` (FSDP1: the root unit gathers its own parameters in its
+    forward and prepares the backward), as Lightning runs ``training_step``; else ``fn()``."""
+    root = model_root(trainer, pl_module)
+    if root is pl_module:
+        return fn()
+    had = pl_module.__dict__.get("forward")  # an instance attribute (None: the class's forward)
+
+    def put_back() -> None:
+        if had is None:
+            pl_module.__dict__.pop("forward", None)
+        else:
+            pl_module.__dict__["forward"] = had
+
+    def forward(*_args, **_kwargs):
+        put_back()  # the loss inside calls the module's own forward
+        return fn()
+
+    pl_module.__dict__["forward"] = forward
+    try:
+        return root()
+    finally:
+        put_back()
+
+
+def backward_discarded(pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+    """A backward whose gradients are only observed (hooks): the strategy reduces them as in a
+    step (FSDP's reduce-scatter runs in its backward hooks), and the result is dropped."""
+    loss.backward()
+    for p in pl_module.parameters():
+        p.grad = None
 
 
 def shard_layout(trainer: pl.Trainer, pl_module: pl.LightningModule) -> ShardLayout:

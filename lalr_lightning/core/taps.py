@@ -29,6 +29,7 @@ __all__ = [
     "call_with_params",
     "first_tensor",
     "fixed_rng",
+    "gradient_taps",
     "preserve_buffers",
 ]
 
@@ -111,6 +112,45 @@ def preserve_buffers(module: nn.Module) -> Iterator[None]:
         with torch.no_grad():
             for b, v in saved:
                 b.copy_(v)
+
+
+@contextlib.contextmanager
+def gradient_taps(model: nn.Module, keys: Mapping[int, str],
+                  stat: Callable[[Tensor], object]) -> Iterator[dict[str, object]]:
+    """``stat(grad)`` of the gradient this process computes for each parameter of ``model`` whose
+    ``id`` is in ``keys``, taken in the backward as the gradient arrives -- before anything a
+    data-parallel strategy does with it (averaging, reduce-scattering) -- into the dict yielded
+    (``keys[id] -> value``; a tensor the loss does not reach is missing). One forward and
+    backward per use: a tensor read by several modules is tapped once.
+
+    The tensors are read from their modules at each module's forward (a forward pre-hook), which
+    is when a sharding strategy has them whole: FSDP1 (``use_orig_params``) puts views of the
+    gathered flat parameter there, FSDP2 its unsharded parameters. So ``grad`` is the whole
+    gradient of this process's batch although the modules hold pieces outside the forward, and
+    no more of it is held than the backward holds anyway. ``keys`` names the parameters as the
+    modules hold them outside the forward.
+    """
+    owners = {mod: [(attr, keys[id(p)]) for attr, p in mod.named_parameters(recurse=False) if id(p) in keys]
+              for mod in model.modules()}
+    owners = {mod: v for mod, v in owners.items() if v}
+    out: dict[str, object] = {}
+    tapped: set[str] = set()
+    handles: list = []
+
+    def tap(mod: nn.Module, _args) -> None:
+        for attr, key in owners[mod]:
+            t = getattr(mod, attr)
+            if key in tapped or not (isinstance(t, Tensor) and t.requires_grad):
+                continue
+            tapped.add(key)
+            handles.append(t.register_hook(lambda g, key=key: out.__setitem__(key, stat(g))))
+
+    handles += [mod.register_forward_pre_hook(tap) for mod in owners]
+    try:
+        yield out
+    finally:
+        for h in handles:
+            h.remove()
 
 
 @contextlib.contextmanager
