@@ -76,8 +76,10 @@ class NTKDiagnostics(LayerwiseCallback):
     """
 
     log_prefix = "ntk"
-    fsdp_refusal = ("the NTK and the linearization gap need per-sample Jacobians of the whole model, which FSDP "
-                    "holds in shards; run the diagnostics under strategy='ddp' or on one device")
+    fsdp_refusal = ("the NTK and the linearization gap need per-sample Jacobians of the whole model through "
+                    "torch.func, and gathering the whole parameters is not enough: FSDP's own forward cannot run "
+                    "inside summon_full_params (FSDP1) and its forward hooks fail on parameters substituted by "
+                    "torch.func (FSDP2, checked on torch 2.14); run the diagnostics under strategy='ddp' or on one device")
     decision_attr = "etas"
     decision_key = "eta"
     score_key = "eta"

@@ -177,8 +177,10 @@ class ProximalRegularizer(LayerwiseCallback):
         if sharded(trainer) and self.every_n_epochs is not None:
             raise RuntimeError(
                 f"ProximalRegularizer(every_n_epochs={self.every_n_epochs}) under {type(trainer.strategy).__name__}: "
-                "lambda_o needs the Jacobian of the whole model, which FSDP holds in shards; pass every_n_epochs=None "
-                "(the proximal step itself works under FSDP)")
+                "lambda_o needs the Jacobian of the whole model at theta_0 through torch.func, and gathering the whole "
+                "parameters is not enough: FSDP's own forward cannot run inside summon_full_params (FSDP1) and its "
+                "forward hooks fail on parameters substituted by torch.func (FSDP2, checked on torch 2.14); pass "
+                "every_n_epochs=None (the proximal step itself works under FSDP)")
         self._sharded = sharded(trainer)
         params = trainable(pl_module, type(self).__name__)
         groups = layer_groups(pl_module, params)
