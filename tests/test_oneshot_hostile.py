@@ -19,20 +19,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lalr_lightning.cli import main
 from lalr_lightning.oneshot import prune
 from lalr_lightning.oneshot.checkpoint import _Streamed
-from tests._lm import WORDS, save_tiny_lm, tiny_tokenizer
+from tests._lm import save_tiny_lm, tiny_tokenizer
+from tests.test_oneshot import _WORDS, _run
 
 ROOT = Path(__file__).resolve().parents[1]
-_WORDS = [w for w in WORDS if w.isalpha()]
-
-
-def _run(argv, capsys):
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    out = capsys.readouterr()
-    return info.value.code, out.out, out.err
 
 
 def _one_line_error(code, err, *phrases):

@@ -26,13 +26,10 @@ from lalr_lightning.core.control import LayerControl
 from lalr_lightning.core.errors import DivergenceError
 from lalr_lightning.core.layers import describe_blocks
 from lalr_lightning.core.loss import batch_loss
+from lalr_lightning.core.msa_settings import INNER_OPTIMIZERS, SELECT, UPDATE, lmsa_settings
 from lalr_lightning.core.taps import BlockTaps
 
 __all__ = ["LMSAStepper", "SELECT", "UPDATE", "INNER_OPTIMIZERS"]
-
-SELECT = ("min", "all")
-UPDATE = ("msa", "optimizer")
-INNER_OPTIMIZERS = ("adam", "sgd")
 
 
 class LMSAStepper(LayerSelection):
@@ -205,54 +202,11 @@ class LMSAStepper(LayerSelection):
         n_batches = self._alias(n_batches, selection_batches, "selection_batches", "n_batches", default=1)
         every_n_epochs = self._alias(every_n_epochs, reselect_every_n_epochs, "reselect_every_n_epochs",
                                      "every_n_epochs")
-        rho = 1.0 if rho is None else rho
-        inner_optimizer = "adam" if inner_optimizer is None else inner_optimizer
-        inner_lr = 1e-4 if inner_lr is None else inner_lr
-        inner_steps = 5 if inner_steps is None else inner_steps
-        feasibility = 0.0 if feasibility is None else feasibility
-        rho_scale = 1.0 if rho_scale is None else rho_scale
-        num_blocks = 1 if num_blocks is None else num_blocks
-        if isinstance(inner_optimizer, str) and inner_optimizer not in INNER_OPTIMIZERS:
-            raise ValueError(
-                f"unknown inner_optimizer {inner_optimizer!r}; valid: {', '.join(INNER_OPTIMIZERS)} "
-                "or a callable params -> torch.optim.Optimizer"
-            )
-        if not isinstance(inner_optimizer, str) and not callable(inner_optimizer):
-            raise TypeError("inner_optimizer must be 'adam', 'sgd' or a callable params -> Optimizer")
-        for label, v in (("rho", rho), ("inner_lr", inner_lr), ("rho_scale", rho_scale)):
-            if not (v > 0 and math.isfinite(v)):
-                raise ValueError(f"{label} must be a positive finite number, got {v}")
-        if metric_rho is not None and not (metric_rho > 0 and math.isfinite(metric_rho)):
-            raise ValueError(f"metric_rho must be None or positive, got {metric_rho}")
-        if not feasibility >= 0:
-            raise ValueError(f"feasibility must be >= 0, got {feasibility}")
-        for label, v in (("num_blocks", num_blocks), ("inner_steps", inner_steps),
-                         ("n_batches (selection_batches)", n_batches)):
-            if int(v) != v or v < 1:
-                raise ValueError(f"{label} must be an integer >= 1, got {v}")
-        if every_n_epochs is not None and (int(every_n_epochs) != every_n_epochs or every_n_epochs < 1):
-            raise ValueError(f"every_n_epochs (reselect_every_n_epochs) must be None or an integer >= 1, "
-                             f"got {every_n_epochs}")
-        if output_dim is not None and output_dim < 1:
-            raise ValueError(f"output_dim must be None or >= 1, got {output_dim}")
-        if loss_fn is not None and not callable(loss_fn):
-            raise TypeError("loss_fn must be a callable (pl_module, batch) -> scalar loss")
-        self.select = select
-        self.num_blocks = int(num_blocks)
-        self.update = update
-        self.rho = float(rho)
-        self.inner_optimizer = inner_optimizer
-        self.inner_lr = float(inner_lr)
-        self.inner_steps = int(inner_steps)
-        self.feasibility = float(feasibility)
-        self.rho_scale = float(rho_scale)
-        self.metric_rho = metric_rho
-        self.output_dim = output_dim
-        self.n_batches = int(n_batches)
-        self.every_n_epochs = every_n_epochs
-        self.head = head
-        self.loss_fn = loss_fn
-        self.seed = int(seed)
+        self.__dict__.update(lmsa_settings(  # every argument under its own name (settings() reads them back)
+            select=select, num_blocks=num_blocks, update=update, rho=rho, inner_optimizer=inner_optimizer,
+            inner_lr=inner_lr, inner_steps=inner_steps, feasibility=feasibility, rho_scale=rho_scale,
+            metric_rho=metric_rho, output_dim=output_dim, n_batches=n_batches, every_n_epochs=every_n_epochs,
+            head=head, loss_fn=loss_fn, seed=seed))
         self._last_selection_epoch: int | None = None
         self._measuring = False
         self._measured = 0

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lalr_lightning.core.matrices import is_matrix_module
+
 __all__ = ["Trace", "trace_modules", "forward_units", "forward_blocks"]
 
 #: autograd nodes one skip search visits at most (a model written functionally can have long
@@ -151,10 +153,6 @@ def _holds_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
-def _is_matrix(module: nn.Module) -> bool:
-    from .layers import is_matrix_module
-
-    return is_matrix_module(module)
 
 
 def _children(module: nn.Module, prefix: str, trace: Trace) -> list[tuple[str, nn.Module]]:
@@ -207,7 +205,7 @@ def _merge_skips(units: list[list[str]], trace: Trace) -> list[list[str]]:
 def _units(node: nn.Module, prefix: str, trace: Trace) -> list[list[str]]:
     units: list[list[str]] = []
     for name, child in _children(node, prefix, trace):
-        if _is_matrix(child) or any(_holds_params(c) for c in child.children()) or not units:
+        if is_matrix_module(child) or any(_holds_params(c) for c in child.children()) or not units:
             units.append([name])
         else:  # a norm (or another parametrized leaf) joins the layer that ran before it
             units[-1].append(name)
@@ -224,7 +222,7 @@ def forward_units(model: nn.Module, trace: Trace) -> list[list[str]]:
     while True:  # descend through wrappers holding everything (a LightningModule around self.net)
         kids = [(n, c) for n, c in node.named_children() if _holds_params(c)]
         if len(kids) == 1 and {id(p) for p in kids[0][1].parameters()} == own and trace.first(
-                prefix + kids[0][0]) is not None and not _is_matrix(kids[0][1]):
+                prefix + kids[0][0]) is not None and not is_matrix_module(kids[0][1]):
             prefix, node = f"{prefix}{kids[0][0]}.", kids[0][1]
             continue
         break

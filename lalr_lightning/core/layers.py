@@ -25,6 +25,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lalr_lightning.core.forward_blocks import forward_blocks
+from lalr_lightning.core.matrices import is_matrix_module
+
 __all__ = [
     "MATRIX_KINDS",
     "Layer",
@@ -80,16 +83,6 @@ def clean_name(name: str) -> str:
         leading = False
         out.append(p)
     return ".".join(out)
-
-
-def is_matrix_module(module: nn.Module) -> bool:
-    """A module whose ``weight`` is a layer weight matrix in the HT-SR sense."""
-    if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding)):
-        return isinstance(getattr(module, "weight", None), torch.Tensor)
-    # Hugging Face GPT-2 style Conv1D (a transposed Linear); matched by name so that
-    # transformers stays an optional dependency.
-    return type(module).__name__ == "Conv1D" and isinstance(getattr(module, "weight", None), torch.Tensor) \
-        and module.weight.ndim == 2
 
 
 def _kind(module: nn.Module) -> str:
@@ -391,8 +384,6 @@ def _resolve_trace(trace):
 
 def _traced_blocks(model: nn.Module, trace) -> tuple[list[str], list[list[str]], list[str]] | None:
     """``(stem, blocks, head)`` as clean module names from a forward pass, or None."""
-    from .forward_blocks import forward_blocks
-
     trace = _resolve_trace(trace)
     if trace is None:
         return None
