@@ -121,7 +121,7 @@ def gradient_taps(model: nn.Module, keys: Mapping[int, str],
     ``id`` is in ``keys``, taken in the backward as the gradient arrives -- before anything a
     data-parallel strategy does with it (averaging, reduce-scattering) -- into the dict yielded
     (``keys[id] -> value``; a tensor the loss does not reach is missing). One forward and
-    backward per use: a tensor read by several modules is tapped once.
+    backward per use: a tensor read by several modules (tied) is tapped once.
 
     The tensors are read from their modules at each module's forward (a forward pre-hook), which
     is when a sharding strategy has them whole: FSDP1 (``use_orig_params``) puts views of the
@@ -134,15 +134,15 @@ def gradient_taps(model: nn.Module, keys: Mapping[int, str],
               for mod in model.modules()}
     owners = {mod: v for mod, v in owners.items() if v}
     out: dict[str, object] = {}
-    tapped: set[str] = set()
+    tapped: set[int] = set()  # by tensor: a recomputing forward (activation checkpointing) has new views
     handles: list = []
 
     def tap(mod: nn.Module, _args) -> None:
         for attr, key in owners[mod]:
             t = getattr(mod, attr)
-            if key in tapped or not (isinstance(t, Tensor) and t.requires_grad):
+            if id(t) in tapped or not (isinstance(t, Tensor) and t.requires_grad):
                 continue
-            tapped.add(key)
+            tapped.add(id(t))
             handles.append(t.register_hook(lambda g, key=key: out.__setitem__(key, stat(g))))
 
     handles += [mod.register_forward_pre_hook(tap) for mod in owners]
