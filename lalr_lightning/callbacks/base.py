@@ -389,6 +389,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.follow_the_wrap(pl_module)
+        distributed.OptimizerResume.prepare(trainer)  # FSDP2 loads the optimizer state right after this
         if self.restored:  # continue with the checkpoint's decision
             self.apply(trainer)
 
@@ -412,6 +413,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, Callback):
             if ctl is not None:
                 ctl.clear(self.state_key)
         LayerControl.restore_requires_grad(self.state_key)
+        distributed.OptimizerResume.forget(trainer)
         if stage == "fit":
             self._hand_over(trainer)
 

@@ -9,7 +9,9 @@
 * where the strategy shards the weights (FSDP1's ``FSDPStrategy``, FSDP2's
   ``ModelParallelStrategy``): the root to gather through (:func:`model_root`), how to cut tensors
   kept next to the weights like them (:func:`shard_layout`), and following the parameters FSDP2
-  puts in place of the old ones after ``setup`` (:func:`rebind`).
+  puts in place of the old ones after ``setup`` (:func:`rebind`), and resuming a selection under
+  FSDP2 (:class:`OptimizerResume`), and the whole model on rank zero for measurements that run
+  the whole model through ``torch.func`` (:class:`WholeCopy`).
 
 :class:`~lalr_lightning.callbacks.base.LayerwiseCallback` calls these at the steps of its cycle;
 the pure parts (who measures what, gathering one unit's whole weights) are
@@ -30,9 +32,10 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from lalr_lightning.core.decision import Decision
 from lalr_lightning.core.layers import Layer
-from lalr_lightning.core.shards import ShardLayout, assign_shares, gather_objects, whole_weights
+from lalr_lightning.core.shards import (ShardLayout, assign_shares, gather_objects, materialize, skeleton,
+                                        whole_weights)
 
-__all__ = ["SpawnHandoff", "backward_discarded", "check_strategy", "decide_on_zero", "loss_through_root",
+__all__ = ["OptimizerResume", "SpawnHandoff", "WholeCopy", "backward_discarded", "check_strategy", "decide_on_zero", "loss_through_root",
            "measure_shards", "model_root", "parameter_names", "rebind", "replaces_parameters", "shard_layout", "sharded"]
 
 
@@ -174,6 +177,130 @@ def measure_shards(trainer: pl.Trainer, pl_module: pl.LightningModule, units: li
             raise value
         merged.update(value)
     return {la.name: merged[la.name] for la in everything if la.name in merged}
+
+
+class OptimizerResume:
+    """Resuming a selection under FSDP2 (``ModelParallelStrategy``), whose ``load_checkpoint``
+    loads the optimizer state through torch's ``set_optimizer_state_dict`` before any callback's
+    state is back.
+
+    That loader builds its template from the parameters that require grad *when it loads* (a
+    zero-learning-rate step) and places the saved state on that template: a saved tensor whose
+    parameter is frozen at that moment comes back whole instead of sharded (the next step on it
+    fails), a parameter that requires grad with nothing saved keeps the template's made-up state
+    (Adam's step count 1), and with no parameter requiring grad it stops ("Expected device to be
+    set"). A selection's flags at that moment are the fresh run's, not the saved run's.
+
+    So for the load, and only for it, exactly the parameters with saved state require grad: the
+    strategy's ``load_checkpoint`` is wrapped at ``on_fit_start`` (:meth:`prepare`; Lightning
+    gives the checkpoint's path to no hook before it loads), and every flag is put back when it
+    returns, before the callbacks restore their own selections."""
+
+    @staticmethod
+    def _bare(name: str) -> str:
+        # torch names optimizer state by the parameter's name without activation-checkpoint or
+        # torch.compile wrappers
+        return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+    @classmethod
+    def saved(cls, path: str, pl_module: pl.LightningModule, n_optimizers: int) -> set[int]:
+        """``id`` of every parameter of ``pl_module`` with optimizer state in the checkpoint at
+        ``path`` (one file, or a distributed checkpoint's folder)."""
+        from pathlib import Path
+
+        named = [(cls._bare(n), p) for n, p in pl_module.named_parameters()]
+        if Path(path).is_dir():  # a distributed checkpoint: its metadata lists every flattened key
+            from torch.distributed.checkpoint import FileSystemReader
+
+            keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            states = [k.split(".state.", 1)[1] for k in keys if k.startswith("optimizer_") and ".state." in k]
+            return {id(p) for n, p in named if any(k.startswith(n + ".") for k in states)}
+        ckpt = torch.load(path, mmap=True, map_location="cpu", weights_only=False)
+        keys = [k for state in ckpt.get("optimizer_states", [])[:n_optimizers] for k in state.get("state", {})]
+        # a full checkpoint names the state by parameter, or numbers it in ``parameters()`` order
+        by_index = [p for _, p in named]
+        return {id(p) for n, p in named if n in keys} | {id(by_index[k]) for k in keys
+                                                         if isinstance(k, int) and k < len(by_index)}
+
+    @classmethod
+    def prepare(cls, trainer: pl.Trainer) -> None:
+        """Wrap the strategy's ``load_checkpoint`` once (every callback of the fit calls this)."""
+        strategy = trainer.strategy
+        if not isinstance(strategy, ModelParallelStrategy) or "load_checkpoint" in vars(strategy):
+            return
+        load = type(strategy).load_checkpoint
+
+        def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+            cls.forget(trainer)
+            module, optimizers = strategy.lightning_module, strategy.optimizers
+            saved = cls.saved(checkpoint_path, module, len(optimizers))
+            trained = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
+            flags = {p: p.requires_grad for p in module.parameters() if id(p) in trained}
+            if saved:  # else (a checkpoint before the first step) torch's loader as it is
+                for p in flags:
+                    p.requires_grad_(id(p) in saved)
+            try:
+                return load(strategy, checkpoint_path, *args, **kwargs)
+            finally:
+                for p, flag in flags.items():
+                    p.requires_grad_(flag)
+
+        strategy.load_checkpoint = load_checkpoint
+
+    @staticmethod
+    def forget(trainer: pl.Trainer) -> None:
+        """Undo :meth:`prepare` (the load came, or the fit ends)."""
+        vars(trainer.strategy).pop("load_checkpoint", None)
+
+
+class WholeCopy:
+    """The LightningModule whole on rank zero, for the measurements that run the whole model
+    through ``torch.func`` (the NTK and the linearization gap, ``lambda_o``). FSDP's own forward
+    cannot host them: FSDP1 allows no forward inside ``summon_full_params``, and FSDP2's forward
+    hooks fail on parameters ``torch.func`` substitutes (torch 2.14).
+
+    Made in ``setup``, before the strategy wraps the model, every rank keeps a skeleton of it
+    (:func:`~lalr_lightning.core.shards.skeleton`: no memory for the weights). A measurement
+    (:meth:`run`) gathers the whole state dict to rank zero's CPU (a collective: every rank calls
+    it), fills a copy of the skeleton on the module's device, measures there and drops the copy,
+    and broadcasts the result: rank zero holds the whole model for the length of a measurement,
+    as ``summon_full_params`` would, and the other ranks wait."""
+
+    def __init__(self, pl_module: pl.LightningModule):
+        self.skeleton = skeleton(pl_module)
+
+    @staticmethod
+    def state(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
+        """The whole state dict on rank zero's CPU, ``{}`` on the other ranks (collective)."""
+        model = trainer.strategy.model
+        if isinstance(trainer.strategy, ModelParallelStrategy):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                                  FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
+            return model.state_dict()
+
+    def run(self, trainer: pl.Trainer, pl_module: pl.LightningModule, fn: Callable[[pl.LightningModule], Any]) -> Any:
+        """``fn(whole copy of pl_module)`` computed on rank zero and broadcast: the same result on
+        every rank; an error on rank zero is raised on every rank."""
+        state = self.state(trainer)
+        result: tuple[str, Any] | None = None
+        if trainer.is_global_zero:
+            try:
+                whole = materialize(self.skeleton, state, pl_module.device)
+                del state
+                whole.train(pl_module.training)
+                result = ("ok", fn(whole))
+            except Exception as err:  # noqa: BLE001 -- raised on every rank below
+                result = ("error", err)
+        status, payload = trainer.strategy.broadcast(result, src=0)
+        if status == "error":
+            raise payload
+        return payload
 
 
 def decide_on_zero(trainer: pl.Trainer, decide: Callable[[Any], Decision], measured: Any) -> Decision:

@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, stop_on_sigterm
+from lalr_lightning.callbacks.distributed import WholeCopy, sharded
 from lalr_lightning.core import ntk
 from lalr_lightning.core.anchor import check_anchor, snapshot, trainable
 from lalr_lightning.core.placement import follow
@@ -67,6 +68,10 @@ class NTKDiagnostics(LayerwiseCallback):
     The cost is estimated before the first measurement and stated in the log; a SIGTERM or
     Ctrl-C stops a measurement between chunks of Jacobian rows.
 
+    Under FSDP (``FSDPStrategy``, ``ModelParallelStrategy``) rank zero measures a whole copy of the
+    model (:class:`~lalr_lightning.callbacks.distributed.WholeCopy`) and keeps ``theta_0`` whole
+    on its CPU: it holds the whole model during a measurement, the other ranks wait.
+
     The kernel is taken w.r.t. the trainable parameters at the current weights; the gap
     ``||f_theta(x*) - f_lin(x*)||`` and ``KL(softmax f || softmax f_lin)`` compare the model with
     its linearization around the weights at fit start (kept in the checkpoint, so a resumed run
@@ -76,10 +81,6 @@ class NTKDiagnostics(LayerwiseCallback):
     """
 
     log_prefix = "ntk"
-    fsdp_refusal = ("the NTK and the linearization gap need per-sample Jacobians of the whole model through "
-                    "torch.func, and gathering the whole parameters is not enough: FSDP's own forward cannot run "
-                    "inside summon_full_params (FSDP1) and its forward hooks fail on parameters substituted by "
-                    "torch.func (FSDP2, checked on torch 2.14); run the diagnostics under strategy='ddp' or on one device")
     decision_attr = "etas"
     decision_key = "eta"
     score_key = "eta"
@@ -113,20 +114,39 @@ class NTKDiagnostics(LayerwiseCallback):
         self._params: dict[str, torch.nn.Parameter] = {}
         self._groups: dict[str, list[str]] = {}
         self._anchor: dict[str, torch.Tensor] | None = None
+        self._whole: WholeCopy | None = None  # under FSDP: the model whole on rank zero, to measure
 
     def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._params = trainable(pl_module, type(self).__name__)
         self._groups = ntk.layer_groups(pl_module, self._params)
         self._chosen = "unset"  # chosen at the first measurement (a checkpoint loaded after this restores it)
+        self._whole = WholeCopy(pl_module) if sharded(trainer) else None
+
+    def _whole_params(self) -> dict[str, torch.Tensor]:
+        """The parameters the kernel is taken over, whole (under FSDP: the skeleton's, meta)."""
+        if self._whole is None:
+            return self._params
+        live = dict(self._whole.skeleton.named_parameters())
+        return {n: live[n] for n in self._params}
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
         if self.restored and self._anchor is not None:
-            check_anchor(self._anchor, self._params, "the checkpoint")
-            self._anchor = follow({n: self._anchor[n] for n in self._params}, self._params)
+            self._restore_anchor()
+        elif self._whole is not None:  # theta_0 whole, on rank zero's CPU (the state gather is collective)
+            state = self._whole.state(trainer)
+            self._anchor = {n: state[n].clone() for n in self._params} if trainer.is_global_zero else None
         else:
             self._anchor = snapshot(self._params)
 
+    def _restore_anchor(self) -> None:
+        check_anchor(self._anchor, self._whole_params(), "the checkpoint")
+        if self._whole is None:
+            self._anchor = follow({n: self._anchor[n] for n in self._params}, self._params)
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.restored and self._anchor is not None and self._whole is not None:
+            self._restore_anchor()  # FSDP restores the checkpoint after on_fit_start
         if not self.restored:
             self.update(trainer, pl_module)
 
@@ -135,10 +155,22 @@ class NTKDiagnostics(LayerwiseCallback):
             self.update(trainer, pl_module)
 
     def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
-        """Every rank computes the same numbers (same probe, same weights); rank zero's are used."""
+        """Every rank computes the same numbers (same probe, same weights); rank zero's are used.
+        Under FSDP rank zero computes them on a whole copy of the model and broadcasts them."""
+        if self._whole is not None:
+            measured = self._whole.run(trainer, pl_module, lambda whole: self._measure_on(
+                trainer, whole, {n: p for n, p in whole.named_parameters() if n in self._params}))
+            self._chosen = measured.pop("outputs")  # chosen on rank zero: every rank keeps it
+            return measured
+        measured = self._measure_on(trainer, pl_module, self._params)
+        measured.pop("outputs")
+        return measured
+
+    def _measure_on(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                    live: dict[str, torch.Tensor]) -> dict[str, Any]:
         x, _ = probe_inputs(pl_module, trainer.train_dataloader, self.probe_size,
                             to_device=lambda b: self.device_batch(trainer, b))
-        params = {n: p.detach() for n, p in self._params.items()}
+        params = {n: p.detach() for n, p in live.items()}
         if self._chosen == "unset":  # once: the size and time of J, stated before computing it
             cost = ntk.ntk_cost(pl_module, x, params, mode=self.kernel, positions=self.positions,
                                 outputs=self.outputs, max_jacobian_numel=self.max_jacobian_numel,
@@ -153,11 +185,11 @@ class NTKDiagnostics(LayerwiseCallback):
         sigma = self.sigma * float(torch.trace(k.K)) / k.K.shape[0]
         eig = torch.linalg.eigvalsh(k.K)
         # theta_0 where the weights are now (Lightning moves the model after the snapshot)
-        anchor = follow(self._anchor, self._params)
+        anchor = follow(dict(self._anchor), live) if self._whole is not None else follow(self._anchor, live)
         gap = ntk.linearization_gap(*ntk.linearize(pl_module, x, anchor, params, positions=self.positions))
         return {"etas": ntk.layer_etas(k.K, k.S, sigma), "kappa": ntk.condition_number(k.K, sigma),
                 "gap": gap.gap, "kl": gap.kl, "lambda_max": float(eig[-1]), "lambda_min": float(eig[0]),
-                "sigma": sigma}
+                "sigma": sigma, "outputs": self._chosen}
 
     def decide(self, measured: dict[str, Any]) -> Decision:
         summary = {k: v for k, v in measured.items() if k != "etas"}

@@ -29,7 +29,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, stop_on_sigterm
-from lalr_lightning.callbacks.distributed import shard_layout, sharded
+from lalr_lightning.callbacks.distributed import WholeCopy, shard_layout, sharded
 from lalr_lightning.core import proximal
 from lalr_lightning.core.anchor import check_anchor, load_anchor, snapshot, trainable
 from lalr_lightning.core.control import PostStep
@@ -168,20 +168,16 @@ class ProximalRegularizer(LayerwiseCallback):
         self._unit_lambda_o: float | None = None  # lambda_o at r = 1 (it scales as 1 / r)
         self._installed: set[int] = set()
         self._sharded = False  # the strategy shards the weights (FSDP): sums over the ranks' pieces
+        self._whole: WholeCopy | None = None
         self._layout = ShardLayout(torch.nn.Module())
         self._late = False
 
     # ------------------------------------------------------------------ setup
 
     def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if sharded(trainer) and self.every_n_epochs is not None:
-            raise RuntimeError(
-                f"ProximalRegularizer(every_n_epochs={self.every_n_epochs}) under {type(trainer.strategy).__name__}: "
-                "lambda_o needs the Jacobian of the whole model at theta_0 through torch.func, and gathering the whole "
-                "parameters is not enough: FSDP's own forward cannot run inside summon_full_params (FSDP1) and its "
-                "forward hooks fail on parameters substituted by torch.func (FSDP2, checked on torch 2.14); pass "
-                "every_n_epochs=None (the proximal step itself works under FSDP)")
         self._sharded = sharded(trainer)
+        # lambda_o runs the whole model through torch.func: under FSDP on a whole copy on rank zero
+        self._whole = WholeCopy(pl_module) if self._sharded and self.every_n_epochs is not None else None
         params = trainable(pl_module, type(self).__name__)
         groups = layer_groups(pl_module, params)
         if self.include is not None:
@@ -294,21 +290,32 @@ class ProximalRegularizer(LayerwiseCallback):
 
     def estimate_lambda_o(self, trainer: pl.Trainer, pl_module: pl.LightningModule, r: float) -> float:
         """Theorem 4's ``lambda_o`` for radius ``r``, with the residual and ``Lip(f)`` at
-        ``theta_0`` on the probe batch (computed once per fit: they do not change)."""
+        ``theta_0`` on the probe batch (computed once per fit: they do not change). Under FSDP
+        rank zero computes it on a whole copy of the model, from the whole ``theta_0``."""
         if self._unit_lambda_o is None:
-            batch = self.device_batch(trainer, fixed_batch(trainer.train_dataloader, self.probe_size))
-            x, y = split_batch(pl_module, batch)
-            theta0 = {n: placed(a, self._params[n]) for n, a in self._placed_anchor().items()}
-            check = stop_on_sigterm(trainer)
-            if self.loss_fn is None and _squared_targets(y):
-                self._unit_lambda_o = estimate_lambda_o(pl_module, x, y, 1.0, theta0, check=check)["lambda_o"]
-            else:  # the residual from the gradient of the module's own loss (class docstring)
-                rank_zero_info(f"{type(self).__name__}: lambda_o's residual is N ||dL/df|| of "
-                               f"{loss_source(pl_module, self.loss_fn)} (the targets are not class indices)")
-                self._unit_lambda_o = estimate_lambda_o(
-                    pl_module, x, None, 1.0, theta0, check=check,
-                    loss=lambda: batch_loss(pl_module, batch, self.loss_fn))["lambda_o"]
+            anchor = self._placed_anchor()
+            if self._whole is None:
+                self._unit_lambda_o = self._unit_lambda_o_on(trainer, pl_module, anchor)
+            else:  # the anchor's pieces put together (collective, the same order on every rank)
+                theta0 = {n: self._layout.whole(p, anchor[n]) for n, p in self._params.items()}
+                self._unit_lambda_o = self._whole.run(
+                    trainer, pl_module, lambda whole: self._unit_lambda_o_on(trainer, whole, theta0))
         return self._unit_lambda_o / r if r > 0 else math.nan
+
+    def _unit_lambda_o_on(self, trainer: pl.Trainer, module: pl.LightningModule,
+                          anchor: dict[str, torch.Tensor]) -> float:
+        batch = self.device_batch(trainer, fixed_batch(trainer.train_dataloader, self.probe_size))
+        x, y = split_batch(module, batch)
+        live = dict(module.named_parameters())
+        theta0 = {n: placed(a, live[n]) for n, a in anchor.items()}
+        check = stop_on_sigterm(trainer)
+        if self.loss_fn is None and _squared_targets(y):
+            return estimate_lambda_o(module, x, y, 1.0, theta0, check=check)["lambda_o"]
+        # the residual from the gradient of the module's own loss (class docstring)
+        rank_zero_info(f"{type(self).__name__}: lambda_o's residual is N ||dL/df|| of "
+                       f"{loss_source(module, self.loss_fn)} (the targets are not class indices)")
+        return estimate_lambda_o(module, x, None, 1.0, theta0, check=check,
+                                 loss=lambda: batch_loss(module, batch, self.loss_fn))["lambda_o"]
 
     def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         dist, total = self.current_distances()

@@ -18,6 +18,7 @@ names, so the share a rank gets, and the merged result, are the same on every ra
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -29,7 +30,7 @@ from torch import nn
 from lalr_lightning.core.layers import Layer
 
 __all__ = ["ShardLayout", "all_sum", "assign_shares", "fsdp_units", "gather_objects", "is_dtensor", "local_tensor",
-           "whole_weights"]
+           "materialize", "skeleton", "whole_weights"]
 
 
 def assign_shares(costs: Sequence[float], world_size: int) -> list[int]:
@@ -177,6 +178,51 @@ def _fsdp2_whole(units, layers, mine, weight_of) -> list[Layer]:
             if unit is not None:
                 unit.reshard()
     return [out[layer.name] for layer in layers if layer.name in out]
+
+
+def _stored(module: nn.Module) -> list[tuple[nn.Module, str, str, torch.Tensor]]:
+    """``(owner, kind, name, tensor)`` of every parameter and persistent buffer (what a state
+    dict holds), each owner once (``kind``: ``"_parameters"`` or ``"_buffers"``)."""
+    out = []
+    for m in module.modules():
+        out += [(m, "_parameters", n, t) for n, t in m._parameters.items() if t is not None]
+        out += [(m, "_buffers", n, t) for n, t in m._buffers.items()
+                if t is not None and n not in m._non_persistent_buffers_set]
+    return out
+
+
+def skeleton(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and persistent buffers are on the meta device
+    (shapes, dtypes, ``requires_grad`` and ties kept, no memory), everything else copied -- the
+    non-persistent buffers (rotary frequencies) a state dict leaves out. :func:`materialize`
+    fills it from a whole state dict."""
+    memo: dict[int, Any] = {}
+    for _, kind, _, t in _stored(module):
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if kind == "_parameters" else meta
+    return copy.deepcopy(module, memo)
+
+
+def materialize(skel: nn.Module, state: dict[str, torch.Tensor], device: torch.device | str) -> nn.Module:
+    """A whole, working copy of the module :func:`skeleton` was taken from: ``skel`` copied, each
+    meta tensor replaced by ``state``'s (by its name in the module, a tied one once for all its
+    names), everything on ``device``."""
+    out = copy.deepcopy(skel)
+    names = {}
+    for name, t in [*out.named_parameters(remove_duplicate=False), *out.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(t), []).append(name)
+    made: dict[int, torch.Tensor] = {}
+    for owner, kind, attr, t in _stored(out):
+        if not t.is_meta:
+            continue
+        if id(t) not in made:
+            key = next((n for n in names.get(id(t), []) if n in state), None)
+            if key is None:
+                raise RuntimeError(f"the gathered state dict has no {names.get(id(t), ['?'])[0]!r}")
+            value = state[key].detach().to(device)
+            made[id(t)] = nn.Parameter(value, requires_grad=t.requires_grad) if kind == "_parameters" else value
+        getattr(owner, kind)[attr] = made[id(t)]
+    return out.to(device)
 
 
 def _cat_pieces(piece: torch.Tensor) -> torch.Tensor:
