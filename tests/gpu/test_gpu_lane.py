@@ -58,7 +58,7 @@ CALLBACKS = {
     "lift": lambda model: BlockSchedule("lift", every_n_steps=2),
     "spectrum": lambda model: SpectrumSelect(top_percent=50),
     "proximal": lambda model: ProximalRegularizer(lam=0.5, probe_size=4),
-    "proximal_pull": lambda model: ProximalRegularizer(lam=0.5, every_n_epochs=None),  # no lambda_o: runs under FSDP
+    "proximal_pull": lambda model: ProximalRegularizer(lam=0.5, every_n_epochs=None),  # no lambda_o
     "ntk": lambda model: NTKDiagnostics(probe_size=4),
     "ntkselect": lambda model: NTKSelect(probe_size=4, max_layers=2),
     "autorgn": lambda model: AutoRGN(n_batches=2),
@@ -162,8 +162,8 @@ def _fsdp(model: str):
     return FSDPStrategy(use_orig_params=True)
 
 
-#: refused under FSDP (the NTK and lambda_o need torch.func on whole parameters, L-MSA runs blocks alone)
-REFUSED_UNDER_FSDP = {"ntk", "lmsa", "proximal"}
+#: refused under FSDP (L-MSA runs blocks alone)
+REFUSED_UNDER_FSDP = {"lmsa"}
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
