@@ -219,3 +219,20 @@ def test_grad_off_by_lists_what_an_owner_keeps_off():
     assert not w.requires_grad and not v.requires_grad  # y still keeps w off; v is the user's
     LayerControl.restore_requires_grad("y")
     assert w.requires_grad and not v.requires_grad and LayerControl.grad_off_by("y") == []
+
+
+def test_grad_flags_of_sets_exactly_the_chosen_parameters_and_puts_every_flag_back():
+    # torch's FSDP2 optimizer-state loader takes its template from these flags while it loads
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.AdamW(net.parameters())
+    net[0].bias.requires_grad_(False)  # a user's own choice, and one only an owner made
+    LayerControl.set_requires_grad("owner", [net[1].weight], False)
+    before = [p.requires_grad for p in net.parameters()]
+    chosen = {id(net[0].bias), id(net[1].weight)}
+    with pytest.raises(RuntimeError, match="loader failed"):
+        with LayerControl.grad_flags_of([opt], lambda p: id(p) in chosen):
+            assert [p.requires_grad for p in net.parameters()] == [id(p) in chosen for p in net.parameters()]
+            raise RuntimeError("loader failed")
+    assert [p.requires_grad for p in net.parameters()] == before == [True, False, False, True]
+    LayerControl.restore_requires_grad("owner")
+    assert net[1].weight.requires_grad

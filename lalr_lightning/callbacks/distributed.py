@@ -30,6 +30,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
+from lalr_lightning.core.control import LayerControl
 from lalr_lightning.core.decision import Decision
 from lalr_lightning.core.layers import Layer
 from lalr_lightning.core.shards import (ShardLayout, assign_shares, gather_objects, materialize, skeleton,
@@ -232,18 +233,11 @@ class OptimizerResume:
 
         def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
             cls.forget(trainer)
-            module, optimizers = strategy.lightning_module, strategy.optimizers
-            saved = cls.saved(checkpoint_path, module, len(optimizers))
-            trained = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
-            flags = {p: p.requires_grad for p in module.parameters() if id(p) in trained}
-            if saved:  # else (a checkpoint before the first step) torch's loader as it is
-                for p in flags:
-                    p.requires_grad_(id(p) in saved)
-            try:
+            saved = cls.saved(checkpoint_path, strategy.lightning_module, len(strategy.optimizers))
+            if not saved:  # nothing to place (a checkpoint before the first step): torch's loader as it is
                 return load(strategy, checkpoint_path, *args, **kwargs)
-            finally:
-                for p, flag in flags.items():
-                    p.requires_grad_(flag)
+            with LayerControl.grad_flags_of(strategy.optimizers, lambda p: id(p) in saved):
+                return load(strategy, checkpoint_path, *args, **kwargs)
 
         strategy.load_checkpoint = load_checkpoint
 

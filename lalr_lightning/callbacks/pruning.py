@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
-from lalr_lightning.callbacks.distributed import shard_layout, sharded
+from lalr_lightning.callbacks.distributed import WholeCopy, shard_layout, sharded
 from lalr_lightning.core import spectral
 from lalr_lightning.core.criterion_pruning import criterion_prune, load_weights, sample_count, take_samples
 from lalr_lightning.core.layers import DEFAULT_KINDS
@@ -232,6 +232,8 @@ class HTSRPruning(LayerwiseCallback):
         self._fresh = False
         self._weights: dict[str, torch.Tensor] = {}  # SparseGPT's updated weights, from rank zero
         self._early: Decision | None = None  # FSDP: decided in setup, committed at fit start
+        self._whole: WholeCopy | None = None  # FSDP, a criterion during training: the model whole on rank zero
+        self._paths: dict[str, tuple[str, dict[str, str]]] = {}  # layer -> its module's and parameters' paths
         self._started = False  # on_fit_start has run (a checkpoint loaded later is enforced at train start)
         self._late = False
         self._masks_later = False  # FSDP, during training: decide() leaves the masks to _prune_sharded
@@ -259,16 +261,16 @@ class HTSRPruning(LayerwiseCallback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         self._early, self._started, self._late = None, False, False
+        self._whole = None
         if stage == "fit" and sharded(trainer):
             if self.when == "fit_start":
                 self._prune_whole(trainer)
-            elif self.criterion != "magnitude" or self.m:
-                what = f"criterion={self.criterion!r}" + (f" with n={self.n}, m={self.m}" if self.m else "")
-                raise RuntimeError(
-                    f"HTSRPruning({what}, when={self.when!r}) under {type(trainer.strategy).__name__}: its masks "
-                    "come from running (or rewriting) whole layers on one rank, which a sharded model cannot do "
-                    "during training; use when='fit_start' (pruned before the model is sharded), "
-                    "criterion='magnitude' without N:M, or strategy='ddp'")
+            elif self.criterion != "magnitude" or self.m:  # masks from whole layers, run: on a whole copy
+                self._whole = WholeCopy(pl_module)
+                modules = {id(m): n for n, m in pl_module.named_modules()}
+                raw = {id(p): n for n, p in pl_module.named_parameters()}
+                self._paths = {la.name: (modules[id(la.module)], {n: raw[id(p)] for n, p in la.params.items()})
+                               for la in self.layers}
 
     def _prune_whole(self, trainer: pl.Trainer) -> None:
         """Under FSDP: the pruning event of ``when="fit_start"`` on the whole weights, here in
@@ -347,7 +349,9 @@ class HTSRPruning(LayerwiseCallback):
         self._level = float(level)
         self._trainer = trainer  # for the calibration data; only during the event
         try:
-            if sharded(trainer):
+            if self._whole is not None:
+                self._prune_on_copy(trainer)
+            elif sharded(trainer):
                 self._prune_sharded(trainer)
             else:
                 self.update(trainer, self._model)
@@ -380,6 +384,30 @@ class HTSRPruning(LayerwiseCallback):
             masks.update(m)
             channels.update(c)
         self.commit(trainer, dataclasses.replace(decision, payload=(masks, channels, {})))
+
+    def _prune_on_copy(self, trainer: pl.Trainer) -> None:
+        """A Wanda / SparseGPT / N:M pruning event during training under FSDP: the metric measured
+        as for magnitude (a share of the layers per rank), then the masks decided on rank zero's
+        whole copy of the model (calibration runs block by block and prunes as it goes, which a
+        sharded model cannot do) and broadcast with SparseGPT's weights; each rank keeps its
+        piece of both (``apply``)."""
+        metric = self.measure(trainer, self._model)
+
+        def on_copy(whole: torch.nn.Module) -> Decision:
+            own = self._model, self.layers, self._params
+            self._model, self.layers = whole, [dataclasses.replace(
+                la, module=whole.get_submodule(self._paths[la.name][0]), modules=[],
+                params={n: whole.get_parameter(path) for n, path in self._paths[la.name][1].items()})
+                for la in self.layers]
+            self._params = {n: p for la in self.layers for n, p in la.params.items()}
+            try:
+                decision = self.decide(metric)
+            finally:
+                self._model, self.layers, self._params = own
+            masks, channels, weights = decision.payload
+            return dataclasses.replace(decision, payload=({k: v.cpu() for k, v in masks.items()}, channels, weights))
+
+        self.commit(trainer, self._whole.run(trainer, self._model, on_copy))
 
     def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float] | None:
         """The metric of every pruned layer on the current weights (block-averaged if asked);
@@ -523,10 +551,11 @@ class HTSRPruning(LayerwiseCallback):
     def apply(self, trainer: pl.Trainer) -> dict:
         """Hand the masks to the layer control (which zeroes the weights now and after every
         step); at a new pruning event the optimizer state of the pruned entries is zeroed too."""
-        if self._weights:  # SparseGPT's updated weights (rank zero already holds them)
-            load_weights(self._params, self._weights)
-            self._weights = {}
         layout = shard_layout(trainer, self._model)  # under FSDP each rank keeps its piece of every mask
+        if self._weights:  # SparseGPT's updated weights (rank zero already holds them, but on a whole copy)
+            with torch.no_grad():
+                load_weights(self._params, {k: layout.local(self._params[k], v) for k, v in self._weights.items()})
+            self._weights = {}
         masks = {self._params[k]: layout.local(self._params[k], v) for k, v in self.masks.items()}
         names = {self._params[k]: k for k in self.masks}
         for ctl in self.controls(trainer):

@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -303,6 +304,21 @@ class LayerControl:
     def restore_requires_grad(owner: str) -> None:
         """Withdraw every ``requires_grad=False`` that ``owner`` set."""
         LayerControl.set_requires_grad(owner, LayerControl.grad_off_by(owner), True)
+
+    @staticmethod
+    @contextmanager
+    def grad_flags_of(optimizers: Iterable[torch.optim.Optimizer], on: Callable[[nn.Parameter], bool]) -> Iterator[None]:
+        """Within: of the parameters ``optimizers`` hold, exactly those where ``on(p)`` require
+        grad; every flag is put back after, whatever the owners set. For torch's optimizer-state
+        loaders, which take their template from the flags at the moment they load."""
+        flags = {p: p.requires_grad for opt in optimizers for g in opt.param_groups for p in g["params"]}
+        try:
+            for p in flags:
+                p.requires_grad_(on(p))
+            yield
+        finally:
+            for p, flag in flags.items():
+                p.requires_grad_(flag)
 
     # ------------------------------------------------------------------ queries
 
