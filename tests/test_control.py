@@ -229,10 +229,20 @@ def test_grad_flags_of_sets_exactly_the_chosen_parameters_and_puts_every_flag_ba
     LayerControl.set_requires_grad("owner", [net[1].weight], False)
     before = [p.requires_grad for p in net.parameters()]
     chosen = {id(net[0].bias), id(net[1].weight)}
+    ctl = LayerControl.of(opt)
+    ctl.set_frozen("owner", [net[1].weight])
     with pytest.raises(RuntimeError, match="loader failed"):
         with LayerControl.grad_flags_of([opt], lambda p: id(p) in chosen):
             assert [p.requires_grad for p in net.parameters()] == [id(p) in chosen for p in net.parameters()]
+            for p in net.parameters():  # the loader's zero-learning-rate step: state for what it chose
+                p.grad = torch.zeros_like(p) if p.requires_grad else None
+            opt.step()
+            assert {id(p) for p in opt.state} == chosen  # a frozen parameter too: the step ran bare
             raise RuntimeError("loader failed")
     assert [p.requires_grad for p in net.parameters()] == before == [True, False, False, True]
+    net[1].weight.grad = torch.ones_like(net[1].weight)
+    opt.step()  # the layer control engages again: the frozen weight keeps its value
+    assert not opt.state[net[1].weight]["exp_avg"].any()
+    ctl.clear("owner")
     LayerControl.restore_requires_grad("owner")
     assert net[1].weight.requires_grad

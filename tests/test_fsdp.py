@@ -154,6 +154,9 @@ def _cases():
         "proximal_lambda_o": (lambda: C.ProximalRegularizer(lam=0.5, every_n_epochs=1), LM, 2),
         "proximal_lambda_o_mlp": (lambda: C.ProximalRegularizer(lam=0.5, every_n_epochs=1, granularity="global"),
                                   MLP, 2),
+        # L-MSA's metric (blocks run alone) on the whole copy; the module's optimizer trains the choice
+        "lmsa": (lambda: C.LMSAStepper(update="optimizer", every_n_epochs=1), LM, 2),
+        "lmsa_mlp": (lambda: C.LMSAStepper(update="optimizer", every_n_epochs=1), MLP, 2),
     }
 
 
@@ -301,13 +304,13 @@ def _setup_under(strategy, cb, model):
 
 
 @pytest.mark.parametrize("kind", ["fsdp1", "fsdp2"])
-def test_lmsa_under_fsdp_says_why_in_one_line(kind):
+def test_lmsa_hamiltonian_update_under_fsdp_says_why_in_one_line(kind):
     import lalr_lightning.callbacks as C
 
     strategy = fsdp1() if kind == "fsdp1" else fsdp2()
     with pytest.raises(RuntimeError) as err:
         _setup_under(strategy, C.LMSAStepper(), MLP())
-    assert "use strategy='ddp'" in str(err.value) and "\n" not in str(err.value)
+    assert "pass update='optimizer'" in str(err.value) and "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("kw, words", [(dict(use_orig_params=False), "drop use_orig_params=False"),

@@ -278,14 +278,16 @@ class WholeCopy:
                                   FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
             return model.state_dict()
 
-    def run(self, trainer: pl.Trainer, pl_module: pl.LightningModule, fn: Callable[[pl.LightningModule], Any]) -> Any:
+    def run(self, trainer: pl.Trainer, pl_module: pl.LightningModule, fn: Callable[[pl.LightningModule], Any],
+            frozen: bool = False) -> Any:
         """``fn(whole copy of pl_module)`` computed on rank zero and broadcast: the same result on
-        every rank; an error on rank zero is raised on every rank."""
+        every rank; an error on rank zero is raised on every rank. ``frozen``: the copy's
+        parameters do not require grad."""
         state = self.state(trainer)
         result: tuple[str, Any] | None = None
         if trainer.is_global_zero:
             try:
-                whole = materialize(self.skeleton, state, pl_module.device)
+                whole = materialize(self.skeleton, state, pl_module.device, frozen)
                 del state
                 whole.train(pl_module.training)
                 result = ("ok", fn(whole))

@@ -10,6 +10,7 @@ optimizer step (before any mask of another callback is re-applied).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,8 +19,10 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
 
 from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
+from lalr_lightning.callbacks.distributed import WholeCopy, sharded
 from lalr_lightning.callbacks.selection import LayerSelection
 from lalr_lightning.core import msa
 from lalr_lightning.core.control import LayerControl
@@ -27,6 +30,7 @@ from lalr_lightning.core.errors import DivergenceError
 from lalr_lightning.core.layers import describe_blocks
 from lalr_lightning.core.loss import batch_loss
 from lalr_lightning.core.msa_settings import INNER_OPTIMIZERS, SELECT, UPDATE, lmsa_settings
+from lalr_lightning.core.shards import gather_objects, layer_paths, layers_in
 from lalr_lightning.core.taps import BlockTaps
 
 __all__ = ["LMSAStepper", "SELECT", "UPDATE", "INNER_OPTIMIZERS"]
@@ -142,13 +146,16 @@ class LMSAStepper(LayerSelection):
     state (Hugging Face layers); other types raise an error.
 
     Gradient accumulation is supported (co-states are rescaled to the batch loss; the
-    Hamiltonian averages the micro-batches of an optimizer step); manual optimization,
-    DeepSpeed and FSDP are not.
+    Hamiltonian averages the micro-batches of an optimizer step); manual optimization and
+    DeepSpeed are not. Under FSDP (``FSDPStrategy``, ``ModelParallelStrategy``), where a block
+    cannot run alone, ``update="optimizer"`` measures on rank zero's whole copy of the model
+    (:class:`~lalr_lightning.callbacks.distributed.WholeCopy`): every rank's measurement batch,
+    its states and co-states from a forward and backward of the copy, the same metric as under
+    DDP; the selection then trains in the module's optimizer. ``update="msa"`` is refused there
+    (its Hamiltonian step would run on a whole copy after every optimizer step).
     """
 
     log_prefix = "lmsa"
-    fsdp_refusal = ("it runs each block alone with other parameters (the MSA metric, the Hamiltonian "
-                    "update), which FSDP's units allow only inside the model's forward; use strategy='ddp'")
     title = "L-MSA"
     score_key = "j_hat"
     measures = "data"
@@ -220,6 +227,17 @@ class LMSAStepper(LayerSelection):
         self._last_h: list[float] = []
         self._block_params: set[int] = set()
         self._selected_params: set[int] = set()
+        self._whole: WholeCopy | None = None
+        self._paths: dict[str, tuple] = {}
+        self._held_back = False  # FSDP: a new choice frozen for the step of the batch that chose it
+
+    @property
+    def fsdp_refusal(self) -> str | None:
+        if self.update == "msa":
+            return ("update='msa' moves the selected blocks by running them alone after every optimizer step, which "
+                    "a sharded model cannot do; pass update='optimizer' (the L-MSA metric, measured on a whole copy "
+                    "of the model on rank zero, picks the blocks the module's optimizer trains) or use strategy='ddp'")
+        return None
 
     @property
     def rho_hat(self) -> dict[str, float]:
@@ -258,6 +276,9 @@ class LMSAStepper(LayerSelection):
                            "blocks with blocks=[...]")
         self._block_params = {id(p) for b in self.layers for p in b.params.values()}
         self.taps = BlockTaps(pl_module, self.layers, want_input_costate=self.feasibility > 0, seed=self.seed)
+        # FSDP: the metric on a whole copy of the model on rank zero (the live taps capture nothing)
+        self._whole = WholeCopy(pl_module) if sharded(trainer) else None
+        self._paths = layer_paths(pl_module, self.layers) if self._whole is not None else {}
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         unknown = [n for n in self.selected if n not in self.block_names]
@@ -304,6 +325,8 @@ class LMSAStepper(LayerSelection):
         lets it change): the backward then skips the other blocks' weight gradients."""
         if not (self.save_compute and self._toggle and self.feasibility == 0):
             return
+        if self._whole is not None and not self.selected:
+            return  # FSDP: the first backward needs something that requires grad (the live taps anchor none)
         on = set(names)
         self.set_requires_grad([b for b in self.layers if b.name in on], True)
         self.set_requires_grad([b for b in self.layers if b.name not in on], False)
@@ -330,6 +353,8 @@ class LMSAStepper(LayerSelection):
     # ------------------------------------------------------------------ hooks
 
     def _capture_names(self) -> list[str]:
+        if self._whole is not None:
+            return []
         if self._measuring:
             return self.block_names
         if self.update == "msa":
@@ -349,7 +374,7 @@ class LMSAStepper(LayerSelection):
         self._batch = batch
         self.taps.context = batch
         self.taps.seed = self.seed * 1_000_003 + trainer.global_step
-        if not self.taps.discovered:
+        if not self.taps.discovered and self._whole is None:
             self.taps.discover(lambda: self._loss(pl_module, batch))
             self._report_cost(pl_module)
         self.taps.set_capture(self._capture_names())
@@ -376,6 +401,10 @@ class LMSAStepper(LayerSelection):
             rank_zero_info(text)
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._whole is not None:
+            if self._measuring:
+                self._measure_on_copy(trainer)
+            return
         names = self._capture_names()
         if not names:
             return
@@ -392,6 +421,9 @@ class LMSAStepper(LayerSelection):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch: Any,
                            batch_idx: int) -> None:
+        if self._held_back:  # FSDP: the new choice steps from the next batch on, as under DDP
+            self._held_back = False
+            self.apply_frozen(trainer, [n for n in self.block_names if n not in self.selected])
         self.taps.set_capture([])  # nothing outside training steps (validation) is captured
         if self._stepping:  # the window's optimizer step is done (or was skipped): its captures go
             self._stepping = False
@@ -418,53 +450,67 @@ class LMSAStepper(LayerSelection):
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None:
             factor /= float(scaler.get_scale())
-        for n in names:
-            for cap in self.taps.captures[n]:
-                if cap.normalized:
-                    continue
-                if cap.p is None:
-                    raise RuntimeError(
-                        f"LMSAStepper: block {n!r} got no co-state in the backward pass: its output does not reach "
-                        "the loss with a gradient (is the block's output detached, or were its parameters and "
-                        "everything before it set to requires_grad=False?)"
-                    )
-                if factor != 1.0:
-                    cap.p = cap.p * factor
-                cap.normalized = True
+        self.taps.scale_costates(names, factor, "LMSAStepper")
 
     # ------------------------------------------------------------------ selection
 
     def _measure_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        taps, batch = self.taps, self._batch
+        self._add(trainer, self._scores(trainer, self.taps, lambda: self._loss(pl_module, self._batch)))
 
-        def run() -> torch.Tensor:
-            return self._loss(pl_module, batch)
-
+    def _scores(self, trainer: pl.Trainer, taps: BlockTaps, run: Callable[[], torch.Tensor]) -> dict[str, list]:
+        """``[J_hat, rho_hat, rgn]`` of every block on the batch ``taps`` captured (``run``: its loss)."""
         loss = float(taps.loss_with(run))
         if not math.isfinite(loss):
             raise DivergenceError("LMSAStepper", "the training loss", value=loss, epoch=trainer.current_epoch,
                                   step=trainer.global_step, hint="L-MSA cannot rank blocks on it; lower the "
                                   "learning rate or check the data and loss_fn")
-        last = taps.captures[self.layers[-1].name][-1]
-        out_dim = self.output_dim or int(last.out[0].numel())
-        check = stop_on_sigterm(trainer)
-        for layer in self.layers:
-            check()
-            cap = taps.captures[layer.name][-1]
-            name = layer.name
-            score = msa.block_score(
-                taps.block_fn(name, cap, run), taps.theta(name), cap.p,
-                lambda th, name=name, cap=cap: float(taps.loss_with(run, {name: th}, {name: cap})),
-                loss, out_dim, rho=self.metric_rho, rho_scale=self.rho_scale,
-            )
+        return msa.block_scores(taps, self.block_names, run, loss, output_dim=self.output_dim, rho=self.metric_rho,
+                                rho_scale=self.rho_scale, check=stop_on_sigterm(trainer))
+
+    def _add(self, trainer: pl.Trainer, scores: dict[str, list]) -> None:
+        for name, values in scores.items():
             acc = self._acc.setdefault(name, [0.0, 0.0, 0.0, 0])
-            acc[0] += score.j_hat
-            acc[1] += score.rho_hat
-            acc[2] += score.rgn
+            for i, v in enumerate(values):
+                acc[i] += v
             acc[3] += 1
         self._measured += 1
         if self._measured >= self.n_batches:
             self.conclude(trainer, self._reduce(trainer))
+
+    def _measure_on_copy(self, trainer: pl.Trainer) -> None:
+        """FSDP: this measurement batch of every rank, scored on rank zero's whole copy of the
+        model (states and co-states from its own forward and backward) and averaged over the
+        ranks, as DDP's ranks average their own batches' metric."""
+        batches = gather_objects(apply_to_collection(self._batch, torch.Tensor, lambda t: t.cpu()))
+
+        def on_copy(whole: torch.nn.Module) -> dict[str, list]:
+            taps = BlockTaps(whole, layers_in(whole, self.layers, self._paths), seed=self.seed)
+            total: dict[str, list] = {}
+            try:
+                for batch in batches:
+                    batch = self.device_batch(trainer, batch)
+                    run = functools.partial(self._loss, whole, batch)
+                    taps.context, taps.seed = batch, self.seed * 1_000_003 + trainer.global_step
+                    if not taps.discovered:
+                        taps.discover(run)
+                    taps.set_capture(self.block_names)
+                    with trainer.precision_plugin.forward_context():
+                        run().backward()  # the co-states (the copy is frozen: no weight gradient)
+                        for name, values in self._scores(trainer, taps, run).items():
+                            total[name] = [a + v / len(batches) for a, v in zip(total.get(name, [0.0] * 3), values)]
+                    taps.set_capture([])
+                    taps.clear()
+            finally:
+                taps.detach()
+            return total
+
+        before = set(self.selected)
+        self._add(trainer, self._whole.run(trainer, trainer.lightning_module, on_copy, frozen=True))
+        if self._measuring or set(self.selected) <= before:
+            return
+        # a new choice: this batch's backward computed its gradients (under DDP it computed none)
+        self._held_back = True
+        self.apply_frozen(trainer, [n for n in self.block_names if n not in before & set(self.selected)])
 
     def _reduce(self, trainer: pl.Trainer) -> dict[str, dict[str, float]]:
         """The batch means of the metric, averaged over ranks."""

@@ -35,7 +35,7 @@ from lalr_lightning.core.pruning import (
     pruning_ratios,
 )
 from lalr_lightning.core.pruning_settings import PRESETS, pruning_settings
-from lalr_lightning.core.shards import all_sum, local_tensor
+from lalr_lightning.core.shards import all_sum, layer_paths, layers_in, local_tensor
 
 __all__ = ["HTSRPruning", "PRESETS", "PRUNING_METRICS", "DIRECTIONS", "CRITERIA", "pruning_ratios"]
 
@@ -233,7 +233,7 @@ class HTSRPruning(LayerwiseCallback):
         self._weights: dict[str, torch.Tensor] = {}  # SparseGPT's updated weights, from rank zero
         self._early: Decision | None = None  # FSDP: decided in setup, committed at fit start
         self._whole: WholeCopy | None = None  # FSDP, a criterion during training: the model whole on rank zero
-        self._paths: dict[str, tuple[str, dict[str, str]]] = {}  # layer -> its module's and parameters' paths
+        self._paths: dict[str, tuple] = {}  # where each layer sits in the model (core.shards.layer_paths)
         self._started = False  # on_fit_start has run (a checkpoint loaded later is enforced at train start)
         self._late = False
         self._masks_later = False  # FSDP, during training: decide() leaves the masks to _prune_sharded
@@ -266,11 +266,7 @@ class HTSRPruning(LayerwiseCallback):
             if self.when == "fit_start":
                 self._prune_whole(trainer)
             elif self.criterion != "magnitude" or self.m:  # masks from whole layers, run: on a whole copy
-                self._whole = WholeCopy(pl_module)
-                modules = {id(m): n for n, m in pl_module.named_modules()}
-                raw = {id(p): n for n, p in pl_module.named_parameters()}
-                self._paths = {la.name: (modules[id(la.module)], {n: raw[id(p)] for n, p in la.params.items()})
-                               for la in self.layers}
+                self._whole, self._paths = WholeCopy(pl_module), layer_paths(pl_module, self.layers)
 
     def _prune_whole(self, trainer: pl.Trainer) -> None:
         """Under FSDP: the pruning event of ``when="fit_start"`` on the whole weights, here in
@@ -395,10 +391,7 @@ class HTSRPruning(LayerwiseCallback):
 
         def on_copy(whole: torch.nn.Module) -> Decision:
             own = self._model, self.layers, self._params
-            self._model, self.layers = whole, [dataclasses.replace(
-                la, module=whole.get_submodule(self._paths[la.name][0]), modules=[],
-                params={n: whole.get_parameter(path) for n, path in self._paths[la.name][1].items()})
-                for la in self.layers]
+            self._model, self.layers = whole, layers_in(whole, self.layers, self._paths)
             self._params = {n: p for la in self.layers for n, p in la.params.items()}
             try:
                 decision = self.decide(metric)

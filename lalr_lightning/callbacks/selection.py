@@ -222,10 +222,6 @@ class LayerSelection(LayerwiseCallback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.follow_the_wrap(pl_module)
-        if self.switches and self.save_compute and replaces_parameters(trainer):
-            # FSDP2 loads a checkpoint's optimizer state before the callbacks' state and wants state
-            # for every parameter that requires grad: nothing switching trains until the first switch
-            self.set_requires_grad(self.switching_units(), False)
         if self._handsync is not None:  # wrapped now: equal starting values, averaging from here on
             self._handsync.start(trainer.strategy.model)
         self._wrapped = True

@@ -97,6 +97,7 @@ class LayerControl:
         self._grads_masked = False
         self._reported_step: int | None = None
         self._transform_seq = 0
+        self._suspended = False  # a step that is not training (grad_flags_of): nothing engages
         self._pre = optimizer.register_step_pre_hook(self._before_step)
         self._post = optimizer.register_step_post_hook(self._after_step)
 
@@ -309,14 +310,22 @@ class LayerControl:
     @contextmanager
     def grad_flags_of(optimizers: Iterable[torch.optim.Optimizer], on: Callable[[nn.Parameter], bool]) -> Iterator[None]:
         """Within: of the parameters ``optimizers`` hold, exactly those where ``on(p)`` require
-        grad; every flag is put back after, whatever the owners set. For torch's optimizer-state
-        loaders, which take their template from the flags at the moment they load."""
+        grad, and the optimizers' steps run bare (no owner's freezing, multipliers, masks or
+        transforms); every flag is put back after, whatever the owners set. For torch's
+        optimizer-state loaders, which take their template from the flags at the moment they load
+        and build it with a zero-learning-rate step."""
+        optimizers = list(optimizers)
         flags = {p: p.requires_grad for opt in optimizers for g in opt.param_groups for p in g["params"]}
+        controls = [c for c in map(LayerControl.existing, optimizers) if c is not None]
         try:
+            for c in controls:
+                c._suspended = True
             for p in flags:
                 p.requires_grad_(on(p))
             yield
         finally:
+            for c in controls:
+                c._suspended = False
             for p, flag in flags.items():
                 p.requires_grad_(flag)
 
@@ -428,6 +437,8 @@ class LayerControl:
         return runs
 
     def _before_step(self, optimizer, args, kwargs):
+        if self._suspended:
+            return None
         # With a closure (Lightning's automatic optimization), the gradients only exist once
         # the optimizer has called it, and the user's training_step / on_before_optimizer_step
         # run inside it: engage after the closure, so they all see the user's groups.
@@ -493,6 +504,8 @@ class LayerControl:
         return out
 
     def _after_step(self, optimizer, args, kwargs):
+        if self._suspended:
+            return
         try:
             if self._transforms:
                 step = PostStep(optimizer, self, self._step_lrs(optimizer))

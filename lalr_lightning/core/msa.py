@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lalr_lightning.core.taps import BlockFn
+from lalr_lightning.core.taps import BlockFn, BlockTaps
 
 __all__ = [
     "BlockFn",
@@ -46,6 +46,7 @@ __all__ = [
     "HamiltonianTerm",
     "block_direction",
     "block_score",
+    "block_scores",
     "hamiltonian",
     "linear_j_hat",
     "linear_rho_hat",
@@ -186,6 +187,25 @@ def block_score(
     if not math.isfinite(j):
         j = math.inf  # the step diverged: never select this block
     return BlockScore(j, used, rgn, rnorm)
+
+
+def block_scores(taps: BlockTaps, names: Sequence[str], run: Callable[[], Tensor], loss: float, *,
+                 output_dim: int | None = None, rho: float | None = None, rho_scale: float = 1.0,
+                 check: Callable[[], None] | None = None) -> dict[str, list[float]]:
+    """``[J_hat, rho_hat, rgn]`` of every block ``names`` on the batch ``taps`` captured last
+    (:func:`block_score`; ``run``: that batch's loss, ``loss`` its value). ``output_dim``: ``d'``
+    of eq. 9, default the per-sample size of the last block's output."""
+    out_dim = output_dim or int(taps.captures[names[-1]][-1].out[0].numel())
+    out = {}
+    for name in names:
+        if check is not None:
+            check()
+        cap = taps.captures[name][-1]
+        score = block_score(taps.block_fn(name, cap, run), taps.theta(name), cap.p,
+                            lambda th, name=name, cap=cap: float(taps.loss_with(run, {name: th}, {name: cap})),
+                            loss, out_dim, rho=rho, rho_scale=rho_scale)
+        out[name] = [score.j_hat, score.rho_hat, score.rgn]
+    return out
 
 
 def select_smallest(scores: Mapping[str, float], k: int = 1) -> list[str]:

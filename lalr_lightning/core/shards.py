@@ -19,6 +19,7 @@ names, so the share a rank gets, and the merged result, are the same on every ra
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -30,7 +31,7 @@ from torch import nn
 from lalr_lightning.core.layers import Layer
 
 __all__ = ["ShardLayout", "all_sum", "assign_shares", "fsdp_units", "gather_objects", "is_dtensor", "local_tensor",
-           "materialize", "skeleton", "whole_weights"]
+           "layer_paths", "layers_in", "materialize", "skeleton", "whole_weights"]
 
 
 def assign_shares(costs: Sequence[float], world_size: int) -> list[int]:
@@ -203,10 +204,12 @@ def skeleton(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
-def materialize(skel: nn.Module, state: dict[str, torch.Tensor], device: torch.device | str) -> nn.Module:
+def materialize(skel: nn.Module, state: dict[str, torch.Tensor], device: torch.device | str,
+                frozen: bool = False) -> nn.Module:
     """A whole, working copy of the module :func:`skeleton` was taken from: ``skel`` copied, each
     meta tensor replaced by ``state``'s (by its name in the module, a tied one once for all its
-    names), everything on ``device``."""
+    names), everything on ``device``; ``frozen``: no parameter requires grad (a backward through
+    it computes no weight gradient)."""
     out = copy.deepcopy(skel)
     names = {}
     for name, t in [*out.named_parameters(remove_duplicate=False), *out.named_buffers(remove_duplicate=False)]:
@@ -220,9 +223,30 @@ def materialize(skel: nn.Module, state: dict[str, torch.Tensor], device: torch.d
             if key is None:
                 raise RuntimeError(f"the gathered state dict has no {names.get(id(t), ['?'])[0]!r}")
             value = state[key].detach().to(device)
-            made[id(t)] = nn.Parameter(value, requires_grad=t.requires_grad) if kind == "_parameters" else value
+            grad = t.requires_grad and not frozen
+            made[id(t)] = nn.Parameter(value, requires_grad=grad) if kind == "_parameters" else value
         getattr(owner, kind)[attr] = made[id(t)]
     return out.to(device)
+
+
+def layer_paths(model: nn.Module, layers: Sequence[Layer]) -> dict[str, tuple]:
+    """Where each layer's modules and parameters sit in ``model``, by name: ``layer -> (module,
+    [modules], {parameter: path})``, to find the same layers in a copy (:func:`layers_in`)."""
+    mods = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    raw = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    return {la.name: (mods.get(id(la.module)), [mods[id(m)] for m in la.modules],
+                      {n: raw[id(p)] for n, p in la.params.items()}) for la in layers}
+
+
+def layers_in(model: nn.Module, layers: Sequence[Layer], paths: dict[str, tuple]) -> list[Layer]:
+    """``layers`` as they sit in ``model``, a copy of the model ``paths`` were taken from."""
+    out = []
+    for la in layers:
+        module, modules, params = paths[la.name]
+        out.append(dataclasses.replace(la, module=None if module is None else model.get_submodule(module),
+                                       modules=[model.get_submodule(m) for m in modules],
+                                       params={n: model.get_parameter(p) for n, p in params.items()}))
+    return out
 
 
 def _cat_pieces(piece: torch.Tensor) -> torch.Tensor:

@@ -492,6 +492,24 @@ class BlockTaps:
         self._capture = set(names)
         self._open = {}
 
+    def scale_costates(self, names: Sequence[str], factor: float, who: str = "L-MSA") -> None:
+        """Multiply the co-states captured since the last call by ``factor`` (once each): to
+        ``-dL/dx`` of the batch loss where the backward ran on a scaled one (Lightning divides the
+        loss by the accumulation steps; AMP multiplies it by its scale)."""
+        for n in names:
+            for cap in self.captures[n]:
+                if cap.normalized:
+                    continue
+                if cap.p is None:
+                    raise RuntimeError(
+                        f"{who}: block {n!r} got no co-state in the backward pass: its output does not reach the "
+                        "loss with a gradient (is the block's output detached, or were its parameters and "
+                        "everything before it set to requires_grad=False?)"
+                    )
+                if factor != 1.0:
+                    cap.p = cap.p * factor
+                cap.normalized = True
+
     def clear(self, names: Sequence[str] | None = None) -> None:
         for n in (self.blocks if names is None else names):
             self.captures[n] = []
