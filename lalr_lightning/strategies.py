@@ -45,6 +45,25 @@ class CPUFSDPStrategy(FSDPStrategy):
             **self.kwargs,
         )
 
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer state as ``FSDPStrategy`` saves it, without offloading to the CPU. On a
+        CPU compute device torch's gather keeps every state of a unit as a view of one reused
+        buffer and its ``.cpu()`` copies nothing, so each AdamW ``exp_avg`` came out equal to its
+        ``exp_avg_sq`` (torch 2.14, ``_allgather_orig_param_states``); unoffloaded, torch clones."""
+        from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, OptimStateKeyType, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        if self._state_dict_type != "full":
+            return super().optimizer_state(optimizer)
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # under LightningOptimizer
+        with FSDP.state_dict_type(self.model, StateDictType.FULL_STATE_DICT,
+                                  FullStateDictConfig(offload_to_cpu=False, rank0_only=True),
+                                  FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True)):
+            state = FSDP.optim_state_dict(self.model, optimizer)
+        if self.global_rank == 0:  # numbered by parameter, as FSDPStrategy stores it
+            state = FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, self.model)
+        return state
+
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
         from torch.distributed.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel

@@ -164,14 +164,8 @@ def _cases():
 #: optimizer state covers only some parameters when it is saved
 DCP_CASES = ("lift", "lisa_adamw", "eb_mlp", "ntk")
 
-#: AdamW only under FSDP2: FSDP1 on CPU ranks (gloo) writes every AdamW ``exp_avg`` equal to its
-#: ``exp_avg_sq`` into the checkpoint, with no callback at all (torch 2.14; a plain fit shows it)
-ONLY_FSDP2 = ("lisa_adamw",)
-
-
 def _kinds(case: str) -> tuple[str, ...]:
-    kinds = ("fsdp2",) if case in ONLY_FSDP2 else KINDS
-    return (*kinds, "fsdp2_dcp") if case in DCP_CASES else kinds
+    return (*KINDS, "fsdp2_dcp") if case in DCP_CASES else KINDS
 
 
 def _plain(x):
