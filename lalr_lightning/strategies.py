@@ -50,7 +50,12 @@ class CPUFSDPStrategy(FSDPStrategy):
         CPU compute device torch's gather keeps every state of a unit as a view of one reused
         buffer and its ``.cpu()`` copies nothing, so each AdamW ``exp_avg`` came out equal to its
         ``exp_avg_sq`` (torch 2.14, ``_allgather_orig_param_states``); unoffloaded, torch clones."""
-        from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, OptimStateKeyType, StateDictType
+        from torch.distributed.fsdp import (
+            FullOptimStateDictConfig,
+            FullStateDictConfig,
+            OptimStateKeyType,
+            StateDictType,
+        )
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         if self._state_dict_type != "full":

@@ -103,3 +103,41 @@ def test_fsdp_ranks_gather_their_share_through_the_root_and_cut_tensors_like_the
         assert set(seen) == set(expected)  # every layer measured by one rank or the other
         for name, w in seen.items():
             assert np.array_equal(w, params[f"{name}.weight"].detach().numpy()), (kind, name)
+
+
+# ---------------------------------------------------------------------- a whole copy from a state dict
+
+
+@pytest.mark.parametrize("family, tied", [("llama", False), ("llama", True), ("gpt2", True), ("opt", True)])
+def test_skeleton_holds_no_weights_and_materializes_the_same_model(family, tied):
+    from _lm import tiny_lm
+
+    from lalr_lightning.core.shards import materialize, skeleton
+
+    model = tiny_lm(family, tied, hidden=32, layers=2)
+    skel = skeleton(model)
+    assert all(p.is_meta for p in skel.parameters())
+    # the state dict leaves out non-persistent buffers (LLaMA's rotary frequencies): the skeleton keeps them
+    kept = [n for n, b in skel.named_buffers() if not b.is_meta]
+    assert family != "llama" or kept
+    whole = materialize(skel, {k: v.clone() for k, v in model.state_dict().items()}, "cpu")
+    names = lambda m: [n for n, _ in m.named_parameters()]  # noqa: E731 -- ties: one name per tied tensor
+    assert names(whole) == names(model)
+    if tied:
+        assert whole.get_output_embeddings().weight is whole.get_input_embeddings().weight
+    ids = torch.randint(4, 60, (2, 8), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(whole(ids).logits, model(ids).logits, rtol=0, atol=0)
+    frozen = materialize(skel, model.state_dict(), "cpu", frozen=True)
+    assert not any(p.requires_grad for p in frozen.parameters())
+
+
+def test_a_module_that_cannot_be_copied_is_named_in_one_line():
+    import threading
+
+    from lalr_lightning.callbacks.distributed import WholeCopy
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    model.lock = threading.Lock()  # deepcopy refuses it
+    with pytest.raises(RuntimeError) as err:
+        WholeCopy(model, "NTKDiagnostics")
+    assert "keep objects that cannot be copied" in str(err.value) and "\n" not in str(err.value)

@@ -33,8 +33,7 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lalr_lightning.core.control import LayerControl
 from lalr_lightning.core.decision import Decision
 from lalr_lightning.core.layers import Layer
-from lalr_lightning.core.shards import (ShardLayout, assign_shares, gather_objects, materialize, skeleton,
-                                        whole_weights)
+from lalr_lightning.core.shards import ShardLayout, assign_shares, gather_objects, materialize, skeleton, whole_weights
 
 __all__ = ["OptimizerResume", "SpawnHandoff", "WholeCopy", "backward_discarded", "check_strategy", "decide_on_zero", "loss_through_root",
            "measure_shards", "model_root", "parameter_names", "rebind", "replaces_parameters", "shard_layout", "sharded"]
@@ -260,8 +259,14 @@ class WholeCopy:
     and broadcasts the result: rank zero holds the whole model for the length of a measurement,
     as ``summon_full_params`` would, and the other ranks wait."""
 
-    def __init__(self, pl_module: pl.LightningModule):
-        self.skeleton = skeleton(pl_module)
+    def __init__(self, pl_module: pl.LightningModule, who: str):
+        try:
+            self.skeleton = skeleton(pl_module)
+        except Exception as err:  # noqa: BLE001 -- anything deepcopy refuses, said in one line
+            raise RuntimeError(
+                f"{who} under FSDP measures on a whole copy of {type(pl_module).__name__}, made with copy.deepcopy "
+                f"before the model is sharded, and copying it failed ({type(err).__name__}: {err}); keep objects that "
+                "cannot be copied (open files, locks, clients) off the module, or use strategy='ddp'") from err
 
     @staticmethod
     def state(trainer: pl.Trainer) -> dict[str, torch.Tensor]:

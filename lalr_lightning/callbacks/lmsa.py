@@ -277,7 +277,7 @@ class LMSAStepper(LayerSelection):
         self._block_params = {id(p) for b in self.layers for p in b.params.values()}
         self.taps = BlockTaps(pl_module, self.layers, want_input_costate=self.feasibility > 0, seed=self.seed)
         # FSDP: the metric on a whole copy of the model on rank zero (the live taps capture nothing)
-        self._whole = WholeCopy(pl_module) if sharded(trainer) else None
+        self._whole = WholeCopy(pl_module, type(self).__name__) if sharded(trainer) else None
         self._paths = layer_paths(pl_module, self.layers) if self._whole is not None else {}
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

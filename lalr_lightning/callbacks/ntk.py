@@ -120,7 +120,7 @@ class NTKDiagnostics(LayerwiseCallback):
         self._params = trainable(pl_module, type(self).__name__)
         self._groups = ntk.layer_groups(pl_module, self._params)
         self._chosen = "unset"  # chosen at the first measurement (a checkpoint loaded after this restores it)
-        self._whole = WholeCopy(pl_module) if sharded(trainer) else None
+        self._whole = WholeCopy(pl_module, type(self).__name__) if sharded(trainer) else None
 
     def _whole_params(self) -> dict[str, torch.Tensor]:
         """The parameters the kernel is taken over, whole (under FSDP: the skeleton's, meta)."""

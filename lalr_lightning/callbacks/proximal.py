@@ -177,7 +177,8 @@ class ProximalRegularizer(LayerwiseCallback):
     def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._sharded = sharded(trainer)
         # lambda_o runs the whole model through torch.func: under FSDP on a whole copy on rank zero
-        self._whole = WholeCopy(pl_module) if self._sharded and self.every_n_epochs is not None else None
+        lambda_o = self._sharded and self.every_n_epochs is not None
+        self._whole = WholeCopy(pl_module, type(self).__name__) if lambda_o else None
         params = trainable(pl_module, type(self).__name__)
         groups = layer_groups(pl_module, params)
         if self.include is not None:

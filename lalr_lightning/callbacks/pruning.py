@@ -266,7 +266,7 @@ class HTSRPruning(LayerwiseCallback):
             if self.when == "fit_start":
                 self._prune_whole(trainer)
             elif self.criterion != "magnitude" or self.m:  # masks from whole layers, run: on a whole copy
-                self._whole, self._paths = WholeCopy(pl_module), layer_paths(pl_module, self.layers)
+                self._whole, self._paths = WholeCopy(pl_module, type(self).__name__), layer_paths(pl_module, self.layers)
 
     def _prune_whole(self, trainer: pl.Trainer) -> None:
         """Under FSDP: the pruning event of ``when="fit_start"`` on the whole weights, here in
