@@ -81,3 +81,19 @@ def test_selection_shards_fsdp_counts_what_each_strategy_holds(monkeypatch):
     assert rows["FSDP1", spectrum]["grads"] == 4 * n / 2 > 2 * rows["FSDP1", spectrum]["need"]
     # the root unit holds the trained embedding next to the frozen lm_head and final norm
     assert rows["FSDP1", surgical]["grads"] == rows["FSDP1", surgical]["need"] + 4 * (v * h + h) / 2
+
+
+def test_whole_copy_measures_every_arm_under_each_strategy(monkeypatch):
+    """benchmarks/whole_copy.py: every measurement ran under DDP, FSDP1 and FSDP2, and under FSDP rank
+    zero held exactly the whole model (fp32) while it measured, twice its own half."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # imported by name: the spawned ranks import it too
+    bench = importlib.import_module("whole_copy")
+    rows = {(r["arm"], r["kind"]): r for r in bench.rows()}
+    cfg = importlib.import_module("selection_shards").CONFIG
+    h, m, v, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    n = 2 * v * h + h + layers * (4 * h * h + 3 * h * m + 2 * h)
+    assert set(rows) == {(a, k) for a in bench.ARMS for k in ("DDP", "FSDP1", "FSDP2")}
+    for (arm, kind), r in rows.items():
+        assert r["seconds"] > 0, (arm, kind)
+        assert r["own"] == 4 * n / (1 if kind == "DDP" else 2), (arm, kind)
+        assert r["whole"] == (0 if kind == "DDP" else 4 * n), (arm, kind)
