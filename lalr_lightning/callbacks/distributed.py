@@ -191,10 +191,11 @@ class OptimizerResume:
     (Adam's step count 1), and with no parameter requiring grad it stops ("Expected device to be
     set"). A selection's flags at that moment are the fresh run's, not the saved run's.
 
-    So for the load, and only for it, exactly the parameters with saved state require grad: the
-    strategy's ``load_checkpoint`` is wrapped at ``on_fit_start`` (:meth:`prepare`; Lightning
-    gives the checkpoint's path to no hook before it loads), and every flag is put back when it
-    returns, before the callbacks restore their own selections."""
+    So for the load, and only for it, exactly the parameters with saved state require grad and the
+    optimizers step bare (:meth:`LayerControl.grad_flags_of`: no owner's freezing drops the
+    template's gradients): the strategy's ``load_checkpoint`` is wrapped at ``on_fit_start``
+    (:meth:`prepare`; Lightning gives the checkpoint's path to no hook before it loads), and every
+    flag is put back when it returns, before the callbacks restore their own selections."""
 
     @staticmethod
     def _bare(name: str) -> str:
@@ -248,9 +249,11 @@ class OptimizerResume:
 
 class WholeCopy:
     """The LightningModule whole on rank zero, for the measurements that run the whole model
-    through ``torch.func`` (the NTK and the linearization gap, ``lambda_o``). FSDP's own forward
-    cannot host them: FSDP1 allows no forward inside ``summon_full_params``, and FSDP2's forward
-    hooks fail on parameters ``torch.func`` substitutes (torch 2.14).
+    through ``torch.func`` or run blocks alone (the NTK and the linearization gap, ``lambda_o``,
+    the L-MSA metric) and for pruning that calibrates block by block and prunes as it goes (Wanda,
+    SparseGPT, N:M during training). FSDP's own forward cannot host them: FSDP1 allows no forward
+    inside ``summon_full_params``, and FSDP2's forward hooks fail on parameters ``torch.func``
+    substitutes (torch 2.14).
 
     Made in ``setup``, before the strategy wraps the model, every rank keeps a skeleton of it
     (:func:`~lalr_lightning.core.shards.skeleton`: no memory for the weights). A measurement
