@@ -246,3 +246,16 @@ def test_grad_flags_of_sets_exactly_the_chosen_parameters_and_puts_every_flag_ba
     ctl.clear("owner")
     LayerControl.restore_requires_grad("owner")
     assert net[1].weight.requires_grad
+
+
+def test_grad_flags_of_drops_the_state_a_load_made_up():
+    # a checkpoint with no optimizer state yet: every parameter gets a template, none keeps it
+    net = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(net.parameters())
+    net.weight.requires_grad_(False)
+    with LayerControl.grad_flags_of([opt], lambda p: True, made_up=lambda p: p is net.weight):
+        for p in net.parameters():  # the loader's zero-learning-rate step
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        assert set(opt.state) == {net.weight, net.bias}
+    assert set(opt.state) == {net.bias} and not net.weight.requires_grad and net.bias.requires_grad

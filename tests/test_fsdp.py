@@ -157,12 +157,20 @@ def _cases():
         # L-MSA's metric (blocks run alone) on the whole copy; the module's optimizer trains the choice
         "lmsa": (lambda: C.LMSAStepper(update="optimizer", every_n_epochs=1), LM, 2),
         "lmsa_mlp": (lambda: C.LMSAStepper(update="optimizer", every_n_epochs=1), MLP, 2),
+        # two measurement batches fill the first epoch: its checkpoint holds no optimizer state yet
+        "lmsa_mlp_2": (lambda: C.LMSAStepper(update="optimizer", every_n_epochs=2, n_batches=2), MLP, 2),
     }
 
 
 #: the cases also resumed from FSDP2's distributed (sharded) checkpoint: the selections whose
 #: optimizer state covers only some parameters when it is saved
-DCP_CASES = ("lift", "lisa_adamw", "eb_mlp", "ntk")
+DCP_CASES = ("lift", "lisa_adamw", "eb_mlp", "ntk", "lmsa_mlp_2")
+
+#: where resuming cannot work, and why (the README's FSDP table says so too)
+NO_RESUME = {(case, kind): "Lightning's FSDPStrategy cannot load a checkpoint whose optimizer holds no state yet "
+                           "(its load_checkpoint indexes the first saved state: IndexError, Lightning 2.6.6)"
+             for case in ("lmsa_mlp_2",) for kind in ("fsdp1_wrap", "fsdp1")}
+
 
 def _kinds(case: str) -> tuple[str, ...]:
     return (*KINDS, "fsdp2_dcp") if case in DCP_CASES else KINDS
@@ -223,7 +231,7 @@ def _strategy_pair(rank, record, workdir, kinds):
             try:
                 ckpts = f"{workdir}/{name}_{kind}"
                 record((name, kind), _fit(kind, make, model_cls, epochs, ckpt_dir=ckpts if kind != "ddp" else None))
-                if kind != "ddp":  # resumed from the end of the first epoch
+                if kind != "ddp" and (name, kind) not in NO_RESUME:  # resumed from the end of the first epoch
                     record((name, kind, "resumed"), _fit(kind, make, model_cls, epochs, ckpt_in=f"{ckpts}/epoch=0.ckpt"))
             except Exception as err:  # noqa: BLE001 -- recorded; the test names it
                 record((name, kind), f"{type(err).__name__}: {err}")
@@ -282,6 +290,8 @@ def test_same_decisions_and_weights_as_ddp_on_both_ranks(runs, case, kind):
 
 @pytest.mark.parametrize("case, kind", CASE_KINDS)
 def test_resume_equals_the_uninterrupted_run(runs, case, kind):
+    if (case, kind) in NO_RESUME:
+        pytest.skip(NO_RESUME[case, kind])
     decision, weights = _get(runs, 0, (case, kind))
     resumed, resumed_weights = _get(runs, 0, (case, kind, "resumed"))
     _same(resumed, decision, 1e-6, f"{case} {kind} resumed decision")

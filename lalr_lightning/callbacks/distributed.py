@@ -24,6 +24,7 @@ import os
 import tempfile
 import uuid
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
@@ -207,8 +208,6 @@ class OptimizerResume:
     def saved(cls, path: str, pl_module: pl.LightningModule, n_optimizers: int) -> set[int]:
         """``id`` of every parameter of ``pl_module`` with optimizer state in the checkpoint at
         ``path`` (one file, or a distributed checkpoint's folder)."""
-        from pathlib import Path
-
         named = [(cls._bare(n), p) for n, p in pl_module.named_parameters()]
         if Path(path).is_dir():  # a distributed checkpoint: its metadata lists every flattened key
             from torch.distributed.checkpoint import FileSystemReader
@@ -234,8 +233,11 @@ class OptimizerResume:
         def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
             cls.forget(trainer)
             saved = cls.saved(checkpoint_path, strategy.lightning_module, len(strategy.optimizers))
-            if not saved:  # nothing to place (a checkpoint before the first step): torch's loader as it is
-                return load(strategy, checkpoint_path, *args, **kwargs)
+            if not saved and not Path(checkpoint_path).is_dir():
+                # no state saved yet (nothing had stepped): a one-file load stops without a template,
+                # so every parameter gets one, and that made-up state is dropped after
+                with LayerControl.grad_flags_of(strategy.optimizers, lambda p: True, made_up=lambda p: True):
+                    return load(strategy, checkpoint_path, *args, **kwargs)
             with LayerControl.grad_flags_of(strategy.optimizers, lambda p: id(p) in saved):
                 return load(strategy, checkpoint_path, *args, **kwargs)
 

@@ -308,12 +308,14 @@ class LayerControl:
 
     @staticmethod
     @contextmanager
-    def grad_flags_of(optimizers: Iterable[torch.optim.Optimizer], on: Callable[[nn.Parameter], bool]) -> Iterator[None]:
+    def grad_flags_of(optimizers: Iterable[torch.optim.Optimizer], on: Callable[[nn.Parameter], bool],
+                      made_up: Callable[[nn.Parameter], bool] | None = None) -> Iterator[None]:
         """Within: of the parameters ``optimizers`` hold, exactly those where ``on(p)`` require
         grad, and the optimizers' steps run bare (no owner's freezing, multipliers, masks or
         transforms); every flag is put back after, whatever the owners set. For torch's
         optimizer-state loaders, which take their template from the flags at the moment they load
-        and build it with a zero-learning-rate step."""
+        and build it with a zero-learning-rate step. ``made_up(p)``: ``p``'s state after a load
+        came from that step, not from the checkpoint: dropped (a fresh parameter has none)."""
         optimizers = list(optimizers)
         flags = {p: p.requires_grad for opt in optimizers for g in opt.param_groups for p in g["params"]}
         controls = [c for c in map(LayerControl.existing, optimizers) if c is not None]
@@ -323,6 +325,10 @@ class LayerControl:
             for p in flags:
                 p.requires_grad_(on(p))
             yield
+            if made_up is not None:
+                for opt in optimizers:
+                    for p in [p for p in opt.state if made_up(p)]:
+                        del opt.state[p]
         finally:
             for c in controls:
                 c._suspended = False
