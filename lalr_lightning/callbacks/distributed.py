@@ -299,7 +299,11 @@ class WholeCopy:
             try:
                 whole = materialize(self.skeleton, state, pl_module.device, frozen)
                 del state
-                whole.train(pl_module.training)
+                # every module in the mode the live one is in (a frozen block's norm layers in eval)
+                modes = {n.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", ""): m.training
+                         for n, m in pl_module.named_modules()}
+                for name, module in whole.named_modules():
+                    module.training = modes.get(name, pl_module.training)
                 result = ("ok", fn(whole))
             except Exception as err:  # noqa: BLE001 -- raised on every rank below
                 result = ("error", err)
