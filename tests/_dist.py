@@ -69,31 +69,33 @@ def fsdp1(wrap: set[type] | None = None, **kw):
     return CPUFSDPStrategy(**kw)
 
 
-def fsdp2(**kw):
-    """Lightning's ``ModelParallelStrategy`` as FSDP2 over 2 CPU ranks (the LightningModule calls
-    ``fully_shard`` in ``configure_model``)."""
+def fsdp2(ranks: int = 2, **kw):
+    """Lightning's ``ModelParallelStrategy`` as FSDP2 over ``ranks`` CPU ranks (the LightningModule
+    calls ``fully_shard`` in ``configure_model``)."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo", **kw)
+    return ModelParallelStrategy(data_parallel_size=ranks, tensor_parallel_size=1, process_group_backend="gloo", **kw)
 
 
-def run_pair(fn: Callable[..., None], workdir: str | Path, *args: Any, timeout_s: int = 120) -> dict[int, dict]:
+def run_pair(fn: Callable[..., None], workdir: str | Path, *args: Any, timeout_s: int = 120,
+             nprocs: int = 2) -> dict[int, dict]:
     """Run ``fn(rank, record, *args)`` in two spawned CPU processes that share a gloo group, and
     return each rank's records ``{rank: {key: value}}`` (plain Python / numpy: tensors cross as
     files). ``record(key, value)`` saves as it goes, so what a rank recorded before a failure
     still comes back; a collective left waiting by the other rank fails after ``timeout_s``."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_pair_main, args=(fn, str(workdir), args, timeout_s), nprocs=2, start_method="spawn")
+    mp.start_processes(_pair_main, args=(fn, str(workdir), args, timeout_s, nprocs), nprocs=nprocs,
+                       start_method="spawn")
     out = {}
-    for rank in (0, 1):
+    for rank in range(nprocs):
         path = workdir / f"rank{rank}.pt"
         out[rank] = torch.load(path, weights_only=False) if path.exists() else {}
     return out
 
 
 def run_pair_once(name: str, tmp_path_factory, fn: Callable[..., None], *args: Any,
-                  timeout_s: int = 120) -> dict[int, dict]:
+                  timeout_s: int = 120, nprocs: int = 2) -> dict[int, dict]:
     """:func:`run_pair` once per test session, whatever the number of pytest-xdist workers: a
     module's tests may be spread over the workers, and each would run its module fixture; the
     first to come runs the pair, the others wait for it and read its records. ``fn`` gets its
@@ -106,15 +108,15 @@ def run_pair_once(name: str, tmp_path_factory, fn: Callable[..., None], *args: A
     work, done = root / f"pair_{name}", root / f"pair_{name}.pt"
     with FileLock(str(root / f"pair_{name}.lock")):
         if not done.exists():
-            torch.save(run_pair(fn, work, str(work), *args, timeout_s=timeout_s), done)
+            torch.save(run_pair(fn, work, str(work), *args, timeout_s=timeout_s, nprocs=nprocs), done)
     return torch.load(done, weights_only=False)
 
 
-def _pair_main(rank: int, fn, workdir: str, args: tuple, timeout_s: int) -> None:
+def _pair_main(rank: int, fn, workdir: str, args: tuple, timeout_s: int, nprocs: int = 2) -> None:
     # Lightning takes the processes as launched from outside (LOCAL_RANK set) and joins the group
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2", RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT="29500")
-    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=2,
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(nprocs), RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=nprocs,
                             timeout=timedelta(seconds=timeout_s))
     torch.set_num_threads(1)
     records: dict[str, Any] = {}

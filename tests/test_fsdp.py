@@ -202,17 +202,17 @@ class _Capture(pl.Callback):
         self.weights = {k: v.detach().float().cpu().numpy().copy() for k, v in whole.items()}
 
 
-def _fit(kind, make_cb, model_cls, epochs, ckpt_in=None, ckpt_dir=None):
+def _fit(kind, make_cb, model_cls, epochs, ckpt_in=None, ckpt_dir=None, devices=2):
     model = model_cls(fsdp2=kind.startswith("fsdp2"))
     strategy = {"ddp": lambda: ddp(),
                 "fsdp1_wrap": lambda: fsdp1(wrap={type(model.units[0])}),  # a unit per decoder layer / Linear
                 "fsdp1": lambda: fsdp1(),
-                "fsdp2": lambda: fsdp2(save_distributed_checkpoint=False),
-                "fsdp2_dcp": lambda: fsdp2(save_distributed_checkpoint=True)}[kind]()
+                "fsdp2": lambda: fsdp2(devices, save_distributed_checkpoint=False),
+                "fsdp2_dcp": lambda: fsdp2(devices, save_distributed_checkpoint=True)}[kind]()
     cb, cap = make_cb(), _Capture()
     # a checkpoint at every epoch end, as ModelCheckpoint writes them in a user's run
     saves = [ModelCheckpoint(ckpt_dir, "{epoch}", save_top_k=-1, save_on_train_epoch_end=True)] if ckpt_dir else []
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=epochs, logger=False,
                          enable_checkpointing=bool(ckpt_dir), enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[cb, cap, *saves])
     trainer.fit(model, ckpt_path=ckpt_in)
@@ -296,6 +296,38 @@ def test_resume_equals_the_uninterrupted_run(runs, case, kind):
     resumed, resumed_weights = _get(runs, 0, (case, kind, "resumed"))
     _same(resumed, decision, 1e-6, f"{case} {kind} resumed decision")
     _same(resumed_weights, weights, 1e-6, f"{case} {kind} resumed weights")
+
+
+# ---------------------------------------------------------------------- one rank
+
+#: FSDP on one rank, as on one GPU: FSDP1 switches itself to NO_SHARD there (every parameter whole,
+#: in its own shape), FSDP2 shards over a mesh of one
+ONE_RANK = ("magnitude", "magnitude_epoch", "wanda_epoch", "sparsegpt", "proximal", "proximal_lambda_o", "ntk",
+            "lmsa", "lisa", "autorgn", "tempbalance")
+
+
+def _one_rank(rank, record, workdir):
+    warnings.filterwarnings("ignore")
+    for name in ONE_RANK:
+        make, model_cls, epochs = _cases()[name]
+        for kind in ("ddp", "fsdp1_wrap", "fsdp2"):
+            try:
+                record((name, kind), _fit(kind, make, model_cls, epochs, devices=1))
+            except Exception as err:  # noqa: BLE001 -- recorded; the test names it
+                record((name, kind), f"{type(err).__name__}: {err}")
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    return run_pair_once("fsdp_one_rank", tmp_path_factory, _one_rank, nprocs=1)[0]
+
+
+@pytest.mark.parametrize("kind", ["fsdp1_wrap", "fsdp2"])
+@pytest.mark.parametrize("case", ONE_RANK)
+def test_one_rank_fsdp_decides_and_trains_as_ddp_on_one_rank(one_rank, case, kind):
+    single, (decision, weights) = _get({0: one_rank}, 0, (case, "ddp")), _get({0: one_rank}, 0, (case, kind))
+    _same(decision, single[0], 1e-4, f"{case} {kind} decision")
+    _same(weights, single[1], 1e-4, f"{case} {kind} weights")
 
 
 # ---------------------------------------------------------------------- what cannot work: one line each

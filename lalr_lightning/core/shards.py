@@ -282,6 +282,8 @@ class ShardLayout:
             flat = getattr(handle, "flat_param", None)
             if flat is None or getattr(flat, "_params", None) is None:
                 continue  # use_orig_params=False: no original parameters to follow
+            if not handle.uses_sharded_strategy:
+                continue  # NO_SHARD (FSDP1's choice on one rank): every parameter whole, in its own shape
             for p, info, shape in zip(flat._params, flat._shard_param_infos, flat._shapes):
                 self._fsdp1[id(p)] = (info, shape)
 
