@@ -260,7 +260,7 @@ class AutoRGN(LayerSelection):
 
         with gradient_taps(pl_module, keys, stat) as got:
             loss = loss_through_root(trainer, pl_module,
-                                     lambda: batch_loss(pl_module, batch, self.loss_fn, batch_idx=batch_idx))
+                                     lambda b: batch_loss(pl_module, b, self.loss_fn, batch_idx=batch_idx), batch)
             backward_discarded(pl_module, loss)
         self.check_finite(trainer, {k: v[0] for k, v in got.items()}, f"the gradients measured for {self.criterion}")
         if self.criterion == "eb":

@@ -114,13 +114,17 @@ def model_root(trainer: pl.Trainer, pl_module: pl.LightningModule) -> torch.nn.M
     return pl_module
 
 
-def loss_through_root(trainer: pl.Trainer, pl_module: pl.LightningModule, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """``fn()`` (a loss computed with ``pl_module``) run inside the forward of the strategy's root
-    module where that wraps ``pl_module`` (FSDP1: the root unit gathers its own parameters in its
-    forward and prepares the backward), as Lightning runs ``training_step``; else ``fn()``."""
+def loss_through_root(trainer: pl.Trainer, pl_module: pl.LightningModule, fn: Callable[[Any], torch.Tensor],
+                      batch: Any) -> torch.Tensor:
+    """``fn(batch)`` (a loss computed with ``pl_module``) run inside the forward of the strategy's
+    root module where that wraps ``pl_module``, ``batch`` passed through it, as Lightning runs
+    ``training_step``: FSDP1's root unit gathers its own parameters in its forward, prepares the
+    backward and casts the batch's floating tensors to its mixed precision's parameter dtype.
+    Elsewhere ``fn(batch)``. Both under the precision plugin's forward context (autocast)."""
     root = model_root(trainer, pl_module)
     if root is pl_module:
-        return fn()
+        with trainer.precision_plugin.forward_context():
+            return fn(batch)
     had = pl_module.__dict__.get("forward")  # an instance attribute (None: the class's forward)
 
     def put_back() -> None:
@@ -129,13 +133,14 @@ def loss_through_root(trainer: pl.Trainer, pl_module: pl.LightningModule, fn: Ca
         else:
             pl_module.__dict__["forward"] = had
 
-    def forward(*_args, **_kwargs):
+    def forward(cast: Any, *_args, **_kwargs):
         put_back()  # the loss inside calls the module's own forward
-        return fn()
+        return fn(cast)
 
     pl_module.__dict__["forward"] = forward
     try:
-        return root()
+        with trainer.precision_plugin.forward_context():
+            return root(batch)
     finally:
         put_back()
 

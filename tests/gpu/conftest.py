@@ -4,9 +4,9 @@
     LALR_GPU_LANE=cpu python -m pytest -m gpu tests/gpu   # the lane's own code, on the CPU
 
 Without CUDA (CI) every test here is skipped with that reason, so the suite stays green.
-``LALR_GPU_LANE=cpu`` runs the same tests with ``accelerator="cpu"`` (the FSDP cases still
-need CUDA, Lightning's FSDPStrategy refuses a CPU accelerator): it checks the lane itself,
-not the GPU.
+``LALR_GPU_LANE=cpu`` runs the same tests with ``accelerator="cpu"`` (the FSDP cases through
+``CPUFSDPStrategy``, since Lightning's FSDPStrategy refuses a CPU accelerator; the three that
+compare CUDA with the CPU are skipped): it checks the lane itself, not the GPU.
 """
 
 from __future__ import annotations
