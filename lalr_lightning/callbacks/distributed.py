@@ -33,7 +33,7 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from lalr_lightning.core.control import LayerControl
 from lalr_lightning.core.decision import Decision
-from lalr_lightning.core.layers import Layer
+from lalr_lightning.core.layers import Layer, clean_name
 from lalr_lightning.core.shards import ShardLayout, assign_shares, gather_objects, materialize, skeleton, whole_weights
 
 __all__ = ["OptimizerResume", "SpawnHandoff", "WholeCopy", "backward_discarded", "check_strategy", "decide_on_zero", "loss_through_root",
@@ -305,10 +305,9 @@ class WholeCopy:
                 whole = materialize(self.skeleton, state, pl_module.device, frozen)
                 del state
                 # every module in the mode the live one is in (a frozen block's norm layers in eval)
-                modes = {n.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", ""): m.training
-                         for n, m in pl_module.named_modules()}
+                modes = {clean_name(n): m.training for n, m in pl_module.named_modules()}
                 for name, module in whole.named_modules():
-                    module.training = modes.get(name, pl_module.training)
+                    module.training = modes.get(clean_name(name), pl_module.training)
                 result = ("ok", fn(whole))
             except Exception as err:  # noqa: BLE001 -- raised on every rank below
                 result = ("error", err)

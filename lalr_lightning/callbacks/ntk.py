@@ -184,8 +184,9 @@ class NTKDiagnostics(LayerwiseCallback):
         self.check_finite(trainer, {"K": k.K}, "the NTK on the probe batch")
         sigma = self.sigma * float(torch.trace(k.K)) / k.K.shape[0]
         eig = torch.linalg.eigvalsh(k.K)
-        # theta_0 where the weights are now (Lightning moves the model after the snapshot)
-        anchor = follow(dict(self._anchor), live) if self._whole is not None else follow(self._anchor, live)
+        # theta_0 where the weights are now (Lightning moves the model after the snapshot); under FSDP
+        # a placed copy, the kept one stays on rank zero's CPU
+        anchor = follow(dict(self._anchor) if self._whole is not None else self._anchor, live)
         gap = ntk.linearization_gap(*ntk.linearize(pl_module, x, anchor, params, positions=self.positions))
         return {"etas": ntk.layer_etas(k.K, k.S, sigma), "kappa": ntk.condition_number(k.K, sigma),
                 "gap": gap.gap, "kl": gap.kl, "lambda_max": float(eig[-1]), "lambda_min": float(eig[0]),

@@ -37,6 +37,7 @@ from lalr_lightning.callbacks import (
     TempBalanceCallback,
 )
 from lalr_lightning.core.control import LayerControl
+from lalr_lightning.core.layers import clean_name
 from tests.gpu._lane import ON_CUDA
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,7 +136,7 @@ def _fit(model_name: str, callback: str, cache: Path, accelerator: str, **traine
     assert cb.history, f"{type(cb).__name__} made no decision"
     if isinstance(cb, HTSRPruning):  # on_fit_end re-applied the masks to the CPU weights
         # FSDP1's auto-wrap leaves its units in the module: their parameters' names hold the wrapper
-        weights = {n.replace("_fsdp_wrapped_module.", ""): p for n, p in module.named_parameters()}
+        weights = {clean_name(n): p for n, p in module.named_parameters()}
         for name, keep in cb.masks.items():
             assert not weights[name].detach()[~keep.to(weights[name].device)].any(), name
         assert probe.checked > 0
