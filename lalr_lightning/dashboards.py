@@ -44,6 +44,18 @@ class _FitLog:
     heatmap_at_entry: int = -1  # len(history) when the heatmap was last logged
 
 
+def _log_step(trainer) -> int:
+    # the step LearningRateMonitor uses, so the curves line up with its
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def _sharded(trainer) -> bool:
+    """Whether rank zero lacks the whole weights (FSDP1 or FSDP2)."""
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    return isinstance(getattr(trainer, "strategy", None), (FSDPStrategy, ModelParallelStrategy))
+
+
 def _log_of(cb, trainer) -> _FitLog:
     """What was drawn for ``cb`` in this fit (a new record for a new trainer)."""
     log = _plotted.get(cb)
@@ -214,14 +226,14 @@ def _log_esds(trainer, cb, names, wb, tb, title: str) -> None:
     log = _log_of(cb, trainer)
     log.esd_epochs.add(trainer.current_epoch)
     log.esd_at_entry = len(cb.history)
-    if not cb.esd_plots or cb._sharded_weights(trainer):  # blocks or tensors; or rank zero lacks whole weights
+    if not cb.esd_plots or _sharded(trainer):  # blocks or tensors; or rank zero lacks whole weights
         return
     from lalr_lightning import viz
 
     figs = esd_figures(cb, names, title)
     if not figs:
         return
-    step = cb.log_step(trainer)
+    step = _log_step(trainer)
     images = [(name, viz.figure_to_array(fig)) for name, fig in figs]
     for _, fig in figs:
         viz._close(fig)
@@ -237,7 +249,7 @@ def _decision(trainer, cb, decision) -> None:
     wb, tb, _ = _kinds(trainer)
     if not (wb or tb):
         return  # the scalars are all the others take
-    step = cb.log_step(trainer)
+    step = _log_step(trainer)
     columns, rows = decision_table(cb, decision)
     for lg in wb:
         lg.log_table(key=f"{cb.prefix}/decisions", columns=columns, data=rows, step=step)
@@ -274,7 +286,7 @@ def _end(trainer, cb) -> None:
         lg.experiment.summary[f"{cb.prefix}/final"] = {r[0]: dict(zip(columns[1:], r[1:])) for r in rows}
         lg.experiment.summary[f"{cb.prefix}/decisions_made"] = len(cb.history)
     for lg in tb:
-        lg.experiment.add_text(f"{cb.prefix}/final", markdown_table(columns, rows), global_step=cb.log_step(trainer))
+        lg.experiment.add_text(f"{cb.prefix}/final", markdown_table(columns, rows), global_step=_log_step(trainer))
 
 
 def _final_table(cb) -> tuple[list[str], list[list]] | None:

@@ -7,20 +7,20 @@ learning rate the optimizer and scheduler set: ``lr_{l,e} = lr_e x scale_{l,e}``
 
 The paper's Appendix A as a Lightning callback::
 
-    trainer = Trainer(max_epochs=3, callbacks=[LALRScheduleCallback()])
-    trainer.fit(my_module)   # any LightningModule, its own AdamW / scheduler unchanged
+    host = Trainer(max_epochs=3, callbacks=[LALRScheduleCallback()])
+    host.fit(my_module)   # any LightningModule, its own AdamW / scheduler unchanged
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import lightning.pytorch as pl
 import pandas as pd
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback
+from lalr_lightning.callbacks.host import Cadence, Host, warn
 from lalr_lightning.core.lalr_metrics import (
     DEFAULT_LAYER_TYPES,
     GROUPS,
@@ -50,10 +50,10 @@ class LALRScheduleCallback(LayerwiseCallback):
         >>> from lalr_lightning.data import DigitsDataModule
         >>> from lalr_lightning.models import SmallCNN
         >>> lalr = LALRScheduleCallback(groups="histogram", floor=0.1)
-        >>> trainer = pl.Trainer(max_epochs=3, limit_train_batches=1, limit_val_batches=0, logger=False,
+        >>> host = pl.Trainer(max_epochs=3, limit_train_batches=1, limit_val_batches=0, logger=False,
         ...                      enable_checkpointing=False, enable_progress_bar=False,
         ...                      enable_model_summary=False, callbacks=[lalr])
-        >>> trainer.fit(SmallCNN(width=16, in_channels=1), DigitsDataModule(batch_size=32))
+        >>> host.fit(SmallCNN(width=16, in_channels=1), DigitsDataModule(batch_size=32))
         >>> [h["phase"] for h in lalr.history]
         ['svd', 'ce', 'cs']
         >>> min(lalr.multipliers.values())  # min-max gives 0 to one layer; the floor keeps it learning
@@ -177,13 +177,13 @@ class LALRScheduleCallback(LayerwiseCallback):
 
     # ------------------------------------------------------------------ when
 
-    def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.layers = lalr_layers(pl_module, layer_types=self.layer_types, trainable_only=self.trainable_only)
+    def configure(self, host: Host, module: nn.Module) -> None:
+        self.layers = lalr_layers(module, layer_types=self.layer_types, trainable_only=self.trainable_only)
         if len(self.layers) < 2:
             found = f"only {self.layers[0].name!r}" if self.layers else "none"
             raise ValueError(
                 f"LALRScheduleCallback compares layers with each other and needs at least 2 weight matrices"
-                f"{' that train' if self.trainable_only else ''}; {type(pl_module).__name__} has {found} of types "
+                f"{' that train' if self.trainable_only else ''}; {type(module).__name__} has {found} of types "
                 f"{self.layer_types}. Widen layer_types{', set trainable_only=False' if self.trainable_only else ''}, "
                 "or use a model with more layers."
             )
@@ -192,17 +192,15 @@ class LALRScheduleCallback(LayerwiseCallback):
             shapes = [weight_shape(la) for la in self.layers]
             alone = [la.name for la, s in zip(self.layers, shapes) if shapes.count(s) == 1]
             if len(alone) * 2 > len(self.layers):
-                rank_zero_warn(
+                warn(
                     f"LALRScheduleCallback(groups='shape'): {len(alone)} of {len(self.layers)} layers have no "
                     f"same-shaped peer and get ce = cs = {self.singleton_value} ({', '.join(alone[:5])}"
                     f"{' ...' if len(alone) > 5 else ''}); groups='histogram' compares every layer with every other"
                 )
 
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # resumed inside an epoch already measured: keep its decision (applied at fit start; the
-        # paper measures once per epoch, from the weights at its start)
-        if not (self.restored and trainer.current_epoch == self._last_epoch):
-            self.update(trainer, pl_module)
+    # every epoch, from the weights at its start; resumed inside an epoch already measured, the
+    # checkpoint's decision stays (the cadence decides once per epoch)
+    cadence = Cadence(every_n_epochs=1)
 
     # ------------------------------------------------------------------ what
 
@@ -211,15 +209,15 @@ class LALRScheduleCallback(LayerwiseCallback):
         """The phase the next update will use (``mode`` itself outside sequential mode)."""
         return self.phases[self._position % len(self.phases)] if self.mode == "sequential" else self.mode
 
-    def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> pd.DataFrame:
+    def measure(self, host: Host, module: nn.Module) -> pd.DataFrame:
         """:func:`lalr_metrics` of the layers on the current weights, each rank measuring a
         share (whole shape groups, or single layers in histogram mode)."""
 
         def raw(layers):
-            self.check_finite(trainer, {la.name: la.weight for la in layers}, "the weights")
+            self.check_finite(host, {la.name: la.weight for la in layers}, "the weights")
             return lalr_raw(layers, groups=self.groups, bins=self.bins, hist_range=self.hist_range, eps=self.eps)
 
-        measured = self.measure_shards(trainer, pl_module, self._units, raw)
+        measured = self.measure_shards(host, module, self._units, raw)
         return lalr_table(self.layers, measured, groups=self.groups, bins=self.bins, eps=self.eps,
                           singleton_value=self.singleton_value)
 
@@ -242,13 +240,13 @@ class LALRScheduleCallback(LayerwiseCallback):
         self.metrics = decision.payload
         self.phase = decision.record["phase"]
 
-    def apply(self, trainer: pl.Trainer) -> None:
-        self.apply_multipliers(trainer, self.multipliers)
+    def apply(self, host: Host) -> None:
+        self.apply_multipliers(host, self.multipliers)
 
-    def commit(self, trainer: pl.Trainer, decision: Decision) -> None:
+    def commit(self, host: Host, decision: Decision) -> None:
         self._position += 1
-        self._last_epoch = trainer.current_epoch
-        super().commit(trainer, decision)
+        self._last_epoch = host.current_epoch
+        super().commit(host, decision)
 
     def heatmap_xlabel(self) -> str:
         return "epoch:phase"

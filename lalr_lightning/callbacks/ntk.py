@@ -10,12 +10,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, stop_on_sigterm
 from lalr_lightning.callbacks.distributed import WholeCopy, sharded
+from lalr_lightning.callbacks.host import Host, say
 from lalr_lightning.core import ntk
 from lalr_lightning.core.anchor import check_anchor, snapshot, trainable
 from lalr_lightning.core.placement import follow
@@ -35,10 +35,10 @@ class NTKDiagnostics(LayerwiseCallback):
         >>> from lalr_lightning.data import DigitsDataModule
         >>> from lalr_lightning.models import SmallCNN
         >>> diag = NTKDiagnostics(probe_size=8)
-        >>> trainer = pl.Trainer(max_epochs=2, limit_train_batches=2, limit_val_batches=0, logger=False,
+        >>> host = pl.Trainer(max_epochs=2, limit_train_batches=2, limit_val_batches=0, logger=False,
         ...                      enable_checkpointing=False, enable_progress_bar=False,
         ...                      enable_model_summary=False, callbacks=[diag])
-        >>> trainer.fit(SmallCNN(width=8, in_channels=1), DigitsDataModule(batch_size=32))
+        >>> host.fit(SmallCNN(width=8, in_channels=1), DigitsDataModule(batch_size=32))
         >>> [round(h["gap"], 6) for h in diag.history][0], diag.gap > 0, diag.kappa >= 1
         (0.0, True, True)
 
@@ -116,11 +116,11 @@ class NTKDiagnostics(LayerwiseCallback):
         self._anchor: dict[str, torch.Tensor] | None = None
         self._whole: WholeCopy | None = None  # under FSDP: the model whole on rank zero, to measure
 
-    def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._params = trainable(pl_module, type(self).__name__)
-        self._groups = ntk.layer_groups(pl_module, self._params)
+    def configure(self, host: Host, module: nn.Module) -> None:
+        self._params = trainable(module, type(self).__name__)
+        self._groups = ntk.layer_groups(module, self._params)
         self._chosen = "unset"  # chosen at the first measurement (a checkpoint loaded after this restores it)
-        self._whole = WholeCopy(pl_module, type(self).__name__) if sharded(trainer) else None
+        self._whole = WholeCopy(module, type(self).__name__) if sharded(host) else None
 
     def _whole_params(self) -> dict[str, torch.Tensor]:
         """The parameters the kernel is taken over, whole (under FSDP: the skeleton's, meta)."""
@@ -129,13 +129,20 @@ class NTKDiagnostics(LayerwiseCallback):
         live = dict(self._whole.skeleton.named_parameters())
         return {n: live[n] for n in self._params}
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_fit_start(trainer, pl_module)
-        if self.restored and self._anchor is not None:
+    def after_start(self, host: Host) -> None:
+        if self.restored and self._anchor is not None:  # where the strategy's restore is done
             self._restore_anchor()
-        elif self._whole is not None:  # theta_0 whole, on rank zero's CPU (the state gather is collective)
-            state = self._whole.state(trainer)
-            self._anchor = {n: state[n].clone() for n in self._params} if trainer.is_global_zero else None
+        elif self.restored:
+            self._take_anchor(host)
+
+    def first_decision(self, host: Host) -> None:
+        self._take_anchor(host)
+        self.update(host, host.module)
+
+    def _take_anchor(self, host: Host) -> None:
+        if self._whole is not None:  # theta_0 whole, on rank zero's CPU (the state gather is collective)
+            state = self._whole.state(host)
+            self._anchor = {n: state[n].clone() for n in self._params} if host.is_global_zero else None
         else:
             self._anchor = snapshot(self._params)
 
@@ -144,50 +151,44 @@ class NTKDiagnostics(LayerwiseCallback):
         if self._whole is None:
             self._anchor = follow({n: self._anchor[n] for n in self._params}, self._params)
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.restored and self._anchor is not None and self._whole is not None:
-            self._restore_anchor()  # FSDP restores the checkpoint after on_fit_start
-        if not self.restored:
-            self.update(trainer, pl_module)
+    def after_epoch(self, host: Host) -> None:
+        if (host.current_epoch + 1) % self.every_n_epochs == 0:
+            self.update(host, host.module)
 
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if (trainer.current_epoch + 1) % self.every_n_epochs == 0:
-            self.update(trainer, pl_module)
-
-    def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+    def measure(self, host: Host, module: nn.Module) -> dict[str, Any]:
         """Every rank computes the same numbers (same probe, same weights); rank zero's are used.
         Under FSDP rank zero computes them on a whole copy of the model and broadcasts them."""
         if self._whole is not None:
-            measured = self._whole.run(trainer, pl_module, lambda whole: self._measure_on(
-                trainer, whole, {n: p for n, p in whole.named_parameters() if n in self._params}))
+            measured = self._whole.run(host, module, lambda whole: self._measure_on(
+                host, whole, {n: p for n, p in whole.named_parameters() if n in self._params}))
             self._chosen = measured.pop("outputs")  # chosen on rank zero: every rank keeps it
             return measured
-        measured = self._measure_on(trainer, pl_module, self._params)
+        measured = self._measure_on(host, module, self._params)
         measured.pop("outputs")
         return measured
 
-    def _measure_on(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+    def _measure_on(self, host: Host, module: nn.Module,
                     live: dict[str, torch.Tensor]) -> dict[str, Any]:
-        x, _ = probe_inputs(pl_module, trainer.train_dataloader, self.probe_size,
-                            to_device=lambda b: self.device_batch(trainer, b))
+        x, _ = probe_inputs(module, host.batches(), self.probe_size,
+                            to_device=lambda b: self.device_batch(host, b))
         params = {n: p.detach() for n, p in live.items()}
         if self._chosen == "unset":  # once: the size and time of J, stated before computing it
-            cost = ntk.ntk_cost(pl_module, x, params, mode=self.kernel, positions=self.positions,
+            cost = ntk.ntk_cost(module, x, params, mode=self.kernel, positions=self.positions,
                                 outputs=self.outputs, max_jacobian_numel=self.max_jacobian_numel,
-                                check=stop_on_sigterm(trainer))
+                                check=stop_on_sigterm(host))
             text, warn = cost.report(type(self).__name__, self.outputs)
-            (rank_zero_warn if warn else rank_zero_info)(text)
+            (warn if warn else say)(text)
             self._chosen = cost.outputs
-        k = ntk.empirical_ntk(pl_module, x, params, self._groups, mode=self.kernel,
+        k = ntk.empirical_ntk(module, x, params, self._groups, mode=self.kernel,
                               max_jacobian_numel=self.max_jacobian_numel, positions=self.positions,
-                              outputs=self._chosen, check=stop_on_sigterm(trainer))
-        self.check_finite(trainer, {"K": k.K}, "the NTK on the probe batch")
+                              outputs=self._chosen, check=stop_on_sigterm(host))
+        self.check_finite(host, {"K": k.K}, "the NTK on the probe batch")
         sigma = self.sigma * float(torch.trace(k.K)) / k.K.shape[0]
         eig = torch.linalg.eigvalsh(k.K)
         # theta_0 where the weights are now (Lightning moves the model after the snapshot); under FSDP
         # a placed copy, the kept one stays on rank zero's CPU
         anchor = follow(dict(self._anchor) if self._whole is not None else self._anchor, live)
-        gap = ntk.linearization_gap(*ntk.linearize(pl_module, x, anchor, params, positions=self.positions))
+        gap = ntk.linearization_gap(*ntk.linearize(module, x, anchor, params, positions=self.positions))
         return {"etas": ntk.layer_etas(k.K, k.S, sigma), "kappa": ntk.condition_number(k.K, sigma),
                 "gap": gap.gap, "kl": gap.kl, "lambda_max": float(eig[-1]), "lambda_min": float(eig[0]),
                 "sigma": sigma, "outputs": self._chosen}
@@ -200,7 +201,7 @@ class NTKDiagnostics(LayerwiseCallback):
         super().receive(decision)
         self.kappa, self.gap, self.kl = (decision.summary[k] for k in ("kappa", "gap", "kl"))
 
-    def apply(self, trainer: pl.Trainer) -> None:
+    def apply(self, host: Host) -> None:
         """Diagnostics only: nothing to hand to the layer control."""
 
     def _state(self) -> dict:

@@ -24,12 +24,12 @@ from collections.abc import Callable, Sequence
 from fnmatch import fnmatchcase
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, stop_on_sigterm
 from lalr_lightning.callbacks.distributed import WholeCopy, shard_layout, sharded
+from lalr_lightning.callbacks.host import Host, say
 from lalr_lightning.core import proximal
 from lalr_lightning.core.anchor import check_anchor, load_anchor, snapshot, trainable
 from lalr_lightning.core.control import PostStep
@@ -55,10 +55,10 @@ class ProximalRegularizer(LayerwiseCallback):
         >>> from lalr_lightning.data import DigitsDataModule
         >>> from lalr_lightning.models import SmallCNN
         >>> prox = ProximalRegularizer(lam=1.0, granularity="global")
-        >>> trainer = pl.Trainer(max_epochs=1, limit_train_batches=3, limit_val_batches=0, logger=False,
+        >>> host = pl.Trainer(max_epochs=1, limit_train_batches=3, limit_val_batches=0, logger=False,
         ...                      enable_checkpointing=False, enable_progress_bar=False,
         ...                      enable_model_summary=False, callbacks=[prox])
-        >>> trainer.fit(SmallCNN(width=8, in_channels=1), DigitsDataModule(batch_size=32))
+        >>> host.fit(SmallCNN(width=8, in_channels=1), DigitsDataModule(batch_size=32))
         >>> sorted(prox.distances) == sorted(prox.regularized_fraction)  # {layer: ||theta - theta_0||}, {layer: share}
         True
         >>> all(0 <= f <= 1 for f in prox.regularized_fraction.values()), prox.lambda_o > 0
@@ -126,7 +126,7 @@ class ProximalRegularizer(LayerwiseCallback):
         radius: float | None = None,
         probe_size: int = 16,
         every_n_epochs: int | None = 1,
-        loss_fn: Callable[[pl.LightningModule, Any], torch.Tensor] | None = None,
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
         name: str | None = None,
         strict_resume: bool = True,
     ):
@@ -170,17 +170,16 @@ class ProximalRegularizer(LayerwiseCallback):
         self._sharded = False  # the strategy shards the weights (FSDP): sums over the ranks' pieces
         self._whole: WholeCopy | None = None
         self._layout = ShardLayout(torch.nn.Module())
-        self._late = False
 
     # ------------------------------------------------------------------ setup
 
-    def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._sharded = sharded(trainer)
+    def configure(self, host: Host, module: nn.Module) -> None:
+        self._sharded = sharded(host)
         # lambda_o runs the whole model through torch.func: under FSDP on a whole copy on rank zero
         lambda_o = self._sharded and self.every_n_epochs is not None
-        self._whole = WholeCopy(pl_module, type(self).__name__) if lambda_o else None
-        params = trainable(pl_module, type(self).__name__)
-        groups = layer_groups(pl_module, params)
+        self._whole = WholeCopy(module, type(self).__name__) if lambda_o else None
+        params = trainable(module, type(self).__name__)
+        groups = layer_groups(module, params)
         if self.include is not None:
             for pat in self.include:
                 if not any(fnmatchcase(g, pat) for g in groups):
@@ -192,9 +191,10 @@ class ProximalRegularizer(LayerwiseCallback):
                        for g, m in groups.items()]
         self._installed = set()
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.follow_the_wrap(pl_module)
-        self._layout = shard_layout(trainer, pl_module)  # under FSDP the anchor is cut like the weights
+    def after_wrap(self, host: Host) -> None:
+        self._layout = shard_layout(host, host.module)  # under FSDP the anchor is cut like the weights
+
+    def after_start(self, host: Host) -> None:
         if self.restored and self._anchor is not None:  # the checkpoint's theta_0, bitwise
             self._cut_anchor()
         elif self.anchor == "fit_start":
@@ -210,7 +210,7 @@ class ProximalRegularizer(LayerwiseCallback):
         if missing:
             raise ValueError(f"{self.state_key}: the checkpoint has no step counts for {missing[0]!r}; resume with the "
                              "same parameters trainable")
-        self.apply(trainer)
+        self.apply(host)
 
     def _cut_anchor(self) -> None:
         """A whole ``theta_0`` (a checkpoint's, a file's) put where each parameter is: on its device
@@ -223,18 +223,8 @@ class ProximalRegularizer(LayerwiseCallback):
             self._anchor = {n: a.cpu() for n, a in self._anchor.items()}
         self._placed_anchor()  # in each parameter's dtype
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
-        if self._installed and self._anchor is not None:  # FSDP restores after fit start: cut at train start
-            self._late = True
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._late:
-            self._late = False
-            self._cut_anchor()
-
-    def apply(self, trainer: pl.Trainer) -> None:
-        for ctl in self.controls(trainer):
+    def apply(self, host: Host) -> None:
+        for ctl in self.controls(host):
             if id(ctl) not in self._installed:
                 ctl.set_transform(self.state_key, self._step)
                 self._installed.add(id(ctl))
@@ -289,42 +279,42 @@ class ProximalRegularizer(LayerwiseCallback):
             out[g] = sum(self._pulled[n] for n in members) / steps if steps else 0.0
         return out
 
-    def estimate_lambda_o(self, trainer: pl.Trainer, pl_module: pl.LightningModule, r: float) -> float:
+    def estimate_lambda_o(self, host: Host, module: nn.Module, r: float) -> float:
         """Theorem 4's ``lambda_o`` for radius ``r``, with the residual and ``Lip(f)`` at
         ``theta_0`` on the probe batch (computed once per fit: they do not change). Under FSDP
         rank zero computes it on a whole copy of the model, from the whole ``theta_0``."""
         if self._unit_lambda_o is None:
             anchor = self._placed_anchor()
             if self._whole is None:
-                self._unit_lambda_o = self._unit_lambda_o_on(trainer, pl_module, anchor)
+                self._unit_lambda_o = self._unit_lambda_o_on(host, module, anchor)
             else:  # the anchor's pieces put together (collective, the same order on every rank)
                 theta0 = {n: self._layout.whole(p, anchor[n]) for n, p in self._params.items()}
                 self._unit_lambda_o = self._whole.run(
-                    trainer, pl_module, lambda whole: self._unit_lambda_o_on(trainer, whole, theta0))
+                    host, module, lambda whole: self._unit_lambda_o_on(host, whole, theta0))
         return self._unit_lambda_o / r if r > 0 else math.nan
 
-    def _unit_lambda_o_on(self, trainer: pl.Trainer, module: pl.LightningModule,
+    def _unit_lambda_o_on(self, host: Host, module: nn.Module,
                           anchor: dict[str, torch.Tensor]) -> float:
-        batch = self.device_batch(trainer, fixed_batch(trainer.train_dataloader, self.probe_size))
+        batch = self.device_batch(host, fixed_batch(host.batches(), self.probe_size))
         x, y = split_batch(module, batch)
         live = dict(module.named_parameters())
         theta0 = {n: placed(a, live[n]) for n, a in anchor.items()}
-        check = stop_on_sigterm(trainer)
+        check = stop_on_sigterm(host)
         if self.loss_fn is None and _squared_targets(y):
             return estimate_lambda_o(module, x, y, 1.0, theta0, check=check)["lambda_o"]
         # the residual from the gradient of the module's own loss (class docstring)
-        rank_zero_info(f"{type(self).__name__}: lambda_o's residual is N ||dL/df|| of "
+        say(f"{type(self).__name__}: lambda_o's residual is N ||dL/df|| of "
                        f"{loss_source(module, self.loss_fn)} (the targets are not class indices)")
         return estimate_lambda_o(module, x, None, 1.0, theta0, check=check,
                                  loss=lambda: batch_loss(module, batch, self.loss_fn))["lambda_o"]
 
-    def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+    def measure(self, host: Host, module: nn.Module) -> dict[str, Any]:
         dist, total = self.current_distances()
-        self.check_finite(trainer, dist, "the distance to the anchor theta_0")
+        self.check_finite(host, dist, "the distance to the anchor theta_0")
         lam_o = math.nan
         every = self.every_n_epochs
-        if every is not None and (trainer.current_epoch + 1) % every == 0:
-            lam_o = self.estimate_lambda_o(trainer, pl_module, self.radius or total)
+        if every is not None and (host.current_epoch + 1) % every == 0:
+            lam_o = self.estimate_lambda_o(host, module, self.radius or total)
         return {"distances": dist, "total": total, "fractions": self.fractions(), "lambda_o": lam_o}
 
     def decide(self, measured: dict[str, Any]) -> Decision:
@@ -340,26 +330,23 @@ class ProximalRegularizer(LayerwiseCallback):
 
     # ------------------------------------------------------------------ hooks
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def after_batch(self, host: Host, outputs: Any, batch: Any) -> None:
         # under FSDP every rank takes part in the distances (each holds a piece of every tensor)
-        if trainer.loggers and trainer._logger_connector.should_update_logs and (trainer.is_global_zero or self._sharded):
+        if host.should_log() and (host.is_global_zero or self._sharded):
             self.distances, _ = self.current_distances()
             p = self.prefix
-            self.log_values(trainer, {**{f"{p}/distance/{k}": v for k, v in self.distances.items()},
+            self.log_values(host, {**{f"{p}/distance/{k}": v for k, v in self.distances.items()},
                                       **{f"{p}/regularized_fraction/{k}": v for k, v in self.fractions().items()}})
 
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.update(trainer, pl_module)
+    def after_epoch(self, host: Host) -> None:
+        self.update(host, host.module)
 
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def finish(self, host: Host) -> None:
         if self._anchor is not None:
             self.distances, _ = self.current_distances()
             self.regularized_fraction = self.fractions()
-        super().on_fit_end(trainer, pl_module)
 
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        super().teardown(trainer, pl_module, stage)
+    def release(self, host: Host) -> None:
         self._installed = set()
 
     # ------------------------------------------------------------------ state

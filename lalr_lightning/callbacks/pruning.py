@@ -12,13 +12,13 @@ import math
 import warnings
 from collections.abc import Iterable, Sequence
 
-import lightning.pytorch as pl
 import numpy as np
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
 from lalr_lightning.callbacks.distributed import WholeCopy, shard_layout, sharded
+from lalr_lightning.callbacks.host import Host, warn
 from lalr_lightning.core import spectral
 from lalr_lightning.core.criterion_pruning import criterion_prune, load_weights, sample_count, take_samples
 from lalr_lightning.core.layers import DEFAULT_KINDS
@@ -50,10 +50,10 @@ class HTSRPruning(LayerwiseCallback):
         >>> from lalr_lightning.data import DigitsDataModule
         >>> from lalr_lightning.models import SmallCNN
         >>> pruner = HTSRPruning(metric="alpha", target_sparsity=0.5, epsilon=0.3, min_evals=5)
-        >>> trainer = pl.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=0, logger=False,
+        >>> host = pl.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=0, logger=False,
         ...                      enable_checkpointing=False, enable_progress_bar=False,
         ...                      enable_model_summary=False, callbacks=[pruner])
-        >>> trainer.fit(SmallCNN(width=16, in_channels=1), DigitsDataModule(batch_size=32))
+        >>> host.fit(SmallCNN(width=16, in_channels=1), DigitsDataModule(batch_size=32))
         >>> round(pruner.overall_sparsity(), 2)  # parameter-weighted over the pruned layers
         0.5
 
@@ -128,7 +128,7 @@ class HTSRPruning(LayerwiseCallback):
             the first ones of the calibration loader (default 128, as Wanda and AlphaPruning); fewer
             available: all of them, with a warning.
         calibration: ``wanda`` / ``sparsegpt``: an iterable of batches to calibrate on (default:
-            the fit's training loader, as given to the trainer -- without the DDP sampler). Causal
+            the fit's training loader, as given to the host -- without the DDP sampler). Causal
             LM batches: ``input_ids`` tensors, ``(input_ids, ...)`` tuples or dicts with
             ``input_ids`` (and ``attention_mask``: padding is left out of the statistics).
             A Hugging Face causal LM (LLaMA, OPT, GPT-2, GPT-NeoX layouts) is calibrated block by
@@ -226,31 +226,28 @@ class HTSRPruning(LayerwiseCallback):
         self.masks: dict[str, torch.Tensor] = {}
         self.excluded: dict[str, str] = {}
         self._model: torch.nn.Module | None = None
-        self._trainer: pl.Trainer | None = None
+        self._trainer: Host | None = None
         self._params: dict[str, torch.nn.Parameter] = {}
         self._level = 1.0
         self._fresh = False
         self._weights: dict[str, torch.Tensor] = {}  # SparseGPT's updated weights, from rank zero
-        self._early: Decision | None = None  # FSDP: decided in setup, committed at fit start
         self._whole: WholeCopy | None = None  # FSDP, a criterion during training: the model whole on rank zero
         self._paths: dict[str, tuple] = {}  # where each layer sits in the model (core.shards.layer_paths)
-        self._started = False  # on_fit_start has run (a checkpoint loaded later is enforced at train start)
-        self._late = False
         self._masks_later = False  # FSDP, during training: decide() leaves the masks to _prune_sharded
 
     metric_values = renamed("scores")  # deprecated name of ``scores`` (the metric per pruned layer)
 
     # ------------------------------------------------------------------ when
 
-    def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._model = pl_module
+    def configure(self, host: Host, module: nn.Module) -> None:
+        self._model = module
         self.layers, self.excluded = prunable_layers(
-            pl_module, layer_types=self.layer_types, head=self.head, min_numel=self.min_numel,
+            module, layer_types=self.layer_types, head=self.head, min_numel=self.min_numel,
             min_evals=self.min_evals,
         )
         small = {k: v for k, v in self.excluded.items() if "head" not in v}
         if small:
-            rank_zero_warn(
+            warn(
                 "HTSRPruning leaves these layers dense (too small to prune): "
                 + "; ".join(f"{k} ({v})" for k, v in small.items())
                 + ". Lower min_numel / min_evals to include them.",
@@ -258,17 +255,16 @@ class HTSRPruning(LayerwiseCallback):
             )
         self._params = {n: p for layer in self.layers for n, p in layer.params.items()}
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        self._early, self._started, self._late = None, False, False
+    def prepare(self, host: Host) -> None:
         self._whole = None
-        if stage == "fit" and sharded(trainer):
+        if sharded(host):
             if self.when == "fit_start":
-                self._prune_whole(trainer)
+                self._prune_whole(host)
             elif self.criterion != "magnitude" or self.m:  # masks from whole layers, run: on a whole copy
-                self._whole, self._paths = WholeCopy(pl_module, type(self).__name__), layer_paths(pl_module, self.layers)
+                self._whole = WholeCopy(host.module, type(self).__name__)
+                self._paths = layer_paths(host.module, self.layers)
 
-    def _prune_whole(self, trainer: pl.Trainer) -> None:
+    def _prune_whole(self, host: Host) -> None:
         """Under FSDP: the pruning event of ``when="fit_start"`` on the whole weights, here in
         ``setup``, before the strategy shards them (calibration runs block by block on rank zero,
         which a sharded model cannot do alone); recorded and enforced, on each rank's shards, at
@@ -276,85 +272,76 @@ class HTSRPruning(LayerwiseCallback):
         (Lightning restores FSDP checkpoints only after fit start)."""
         if self.masks:
             return  # kept from an earlier fit: enforced at fit start
-        self._model.to(trainer.strategy.root_device)  # where the strategy shards it next (and the batches go)
-        self._level, self._trainer = 1.0, trainer
+        self._model.to(host.device)  # where the strategy shards it next (and the batches go)
+        self._level, self._trainer = 1.0, host
         try:
-            decision = self.decide_everywhere(trainer, self.measure(trainer, self._model))
+            decision = self.decide_everywhere(host, self.measure(host, self._model))
         finally:
             self._trainer = None
         masks, channels, weights = decision.payload
-        if weights and not trainer.is_global_zero:  # SparseGPT moved the kept weights: before the cut
+        if weights and not host.is_global_zero:  # SparseGPT moved the kept weights: before the cut
             load_weights(self._params, weights)
-        self._early = dataclasses.replace(decision, payload=(masks, channels, {}))
+        self.early = dataclasses.replace(decision, payload=(masks, channels, {}))
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.follow_the_wrap(pl_module)
-        self._started = True
-        early, self._early = self._early, None
-        if early is not None:
-            self.commit(trainer, early)  # decided in setup (FSDP): recorded, enforced and logged now
-        elif self.masks:  # restored from a checkpoint (or kept from a previous fit): enforce at once
-            self._enforce(trainer)
+    def first_decision(self, host: Host) -> None:
+        if self.early is not None:
+            super().first_decision(host)  # decided in setup (FSDP): recorded, enforced and logged now
+        elif self.masks:  # kept from a previous fit: enforce at once
+            self._known()
+            self.apply(host)
         elif self.when == "fit_start":
-            self.prune(trainer, 1.0)
+            self.prune(host, 1.0)
 
-    def _enforce(self, trainer: pl.Trainer) -> None:
+    def _known(self) -> None:
         unknown = sorted(set(self.masks) - set(self._params))
         if unknown:
             raise RuntimeError(
                 f"HTSRPruning state holds masks for parameters this model's prunable layers lack: {unknown[:5]}; "
                 "the checkpoint belongs to another architecture or other layer settings"
             )
-        self.apply(trainer)
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
-        self._late = self._started  # FSDP restores after fit start: enforced at train start
+    def resumed(self, late: bool) -> None:
+        self._known()  # the owner enforces the checkpoint's masks where the strategy's restore is done
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._late:
-            self._late = False
-            self._enforce(trainer)
-
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        epoch = trainer.current_epoch
+    def each_epoch(self, host: Host) -> None:
+        epoch = host.current_epoch
         if isinstance(self.when, int):
             if epoch >= self.when and not self.history:
-                self.prune(trainer, 1.0)
+                self.prune(host, 1.0)
         elif self.when == "gradual":
             if epoch < self.gradual_epochs and epoch not in {h["epoch"] for h in self.history}:
-                self.prune(trainer, cubic_sparsity(epoch, self.gradual_epochs))
+                self.prune(host, cubic_sparsity(epoch, self.gradual_epochs))
 
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def finish(self, host: Host) -> None:
         if not self.masks:
             return
-        for ctl in self.controls(trainer):
+        for ctl in self.controls(host):
             ctl.apply_masks()
-        self.sparsity = self._measure(trainer)
-        self.log_values(trainer, self._sparsity_metrics())
-        super().on_fit_end(trainer, pl_module)
+        self.sparsity = self._measure(host)
+        self.log_values(host, self._sparsity_metrics())
+        host.publish(self, "end")
         if self.make_permanent:
-            for ctl in self.controls(trainer):
+            for ctl in self.controls(host):
                 ctl.set_masks(self.state_key, {})
             self.masks = {}
 
     # ------------------------------------------------------------------ what
 
-    def prune(self, trainer: pl.Trainer, level: float = 1.0) -> None:
+    def prune(self, host: Host, level: float = 1.0) -> None:
         """One pruning event: ratios (first time only), masks at ``level`` x ratio, applied."""
         self._level = float(level)
-        self._trainer = trainer  # for the calibration data; only during the event
+        self._trainer = host  # for the calibration data; only during the event
         try:
             if self._whole is not None:
-                self._prune_on_copy(trainer)
-            elif sharded(trainer):
-                self._prune_sharded(trainer)
+                self._prune_on_copy(host)
+            elif sharded(host):
+                self._prune_sharded(host)
             else:
-                self.update(trainer, self._model)
+                self.update(host, self._model)
         finally:
             self._trainer = None
 
-    def _prune_sharded(self, trainer: pl.Trainer) -> None:
+    def _prune_sharded(self, host: Host) -> None:
         """A magnitude pruning event during training under FSDP: the ratios decided on rank zero
         from the metric (measured on whole weights, a share of the layers per rank), then each
         rank computes the masks of its share of the layers on their whole weights (one
@@ -362,10 +349,10 @@ class HTSRPruning(LayerwiseCallback):
         enforces its piece of every mask (``apply``)."""
         self._masks_later = True  # rank zero's decide leaves the masks to the ranks
         try:
-            decision = self.decide_everywhere(trainer, self.measure(trainer, self._model))
+            decision = self.decide_everywhere(host, self.measure(host, self._model))
         finally:
             self._masks_later = False
-        layout = shard_layout(trainer, self._model)
+        layout = shard_layout(host, self._model)
         shapes = {k: layout.shape(p) for k, p in self._params.items()}
         real = {la.name: la for la in self.layers}
 
@@ -376,18 +363,18 @@ class HTSRPruning(LayerwiseCallback):
                     for s in stand_ins}
 
         masks, channels = {}, {}
-        for m, c in self.measure_shards(trainer, self._model, [[la] for la in self.layers], masks_of).values():
+        for m, c in self.measure_shards(host, self._model, [[la] for la in self.layers], masks_of).values():
             masks.update(m)
             channels.update(c)
-        self.commit(trainer, dataclasses.replace(decision, payload=(masks, channels, {})))
+        self.commit(host, dataclasses.replace(decision, payload=(masks, channels, {})))
 
-    def _prune_on_copy(self, trainer: pl.Trainer) -> None:
+    def _prune_on_copy(self, host: Host) -> None:
         """A Wanda / SparseGPT / N:M pruning event during training under FSDP: the metric measured
         as for magnitude (a share of the layers per rank), then the masks decided on rank zero's
         whole copy of the model (calibration runs block by block and prunes as it goes, which a
         sharded model cannot do) and broadcast with SparseGPT's weights; each rank keeps its
         piece of both (``apply``)."""
-        metric = self.measure(trainer, self._model)
+        metric = self.measure(host, self._model)
 
         def on_copy(whole: torch.nn.Module) -> Decision:
             own = self._model, self.layers, self._params
@@ -400,9 +387,9 @@ class HTSRPruning(LayerwiseCallback):
             masks, channels, weights = decision.payload
             return dataclasses.replace(decision, payload=({k: v.cpu() for k, v in masks.items()}, channels, weights))
 
-        self.commit(trainer, self._whole.run(trainer, self._model, on_copy))
+        self.commit(host, self._whole.run(host, self._model, on_copy))
 
-    def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float] | None:
+    def measure(self, host: Host, module: nn.Module) -> dict[str, float] | None:
         """The metric of every pruned layer on the current weights (block-averaged if asked);
         None once the ratios are fixed (the first event decides them)."""
         if self.ratios:
@@ -412,14 +399,14 @@ class HTSRPruning(LayerwiseCallback):
             return {}
 
         def metric(layers):
-            self.check_finite(trainer, {layer.name: layer.weight for layer in layers}, "the weights")
+            self.check_finite(host, {layer.name: layer.weight for layer in layers}, "the weights")
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # analyze's skip warnings: we chose the layers
                 df = spectral.analyze(layers, fit=self.fit, metrics=[self.metric], min_evals=1,
                                       filter_zeros=self.filter_zeros)
             return dict(zip(df["name"], df[self.metric].astype(float)))
 
-        values = self.measure_shards(trainer, pl_module, [[layer] for layer in self.layers], metric)
+        values = self.measure_shards(host, module, [[layer] for layer in self.layers], metric)
         bad = {n: values.get(n) for n in names if n not in values or not math.isfinite(values[n])}
         if bad:
             raise ValueError(
@@ -492,7 +479,7 @@ class HTSRPruning(LayerwiseCallback):
             batches = take_samples(self._calibration_source(), self.n_calibration)
             got = sample_count(batches)
             if got < self.n_calibration:
-                rank_zero_warn(f"HTSRPruning(criterion={self.criterion!r}) calibrates on {got} samples, all the "
+                warn(f"HTSRPruning(criterion={self.criterion!r}) calibrates on {got} samples, all the "
                                f"calibration data has; n_calibration={self.n_calibration} asked for more",
                                category=UserWarning)
             record["calibration_samples"] = got
@@ -541,26 +528,26 @@ class HTSRPruning(LayerwiseCallback):
         self._weights = dict(rest[0]) if rest else {}
         self._fresh = True
 
-    def apply(self, trainer: pl.Trainer) -> dict:
+    def apply(self, host: Host) -> dict:
         """Hand the masks to the layer control (which zeroes the weights now and after every
         step); at a new pruning event the optimizer state of the pruned entries is zeroed too."""
-        layout = shard_layout(trainer, self._model)  # under FSDP each rank keeps its piece of every mask
+        layout = shard_layout(host, self._model)  # under FSDP each rank keeps its piece of every mask
         if self._weights:  # SparseGPT's updated weights (rank zero already holds them, but on a whole copy)
             with torch.no_grad():
                 load_weights(self._params, {k: layout.local(self._params[k], v) for k, v in self._weights.items()})
             self._weights = {}
         masks = {self._params[k]: layout.local(self._params[k], v) for k, v in self.masks.items()}
         names = {self._params[k]: k for k in self.masks}
-        for ctl in self.controls(trainer):
+        for ctl in self.controls(host):
             ctl.set_masks(self.state_key, masks, names, zero_state=self._fresh)
         self._fresh = False
-        self.sparsity = self._measure(trainer)
+        self.sparsity = self._measure(host)
         return {"sparsity": dict(self.sparsity)}
 
     # ------------------------------------------------------------------ reporting
 
-    def _measure(self, trainer: pl.Trainer) -> dict[str, float]:
-        if not sharded(trainer):
+    def _measure(self, host: Host) -> dict[str, float]:
+        if not sharded(host):
             return {layer.name: float((layer.weight.detach() == 0).float().mean()) for layer in self.layers}
         # each rank counts the zeros of its shards; the counts are summed over the ranks
         zeros = all_sum(torch.stack([(local_tensor(la.weight.detach()) == 0).sum() for la in self.layers]).double())
@@ -582,8 +569,8 @@ class HTSRPruning(LayerwiseCallback):
         out[f"{self.prefix}/overall_sparsity"] = self.overall_sparsity()
         return out
 
-    def log_decision(self, trainer: pl.Trainer, decision: Decision, achieved) -> None:
-        self.log_values(trainer, self._sparsity_metrics())
+    def log_decision(self, host: Host, decision: Decision, achieved) -> None:
+        self.log_values(host, self._sparsity_metrics())
 
     def heatmap_values(self) -> tuple[list[str], np.ndarray]:
         names = list(self.ratios)
