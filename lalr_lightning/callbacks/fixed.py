@@ -55,7 +55,8 @@ class LayerLRMultiplier(LayerwiseCallback):
         self.early = self.decide([layer.name for layer in self.layers])  # a typo fails here, not silently
 
     def resumed(self, late: bool) -> None:
-        self.multipliers = dict(self.early.values)  # the settings check made sure they are the saved ones
+        if self.early is not None:  # configured
+            self.multipliers = dict(self.early.values)  # the settings check made sure they are the saved ones
 
     def decide(self, names: list[str]) -> Decision:
         values: dict[str, float] = {}

@@ -282,7 +282,7 @@ class LMSAStepper(LayerSelection):
 
     def resumed(self, late: bool) -> None:
         super().resumed(late)
-        unknown = [n for n in self.selected if n not in self.block_names]
+        unknown = [n for n in self.selected if self.layers and n not in self.block_names]
         if unknown:
             raise ValueError(f"LMSAStepper: the checkpoint selected blocks {unknown} that this model does not have "
                              f"(blocks: {self.block_names})")

@@ -301,7 +301,8 @@ class HTSRPruning(LayerwiseCallback):
             )
 
     def resumed(self, late: bool) -> None:
-        self._known()  # the owner enforces the checkpoint's masks where the strategy's restore is done
+        if self._params:  # configured: the owner enforces the checkpoint's masks where the strategy's restore is done
+            self._known()
 
     def each_epoch(self, host: Host) -> None:
         epoch = host.current_epoch
