@@ -34,7 +34,7 @@ def test_callbacks_leave_parameters_and_optimizers_to_layer_control(path):
     text = path.read_text()
     for word in ("param_groups", "requires_grad_", "register_step_pre_hook", "register_step_post_hook",
                  "optimizer.state", ".masked_fill_("):
-        assert word not in text, f"{path.name} mentions {word}: ask core.control.LayerControl instead"
+        assert word not in text, f"{path.name} mentions {word}: ask core.runtime.control.LayerControl instead"
 
 
 def _lines(path: Path) -> list[tuple[int, str, str]]:
@@ -100,6 +100,6 @@ def test_base_and_dashboards_do_not_import_each_other_at_import_time():
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert not {m for m in imported if m.startswith("lalr_lightning.callbacks")}, imported
     from lalr_lightning.callbacks.base import Decision
-    from lalr_lightning.core.decision import Decision as Home
+    from lalr_lightning.core.runtime.decision import Decision as Home
 
     assert Decision is Home

@@ -8,7 +8,7 @@ from fnmatch import fnmatchcase
 import lightning.pytorch as pl
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback
-from lalr_lightning.core.layers import find_layers
+from lalr_lightning.core.model.layers import find_layers
 
 __all__ = ["LayerLRMultiplier"]
 

@@ -47,9 +47,9 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jvp, vjp, vmap
 
-from .layers import Layer, clean_name, matrix_layers
-from .loss import call_model, forward_module, output_tensor
-from .taps import call_with_params
+from lalr_lightning.core.model.batch_loss import call_model, forward_module, output_tensor
+from lalr_lightning.core.model.layers import Layer, clean_name, matrix_layers
+from lalr_lightning.core.model.taps import call_with_params
 
 __all__ = [
     "MODES",
@@ -130,7 +130,7 @@ def layer_groups(
 ) -> dict[str, list[str]]:
     """``{layer name: [parameter names]}`` covering every parameter of ``params`` exactly once.
 
-    Layers come from ``layers`` (default :func:`~lalr_lightning.core.layers.matrix_layers`: one
+    Layers come from ``layers`` (default :func:`~lalr_lightning.core.model.layers.matrix_layers`: one
     weight matrix with its bias and tied norm), restricted to the parameters in ``params``
     (default: the trainable ones); layers with none of them are dropped. A peft LoRA pair
     (``lora_A``/``lora_B`` of one module, also DoRA's magnitude and embedding adapters) is one
@@ -294,7 +294,7 @@ def _raw(
     model: nn.Module, params: Mapping[str, Tensor], inputs: Inputs, output_fn: Callable[[Any], Tensor] | None
 ) -> Tensor:
     """The model's output tensor on ``inputs`` with ``params`` substituted, as
-    :func:`~lalr_lightning.core.loss.call_model` calls it (a module without a ``forward`` of its own
+    :func:`~lalr_lightning.core.model.batch_loss.call_model` calls it (a module without a ``forward`` of its own
     through its one child holding every parameter)."""
     target = forward_module(model)
     if target is not model:  # parameters are named from ``model``: substitute there, call the child
@@ -1087,7 +1087,7 @@ def output_gradient_norm(
 ) -> float:
     """``||dL/df||_2``: the gradient of the scalar ``loss()`` (which runs ``model``, e.g. the
     module's own training step) with respect to the outputs ``f`` of the model's forward
-    (:func:`~lalr_lightning.core.loss.forward_module`; ``output_fn`` or ``.logits`` of its
+    (:func:`~lalr_lightning.core.model.batch_loss.forward_module`; ``output_fn`` or ``.logits`` of its
     output), at ``params``, in eval mode."""
     params = _check_params(model, params)
     target = forward_module(model)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from lalr_lightning.core.layers import Layer, clean_name
+from lalr_lightning.core.model.layers import Layer, clean_name
 
 __all__ = [
     "LIFT_ORDERS",

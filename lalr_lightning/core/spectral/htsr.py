@@ -36,7 +36,7 @@ implementations"):
 * Metrics (WeightWatcher ``analyze()`` column names): see :data:`METRICS` and :func:`analyze`;
   a value that cannot be computed is NaN, with the reason in the table's ``warning`` column.
 * Checkpoints: :func:`analyze` also takes a safetensors path and streams it one tensor at a time
-  (:mod:`lalr_lightning.core.checkpoints`).
+  (:mod:`lalr_lightning.core.runtime.safetensors_checkpoints`).
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ import pandas as pd
 import torch
 from torch import Tensor, nn
 
-from .checkpoints import is_checkpoint_path, load_matrix, stored_matrices
-from .layers import Layer, matrix_layers
+from lalr_lightning.core.model.layers import Layer, matrix_layers
+from lalr_lightning.core.runtime.safetensors_checkpoints import is_checkpoint_path, load_matrix, stored_matrices
 
 __all__ = [
     "FITS",

@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from lalr_lightning.core import spectral
-from lalr_lightning.core.errors import reject_stray
-from lalr_lightning.core.layers import check_kinds
-from lalr_lightning.core.llm_pruning import CRITERIA, check_nm, needs_stats
-from lalr_lightning.core.pruning import DIRECTIONS, OVERFLOW, PRUNING_METRICS
+from lalr_lightning.core.model.layers import check_kinds
+from lalr_lightning.core.pruning.alphapruning import DIRECTIONS, OVERFLOW, PRUNING_METRICS
+from lalr_lightning.core.pruning.criteria import CRITERIA, check_nm, needs_stats
+from lalr_lightning.core.runtime.errors import reject_stray
+from lalr_lightning.core.spectral import htsr
 
 __all__ = ["FITTED", "PRESETS", "pruning_settings"]
 
@@ -82,8 +82,8 @@ def pruning_settings(
         raise ValueError(f"unknown direction {direction!r}; valid: {', '.join(DIRECTIONS)}")
     if overflow not in OVERFLOW:
         raise ValueError(f"unknown overflow {overflow!r}; valid: {', '.join(OVERFLOW)}")
-    if fit is not None and fit not in spectral.FITS:
-        raise ValueError(f"unknown fit {fit!r}; valid: {', '.join(spectral.FITS)}")
+    if fit is not None and fit not in htsr.FITS:
+        raise ValueError(f"unknown fit {fit!r}; valid: {', '.join(htsr.FITS)}")
     reject_stray(who, "metric", metric, given_fit,
                 {m: ("fit", "filter_zeros") if m in FITTED else () for m in PRUNING_METRICS})
     reject_stray(who, "structured", structured, {"channel_step": channel_step}, {True: ("channel_step",), False: ()})

@@ -1,13 +1,13 @@
 """Prune a model's chosen layers by a criterion at given per-layer ratios (pure PyTorch).
 
-The glue between the per-layer ratios of :mod:`lalr_lightning.core.pruning` (what
-``HTSRPruning`` decides) and the criteria of :mod:`lalr_lightning.core.llm_pruning`:
+The glue between the per-layer ratios of :mod:`lalr_lightning.core.pruning.alphapruning` (what
+``HTSRPruning`` decides) and the criteria of :mod:`lalr_lightning.core.pruning.criteria`:
 
 * ``magnitude`` needs no data (``criterion_prune`` is only used for it with N:M; unstructured
-  magnitude stays :func:`lalr_lightning.core.pruning.layer_masks`).
+  magnitude stays :func:`lalr_lightning.core.pruning.alphapruning.layer_masks`).
 * ``wanda`` and ``sparsegpt`` need each layer's calibration inputs. In a Hugging Face causal LM
   (:func:`find_causal_lm`) they are taken block by block in the order the model runs its blocks
-  (:func:`lalr_lightning.core.calibration.run_blocks`): each block is calibrated on what the
+  (:func:`lalr_lightning.core.pruning.calibration.run_blocks`): each block is calibrated on what the
   already-pruned blocks before it produce, as Wanda's and SparseGPT's own code. In any other
   model (no transformer blocks) every pruned layer must be a ``Linear`` -- or, with
   ``convolutions=True``, a ``Conv2d`` (``groups=1``), pruned as its ``(out, in x kh x kw)``
@@ -28,16 +28,16 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from lalr_lightning.core.calibration import (
+from lalr_lightning.core.model.layers import Layer
+from lalr_lightning.core.model.probe import take
+from lalr_lightning.core.pruning.calibration import (
     capture_block_inputs,
     decoder_blocks,
     run_blocks,
     set_weight_matrix,
     weight_matrix,
 )
-from lalr_lightning.core.layers import Layer
-from lalr_lightning.core.llm_pruning import InputStats, check_nm, needs_stats, prune_weight
-from lalr_lightning.core.probe import take
+from lalr_lightning.core.pruning.criteria import InputStats, check_nm, needs_stats, prune_weight
 
 __all__ = ["LINEAR_KINDS", "take_samples", "sample_count", "find_causal_lm", "weight_name", "criterion_prune", "load_weights"]
 
@@ -78,7 +78,7 @@ def sample_count(batches: Iterable) -> int:
 
 def find_causal_lm(model: nn.Module) -> nn.Module | None:
     """The outermost module of ``model`` (itself included) that is a Hugging Face model with
-    transformer blocks (:func:`~lalr_lightning.core.calibration.decoder_blocks`), or None."""
+    transformer blocks (:func:`~lalr_lightning.core.pruning.calibration.decoder_blocks`), or None."""
     for mod in model.modules():
         if getattr(mod, "config", None) is None:
             continue

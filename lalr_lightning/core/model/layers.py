@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lalr_lightning.core.forward_blocks import forward_blocks
-from lalr_lightning.core.matrices import is_matrix_module
+from lalr_lightning.core.model.forward_blocks import forward_blocks
+from lalr_lightning.core.model.matrices import is_matrix_module
 
 __all__ = [
     "MATRIX_KINDS",
@@ -397,7 +397,7 @@ def _traced_blocks(model: nn.Module, trace) -> tuple[list[str], list[list[str]],
 def suggest_blocks(model: nn.Module, trace=None) -> list[str | list[str]]:
     """A ``blocks=`` value to paste as it is, one entry (a module-name prefix, or a list of them)
     per middle block: the blocks :func:`block_layers` finds by itself when it can (with ``trace``,
-    from a forward pass: :mod:`lalr_lightning.core.forward_blocks`); else the layers of the module
+    from a forward pass: :mod:`lalr_lightning.core.model.forward_blocks`); else the layers of the module
     with most of them (each layer with the norms after it), without its first layer when nothing
     comes before it (left as the stem) and its last when it holds the output layer (left as the
     head). The latter assumes children registered in forward order."""
@@ -488,9 +488,9 @@ def block_layers(
     with ``^``), one entry (or a list of entries) per block. Without it: timm's
     ``group_matcher(coarse=True)`` when the model (or a submodule) is a timm model, else the
     repeated children found by :func:`_repeated_children`, else -- with ``trace``, a
-    :class:`~lalr_lightning.core.forward_blocks.Trace` of one forward pass or a no-argument
+    :class:`~lalr_lightning.core.model.forward_blocks.Trace` of one forward pass or a no-argument
     callable making one (called only then) -- the layers in the order they ran
-    (:func:`~lalr_lightning.core.forward_blocks.forward_blocks`: the first layer the stem, the
+    (:func:`~lalr_lightning.core.model.forward_blocks.forward_blocks`: the first layer the stem, the
     output layer the head, each conv with its norm, a residual branch inside one block).
 
     Parameters not in any block and registered before the first block form the stem, joined
