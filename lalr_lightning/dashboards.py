@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from lalr_lightning.core.decision import Decision
+from lalr_lightning.core.runtime.decision import Decision
 
 __all__ = ["decision_table", "esd_figures", "markdown_table", "publish"]
 
@@ -146,17 +146,17 @@ def esd_figures(cb, names: Sequence[str], title: str) -> list[tuple[str, Any]]:
     from matplotlib.ticker import NullFormatter
 
     from lalr_lightning import viz
-    from lalr_lightning.core import spectral
+    from lalr_lightning.core.spectral import htsr
 
     fit = getattr(cb, "fit", "ks")
-    fit = fit if fit in spectral.FITS else "ks"
+    fit = fit if fit in htsr.FITS else "ks"
     out = []
     for la in _matrix_layers(cb, names):
-        ev = spectral.layer_esd(cb.weight_of(la).detach(), la.kind).cpu()
+        ev = htsr.layer_esd(cb.weight_of(la).detach(), la.kind).cpu()
         if getattr(cb, "filter_zeros", False):
-            ev = ev[ev > spectral.EVALS_THRESH]
+            ev = ev[ev > htsr.EVALS_THRESH]
         try:
-            res = spectral.fit_power_law(ev, fit)
+            res = htsr.fit_power_law(ev, fit)
             alpha, xmin = float(res["alpha"]), float(res["xmin"])
         except ValueError:  # degenerate spectrum: the histogram alone
             alpha = xmin = None

@@ -12,8 +12,8 @@ import torch
 from _own_method import SOURCE, AlphaFreeze
 from _toys import ToyMLP, make_trainer
 
-from lalr_lightning.core import spectral
-from lalr_lightning.core.layers import matrix_layers
+from lalr_lightning.core.model.layers import matrix_layers
+from lalr_lightning.core.spectral import htsr as spectral
 
 
 def _code_lines(source: str) -> int:

@@ -1,4 +1,4 @@
-"""lalr_lightning.core.proximal: the selective decision, the decoupled step, Theorem 1 (seeds/001)."""
+"""lalr_lightning.core.linearization.proximal: the selective decision, the decoupled step, Theorem 1 (seeds/001)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lalr_lightning.core.proximal import (
+from lalr_lightning.core.linearization.proximal import (
     GRANULARITIES,
     deltas,
     distances,

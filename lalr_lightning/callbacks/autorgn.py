@@ -30,11 +30,11 @@ Decided here (the paper and the reference are explicit about the rest):
 * a tensor with ``||theta|| = 0`` has no relative gradient norm; it gets multiplier 1 and does
   not enter the maximum;
 * the reference rebuilds Adam every epoch (its moments restart); here the optimizer and its
-  state are the user's, only the per-tensor LR changes (through :mod:`core.control`);
+  state are the user's, only the per-tensor LR changes (through :mod:`core.runtime.control`);
 * under DDP each rank measures on its own shard and the per-tensor values are averaged over
   ranks (mean) before the decision, which is made on rank zero and broadcast. Under FSDP the
   same: each rank's own gradient of each tensor is read whole in the backward before FSDP
-  reduce-scatters it (:func:`~lalr_lightning.core.taps.gradient_taps`), with no more gradient
+  reduce-scatters it (:func:`~lalr_lightning.core.model.taps.gradient_taps`), with no more gradient
   memory than a training step; each measured batch costs a forward and backward of the
   strategy's, whose reduced gradients are dropped.
 """
@@ -52,9 +52,11 @@ from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
 from lalr_lightning.callbacks.distributed import backward_discarded, loss_through_root, sharded
 from lalr_lightning.callbacks.host import Cadence, Host, warn
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
-from lalr_lightning.core.layers import matrix_layers
-from lalr_lightning.core.loss import batch_loss
-from lalr_lightning.core.selection import (
+from lalr_lightning.core.model.batch_loss import batch_loss
+from lalr_lightning.core.model.layers import matrix_layers
+from lalr_lightning.core.model.taps import gradient_taps, preserve_buffers
+from lalr_lightning.core.runtime.shards import all_sum, local_tensor
+from lalr_lightning.core.selection.surgical import (
     eb_multipliers,
     eb_scores,
     relative_grad_norms,
@@ -62,8 +64,6 @@ from lalr_lightning.core.selection import (
     tensor_layers,
     zero_gradient_warning,
 )
-from lalr_lightning.core.shards import all_sum, local_tensor
-from lalr_lightning.core.taps import gradient_taps, preserve_buffers
 
 __all__ = ["AutoRGN", "CRITERIA"]
 
@@ -90,11 +90,11 @@ class AutoRGN(LayerSelection):
             (reference: ``"bn"``).
         excluded_multiplier: the multiplier of excluded tensors (reference: 0).
         eb_threshold: ``eb`` only: minimum score to train (reference: 0.95).
-        loss_fn: ``(module, batch) -> loss``; default :func:`~lalr_lightning.core.loss.batch_loss`:
+        loss_fn: ``(module, batch) -> loss``; default :func:`~lalr_lightning.core.model.batch_loss.batch_loss`:
             the module's ``loss(module(x), y)``, else the loss its own ``training_step`` returns
             (its logging silenced).
         blocks, join_stem: how blocks are found; they only label the per-block log.
-        norm_eval: ``frozen``, ``all`` or ``none`` (:mod:`lalr_lightning.core.norms`).
+        norm_eval: ``frozen``, ``all`` or ``none`` (:mod:`lalr_lightning.core.model.norm_modes`).
         name, strict_resume: as every callback of the package.
 
     Readable: ``multipliers`` (tensor -> multiplier), ``scores`` (tensor -> RGN or eb score),

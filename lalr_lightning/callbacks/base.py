@@ -2,7 +2,7 @@
 
 A callback says *when* it decides (its Lightning hooks and cadence) and *what*: ``measure()``
 (per-layer numbers from the weights or the data) and ``decide()`` (per-layer decisions from
-them), then ``apply()`` (hand the decision to :class:`~lalr_lightning.core.control.LayerControl`).
+them), then ``apply()`` (hand the decision to :class:`~lalr_lightning.core.runtime.control.LayerControl`).
 This class does the rest, the same way for all of them:
 
 1. measure -- from the weights, each rank a share of the layers, the results all-gathered;
@@ -43,10 +43,10 @@ from lalr_lightning.callbacks.distributed import SpawnHandoff
 from lalr_lightning.callbacks.host import Cadence, Host
 from lalr_lightning.callbacks.lightning_host import LightningHooks, check_strategy
 from lalr_lightning.callbacks.planning import Planner, _NoFit
-from lalr_lightning.core.control import LayerControl
-from lalr_lightning.core.decision import Decision
-from lalr_lightning.core.errors import DivergenceError, reject_stray
-from lalr_lightning.core.layers import Layer
+from lalr_lightning.core.model.layers import Layer
+from lalr_lightning.core.runtime.control import LayerControl
+from lalr_lightning.core.runtime.decision import Decision
+from lalr_lightning.core.runtime.errors import DivergenceError, reject_stray
 
 __all__ = ["DEFAULT_FIGURES", "FIGURES", "Decision", "LayerwiseCallback", "SettingsMismatchError", "check_figures",
            "check_strategy", "renamed", "stop_on_sigterm", "warn_deprecated"]

@@ -15,7 +15,7 @@
 
 :class:`~lalr_lightning.callbacks.base.LayerwiseCallback` calls these at the steps of its cycle;
 the pure parts (who measures what, gathering one unit's whole weights) are
-:mod:`lalr_lightning.core.shards`.
+:mod:`lalr_lightning.core.runtime.shards`.
 """
 
 from __future__ import annotations
@@ -30,9 +30,16 @@ import torch
 from torch import nn
 
 from lalr_lightning.callbacks.host import Host
-from lalr_lightning.core.decision import Decision
-from lalr_lightning.core.layers import Layer, clean_name
-from lalr_lightning.core.shards import ShardLayout, assign_shares, gather_objects, materialize, skeleton, whole_weights
+from lalr_lightning.core.model.layers import Layer, clean_name
+from lalr_lightning.core.runtime.decision import Decision
+from lalr_lightning.core.runtime.shards import (
+    ShardLayout,
+    assign_shares,
+    gather_objects,
+    materialize,
+    skeleton,
+    whole_weights,
+)
 
 __all__ = ["SpawnHandoff", "WholeCopy", "backward_discarded", "decide_on_zero", "loss_through_root",
            "measure_shards", "model_root", "parameter_names", "rebind", "replaces_parameters", "shard_layout", "sharded"]
@@ -162,7 +169,7 @@ class WholeCopy:
     substitutes (torch 2.14).
 
     Made in ``setup``, before the strategy wraps the model, every rank keeps a skeleton of it
-    (:func:`~lalr_lightning.core.shards.skeleton`: no memory for the weights). A measurement
+    (:func:`~lalr_lightning.core.runtime.shards.skeleton`: no memory for the weights). A measurement
     (:meth:`run`) gathers the whole state dict to rank zero's CPU (a collective: every rank calls
     it), fills a copy of the skeleton on the module's device, measures there and drops the copy,
     and broadcasts the result: rank zero holds the whole model for the length of a measurement,

@@ -9,7 +9,7 @@ from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback
 from lalr_lightning.callbacks.host import Host
-from lalr_lightning.core.layers import find_layers
+from lalr_lightning.core.model.layers import find_layers
 
 __all__ = ["LayerLRMultiplier"]
 

@@ -1,7 +1,7 @@
 """LALR: layer-adaptive learning rates from sequential SVD / CE / CS weight metrics.
 
 ``../shared/seeds/000_*.txt``. At the start of every epoch the layers' SVD, CE and CS metrics
-are measured on the current weights (``core/lalr_metrics.py``); the epoch's phase picks one
+are measured on the current weights (``core/spectral/lalr_metrics.py``); the epoch's phase picks one
 of them (``svd -> ce -> cs -> svd ...``) and it becomes each layer's multiplier of whatever
 learning rate the optimizer and scheduler set: ``lr_{l,e} = lr_e x scale_{l,e}`` (paper 3.2).
 
@@ -21,7 +21,8 @@ from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback
 from lalr_lightning.callbacks.host import Cadence, Host, warn
-from lalr_lightning.core.lalr_metrics import (
+from lalr_lightning.core.model.layers import check_kinds
+from lalr_lightning.core.spectral.lalr_metrics import (
     DEFAULT_LAYER_TYPES,
     GROUPS,
     METRICS,
@@ -35,7 +36,6 @@ from lalr_lightning.core.lalr_metrics import (
     layer_weight,
     weight_shape,
 )
-from lalr_lightning.core.layers import check_kinds
 
 __all__ = ["LALRScheduleCallback"]
 
@@ -66,7 +66,7 @@ class LALRScheduleCallback(LayerwiseCallback):
         mode: ``"sequential"`` (the paper: one metric per epoch), ``"weighted"`` (B.4.4: the
             weighted sum of the three metrics every epoch) or ``"hessian"`` (B.4.5.3:
             ``eta_l ~ k / ((1 - M_SVD) e^{M_CE} M_CS)``). See
-            :func:`~lalr_lightning.core.lalr_metrics.lalr_multipliers` for the formulas.
+            :func:`~lalr_lightning.core.spectral.lalr_metrics.lalr_multipliers` for the formulas.
         floor: the multiplier is ``floor + (1 - floor) * metric``, so it spans ``[floor, 1]``.
             Min-max normalization gives exactly 0 to one layer in every phase, which would
             freeze that layer for the epoch; the default 0.1 keeps every layer learning at
@@ -82,7 +82,7 @@ class LALRScheduleCallback(LayerwiseCallback):
             for CNNs, whose layer shapes are mostly unique).
         bins, hist_range: ``groups="histogram"`` only (default 64, 8.0); singleton_value:
             ``groups="shape"`` only (default 0.5); eps: see
-            :func:`~lalr_lightning.core.lalr_metrics.lalr_metrics`.
+            :func:`~lalr_lightning.core.spectral.lalr_metrics.lalr_metrics`.
         layer_types: matrix kinds scaled (``linear``, ``conv1d``, ``conv2d``, ``hf_conv1d``,
             ``embedding``); all by default -- the paper scales every weight of the LM.
         trainable_only: leave out layers with no trainable parameter (frozen base weights

@@ -23,8 +23,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
 from lalr_lightning.callbacks.host import Host
-from lalr_lightning.core.control import LayerControl
-from lalr_lightning.core.shards import gather_objects
+from lalr_lightning.core.runtime.control import LayerControl
+from lalr_lightning.core.runtime.shards import gather_objects
 
 __all__ = ["LightningHooks", "LightningHost", "OptimizerResume", "check_strategy", "sharding_of"]
 

@@ -1,10 +1,10 @@
 """L-MSA: select blocks by the MSA metric and fine-tune them by maximizing their augmented
 Hamiltonian (``../shared/seeds/004_*.txt``; derivation for non-linear blocks: ``docs/lmsa.md``).
 
-The measurements are pure functions in :mod:`lalr_lightning.core.msa`, the block taps in
-:mod:`lalr_lightning.core.taps`; this callback decides when to measure, which blocks train and
+The measurements are pure functions in :mod:`lalr_lightning.core.selection.msa`, the block taps in
+:mod:`lalr_lightning.core.model.taps`; this callback decides when to measure, which blocks train and
 how, and logs what it decided. The Hamiltonian maximization of the selected blocks runs as a
-post-step transform of :class:`~lalr_lightning.core.control.LayerControl`, right after each
+post-step transform of :class:`~lalr_lightning.core.runtime.control.LayerControl`, right after each
 optimizer step (before any mask of another callback is re-applied).
 """
 
@@ -23,14 +23,14 @@ from torch import nn
 from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
 from lalr_lightning.callbacks.host import Host, say, warn
 from lalr_lightning.callbacks.selection import LayerSelection
-from lalr_lightning.core import msa
-from lalr_lightning.core.control import LayerControl
-from lalr_lightning.core.errors import DivergenceError
-from lalr_lightning.core.layers import describe_blocks
-from lalr_lightning.core.loss import batch_loss
-from lalr_lightning.core.msa_settings import INNER_OPTIMIZERS, SELECT, UPDATE, lmsa_settings
-from lalr_lightning.core.shards import gather_objects, layer_paths, layers_in
-from lalr_lightning.core.taps import BlockTaps
+from lalr_lightning.core.model.batch_loss import batch_loss
+from lalr_lightning.core.model.layers import describe_blocks
+from lalr_lightning.core.model.taps import BlockTaps
+from lalr_lightning.core.runtime.control import LayerControl
+from lalr_lightning.core.runtime.errors import DivergenceError
+from lalr_lightning.core.runtime.shards import gather_objects, layer_paths, layers_in
+from lalr_lightning.core.selection import msa
+from lalr_lightning.core.selection.msa_settings import INNER_OPTIMIZERS, SELECT, UPDATE, lmsa_settings
 
 __all__ = ["LMSAStepper", "SELECT", "UPDATE", "INNER_OPTIMIZERS"]
 
@@ -68,7 +68,7 @@ class LMSAStepper(LayerSelection):
     Update:
 
     * ``update="msa"`` (L-MSA): the module's optimizer moves nothing of the blocks (all frozen
-      through :mod:`core.control`); after each optimizer step the callback maximizes the
+      through :mod:`core.runtime.control`); after each optimizer step the callback maximizes the
       selected blocks' augmented Hamiltonian ``H = p_{m+1} . g_m(x_m, theta) - rho/2
       ||theta - theta_m||^2`` (plus E-MSA's feasibility terms with ``feasibility > 0``) with
       ``x_m``, ``p_{m+1}`` of that step held fixed, by ``inner_steps`` iterations of its own
@@ -101,15 +101,15 @@ class LMSAStepper(LayerSelection):
             (the logits when the last block is the head).
         n_batches: batches the metric is averaged over (default 1).
         every_n_epochs: re-select at every epoch divisible by this (None: select once).
-        blocks, join_stem, head: how to find the blocks (:func:`core.layers.block_layers`).
+        blocks, join_stem, head: how to find the blocks (:func:`core.model.layers.block_layers`).
             With ``head=False`` the head's parameters are left to the module's optimizer.
         loss_fn: ``f(module, batch) -> loss``, the training objective, used to run the
             rest of the network on an updated block. Default
-            (:func:`~lalr_lightning.core.loss.batch_loss`): the module's ``loss(output, target)``,
+            (:func:`~lalr_lightning.core.model.batch_loss.batch_loss`): the module's ``loss(output, target)``,
             else the loss its own ``training_step`` returns (its logging silenced).
         norm_eval: ``"frozen"`` (default): norm layers of blocks that do not train keep their
             running statistics; ``"all"``: every such norm layer in eval; ``"none"``: modes as
-            Lightning sets them (:mod:`lalr_lightning.core.norms`).
+            Lightning sets them (:mod:`lalr_lightning.core.model.norm_modes`).
         seed: seeds the probes' random state (dropout masks); the training's random stream is
             not touched.
         save_compute: ``True`` (default): the backward computes weight gradients only for the
@@ -118,7 +118,7 @@ class LMSAStepper(LayerSelection):
             states and co-states, which reach every captured block output with its weights frozen,
             and it forms each block's direction ``r_n`` one block at a time. Under DDP the blocks
             are kept out of DDP's buckets and the gradients they get are averaged by hand once per
-            optimizer step (:mod:`lalr_lightning.core.handsync`; ``setup`` also sets
+            optimizer step (:mod:`lalr_lightning.core.runtime.handsync`; ``setup`` also sets
             ``find_unused_parameters=True``). Not with ``feasibility > 0`` (E-MSA needs the input
             co-state of the selected block, which flows through the blocks before it).
         optimizer_state: ``"release"`` (default): the module optimizer's state of blocks that

@@ -2,7 +2,7 @@
 condition number of the empirical NTK (Theorem 5's predictor of the fine-tuning risk), each
 layer's ``eta_l`` (Theorem 6) and how far the model has left its linearization around the
 weights it started from (the gap and the KL divergence of the paper's Table 1). The formulas
-are :mod:`lalr_lightning.core.ntk`; nothing here changes training.
+are :mod:`lalr_lightning.core.linearization.ntk`; nothing here changes training.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, stop_on_sigterm
 from lalr_lightning.callbacks.host import Host, say
-from lalr_lightning.core import ntk
-from lalr_lightning.core.anchor import check_anchor, snapshot, trainable
-from lalr_lightning.core.placement import follow
-from lalr_lightning.core.probe import probe_inputs
+from lalr_lightning.core.linearization import ntk
+from lalr_lightning.core.linearization.anchor import check_anchor, snapshot, trainable
+from lalr_lightning.core.model.probe import probe_inputs
+from lalr_lightning.core.runtime.placement import follow
 
 __all__ = ["NTKDiagnostics"]
 
@@ -48,7 +48,7 @@ class NTKDiagnostics(LayerwiseCallback):
             so every rank and every measurement sees the same ones).
         sigma: the ridge of ``kappa(K + sigma I)`` and ``eta_l``, as a fraction of the kernel's
             mean eigenvalue ``trace(K) / M`` (0: Theorem 5-6 verbatim; needs an invertible ``K``).
-        kernel: the kernel of a C-class output (:func:`~lalr_lightning.core.ntk.empirical_ntk`):
+        kernel: the kernel of a C-class output (:func:`~lalr_lightning.core.linearization.ntk.empirical_ntk`):
             ``"trace"`` (N x N, classes traced out), ``"full"`` (NC x NC) or ``"sum"``.
         max_jacobian_numel: memory bound of the Jacobian blocks (see ``empirical_ntk``).
         positions: token outputs ``[N, T, V]`` (a language model on dict batches with
@@ -61,7 +61,7 @@ class NTKDiagnostics(LayerwiseCallback):
             that many directions -- beyond the budget with a warning that gives the size and the
             time estimated by timing a few rows of the real computation. The choice depends on
             sizes only (the same on every machine and rerun); it is logged, made once and kept in
-            the checkpoint (``core.ntk.ntk_cost``).
+            the checkpoint (``core.linearization.ntk.ntk_cost``).
         name, strict_resume: as every callback of the package.
 
     The cost is estimated before the first measurement and stated in the log; a SIGTERM or

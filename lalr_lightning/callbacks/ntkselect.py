@@ -2,7 +2,7 @@
 choose the layers to fine-tune greedily by their kernel's effect on the NTK spectrum
 (largest ``eta_l`` first) while the condition number of the chosen layers' kernel stays under a
 bound; the others are frozen for the whole fit. The greedy rule is
-:func:`lalr_lightning.core.ntk.greedy_ntk_selection` (``docs/proximal.md``).
+:func:`lalr_lightning.core.linearization.ntk.greedy_ntk_selection` (``docs/proximal.md``).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
 from lalr_lightning.callbacks.distributed import sharded
 from lalr_lightning.callbacks.host import Host, say
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
-from lalr_lightning.core import ntk
-from lalr_lightning.core.anchor import trainable
-from lalr_lightning.core.layers import Layer, output_layer
-from lalr_lightning.core.probe import fixed_batch, probe_inputs
+from lalr_lightning.core.linearization import ntk
+from lalr_lightning.core.linearization.anchor import trainable
+from lalr_lightning.core.model.layers import Layer, output_layer
+from lalr_lightning.core.model.probe import fixed_batch, probe_inputs
 
 __all__ = ["NTKSelect"]
 
@@ -60,13 +60,13 @@ class NTKSelect(LayerSelection):
             (Theorem 7's bound then holds for the head plus the chosen layers). ``False`` (the
             default): the head is a candidate like any other layer.
         probe_size: samples of the fixed probe batch (the same on every rank).
-        kernel: ``"trace"``, ``"full"`` or ``"sum"`` (:func:`~lalr_lightning.core.ntk.empirical_ntk`).
+        kernel: ``"trace"``, ``"full"`` or ``"sum"`` (:func:`~lalr_lightning.core.linearization.ntk.empirical_ntk`).
         positions, outputs: which outputs the kernel is taken over, as for
             :class:`~lalr_lightning.callbacks.ntk.NTKDiagnostics` (a language model: its last real
             token by default; when the Jacobian exceeds ``ntk.DEFAULT_ENTRIES`` gradient entries,
             the outputs projected onto random directions, stated in the log). A SIGTERM or Ctrl-C
             stops the measurement.
-        norm_eval: ``frozen``, ``all`` or ``none`` (:mod:`lalr_lightning.core.norms`).
+        norm_eval: ``frozen``, ``all`` or ``none`` (:mod:`lalr_lightning.core.model.norm_modes`).
         save_compute: turn ``requires_grad`` off for the frozen layers: before the model is
             wrapped when the probe can be drawn in ``setup`` (then under DDP they get no
             gradient and no all-reduce), else at train start on a single device only.

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import pandas as pd
 import torch
 
-from lalr_lightning.core.decision import Decision
+from lalr_lightning.core.runtime.decision import Decision
 
 __all__ = ["Planner"]
 

@@ -2,12 +2,12 @@
 fine-tuning"): after every optimizer step, pull the trained parameters toward their values at
 the start of fine-tuning, ``theta <- theta - lam * lr * (theta - theta_0)``, only where the pull
 cannot raise the training loss, ``<g, theta - theta_0> >= 0`` for the gradient ``g`` of the step
-just taken (Theorem 1). The formulas are :mod:`lalr_lightning.core.proximal`; Theorem 4's
-``lambda_o`` is :func:`lalr_lightning.core.ntk.estimate_lambda_o`; this file decides when and
+just taken (Theorem 1). The formulas are :mod:`lalr_lightning.core.linearization.proximal`; Theorem 4's
+``lambda_o`` is :func:`lalr_lightning.core.linearization.ntk.estimate_lambda_o`; this file decides when and
 on what they run (``docs/proximal.md``).
 
 Where the gradient comes from: the step runs as a post-step transform of
-:class:`~lalr_lightning.core.control.LayerControl`, right after ``optimizer.step``, and reads
+:class:`~lalr_lightning.core.runtime.control.LayerControl`, right after ``optimizer.step``, and reads
 each parameter's ``.grad`` -- the gradient the step used: accumulated over the micro-batches
 under gradient accumulation, all-reduced under DDP (so every rank decides the same), unscaled
 under 16-bit AMP (Lightning's precision plugin unscales before ``on_before_optimizer_step``; a
@@ -30,15 +30,15 @@ from torch import nn
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, stop_on_sigterm
 from lalr_lightning.callbacks.distributed import shard_layout, sharded
 from lalr_lightning.callbacks.host import Host, say
-from lalr_lightning.core import proximal
-from lalr_lightning.core.anchor import check_anchor, load_anchor, snapshot, trainable
-from lalr_lightning.core.control import PostStep
-from lalr_lightning.core.layers import Layer
-from lalr_lightning.core.loss import batch_loss, loss_source, split_batch
-from lalr_lightning.core.ntk import estimate_lambda_o, layer_groups
-from lalr_lightning.core.placement import follow, placed
-from lalr_lightning.core.probe import fixed_batch
-from lalr_lightning.core.shards import ShardLayout, all_sum, local_tensor
+from lalr_lightning.core.linearization import proximal
+from lalr_lightning.core.linearization.anchor import check_anchor, load_anchor, snapshot, trainable
+from lalr_lightning.core.linearization.ntk import estimate_lambda_o, layer_groups
+from lalr_lightning.core.model.batch_loss import batch_loss, loss_source, split_batch
+from lalr_lightning.core.model.layers import Layer
+from lalr_lightning.core.model.probe import fixed_batch
+from lalr_lightning.core.runtime.control import PostStep
+from lalr_lightning.core.runtime.placement import follow, placed
+from lalr_lightning.core.runtime.shards import ShardLayout, all_sum, local_tensor
 
 __all__ = ["ProximalRegularizer", "GRANULARITIES"]
 
@@ -93,7 +93,7 @@ class ProximalRegularizer(LayerwiseCallback):
     of the outputs' shape) and no ``loss_fn``, the paper's squared loss on one-hot targets; for
     anything else (a language model's token labels, a dict batch without class labels, a given
     ``loss_fn``) the gradient of the module's own loss with respect to its outputs,
-    ``N ||dL/df||`` (:func:`~lalr_lightning.core.ntk.output_gradient_norm`), which is
+    ``N ||dL/df||`` (:func:`~lalr_lightning.core.linearization.ntk.output_gradient_norm`), which is
     ``||f - y||`` again for ``L = ||f - y||^2 / (2N)``. Which one is used is logged once.
 
     Readable: ``distances`` (layer -> ``||theta - theta_0||``, refreshed at every logging step,

@@ -1,8 +1,8 @@
 """HT-SR pruning: layer-wise pruning ratios from a spectral metric (AlphaPruning, thesis ch. 3).
 
 ``../shared/seeds/002_*.txt`` ch. 3 and AlphaPruning. The ratios, masks and channel budgets are
-pure functions in :mod:`lalr_lightning.core.pruning`; this callback decides when to prune, and
-hands the masks to :class:`~lalr_lightning.core.control.LayerControl`, which enforces them.
+pure functions in :mod:`lalr_lightning.core.pruning.alphapruning`; this callback decides when to prune, and
+hands the masks to :class:`~lalr_lightning.core.runtime.control.LayerControl`, which enforces them.
 """
 
 from __future__ import annotations
@@ -20,12 +20,9 @@ from torch import nn
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
 from lalr_lightning.callbacks.distributed import shard_layout, sharded
 from lalr_lightning.callbacks.host import Host, warn
-from lalr_lightning.core import spectral
-from lalr_lightning.core.criterion_pruning import criterion_prune, load_weights, sample_count, take_samples
-from lalr_lightning.core.layers import DEFAULT_KINDS
-from lalr_lightning.core.llm_pruning import CRITERIA, needs_stats
-from lalr_lightning.core.loss import call_model, split_batch, step_loss
-from lalr_lightning.core.pruning import (
+from lalr_lightning.core.model.batch_loss import call_model, split_batch, step_loss
+from lalr_lightning.core.model.layers import DEFAULT_KINDS
+from lalr_lightning.core.pruning.alphapruning import (
     DIRECTIONS,
     PRUNING_METRICS,
     block_average_values,
@@ -35,8 +32,11 @@ from lalr_lightning.core.pruning import (
     prunable_layers,
     pruning_ratios,
 )
-from lalr_lightning.core.pruning_settings import PRESETS, pruning_settings
-from lalr_lightning.core.shards import all_sum, layer_paths, layers_in, local_tensor
+from lalr_lightning.core.pruning.by_criterion import criterion_prune, load_weights, sample_count, take_samples
+from lalr_lightning.core.pruning.criteria import CRITERIA, needs_stats
+from lalr_lightning.core.pruning.settings import PRESETS, pruning_settings
+from lalr_lightning.core.runtime.shards import all_sum, layer_paths, layers_in, local_tensor
+from lalr_lightning.core.spectral import htsr
 
 __all__ = ["HTSRPruning", "PRESETS", "PRUNING_METRICS", "DIRECTIONS", "CRITERIA", "pruning_ratios"]
 
@@ -99,7 +99,7 @@ class HTSRPruning(LayerwiseCallback):
         filter_zeros: alpha-based metrics only: fit only eigenvalues above 1e-5 (default True, as
             WeightWatcher; AlphaPruning fits all of them).
         min_numel, min_evals, layer_types, head: which layers (defaults 512, 10) are pruned (``head``: the output
-            layer too; AlphaPruning keeps it dense); see :func:`~lalr_lightning.core.pruning.prunable_layers`.
+            layer too; AlphaPruning keeps it dense); see :func:`~lalr_lightning.core.pruning.alphapruning.prunable_layers`.
             Excluded layers are reported in a warning.
         overflow, max_ratio: a ratio above ``max_ratio`` is clipped and the excess
             redistributed (default) or an error; see :func:`pruning_ratios`.
@@ -146,7 +146,7 @@ class HTSRPruning(LayerwiseCallback):
     SparseGPT's updated weights -- are broadcast, so every rank holds the same bits. A resumed run
     takes the masks (and the weights) from the checkpoint and does not calibrate again.
 
-    Enforcement (by :class:`~lalr_lightning.core.control.LayerControl`): the gradients of
+    Enforcement (by :class:`~lalr_lightning.core.runtime.control.LayerControl`): the gradients of
     pruned entries are zeroed in ``on_before_optimizer_step`` (after DDP's all-reduce and
     before gradient clipping, so momentum and Adam moments never see them), the optimizer
     states of newly pruned entries are zeroed at each pruning event, and the masks are
@@ -395,7 +395,7 @@ class HTSRPruning(LayerwiseCallback):
             self.check_finite(host, {layer.name: layer.weight for layer in layers}, "the weights")
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # analyze's skip warnings: we chose the layers
-                df = spectral.analyze(layers, fit=self.fit, metrics=[self.metric], min_evals=1,
+                df = htsr.analyze(layers, fit=self.fit, metrics=[self.metric], min_evals=1,
                                       filter_zeros=self.filter_zeros)
             return dict(zip(df["name"], df[self.metric].astype(float)))
 
@@ -503,7 +503,7 @@ class HTSRPruning(LayerwiseCallback):
         """Run a model without transformer blocks on one calibration batch: its inputs (``x`` of a
         ``(x, ...)`` batch, a tensor batch, a dict's entries but ``labels`` as keyword arguments)
         through its ``forward`` (or the one child holding its parameters), else its own
-        ``training_step`` (logging silenced): ``core.loss``."""
+        ``training_step`` (logging silenced): ``core.model.batch_loss``."""
         batch = self.device_batch(self._trainer, batch)
         try:
             try:

@@ -24,8 +24,8 @@ from torch import nn
 from lalr_lightning.callbacks.base import Decision
 from lalr_lightning.callbacks.host import Cadence, Host, say, warn
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
-from lalr_lightning.core.layers import describe_blocks, output_layer, suggest_blocks
-from lalr_lightning.core.selection import LIFT_ORDERS, lift_block, lisa_sample
+from lalr_lightning.core.model.layers import describe_blocks, output_layer, suggest_blocks
+from lalr_lightning.core.selection.surgical import LIFT_ORDERS, lift_block, lisa_sample
 
 __all__ = ["BlockSchedule", "SCHEDULES"]
 
@@ -59,7 +59,7 @@ class BlockSchedule(LayerSelection):
             its gradient buckets hold only what always trains (LISA's stem and head), and their
             gradients are averaged across ranks by hand -- only the active blocks', once per
             optimizer step, before any hook or clipping reads them -- and broadcast from rank 0
-            at fit start (``core.handsync``); ``setup`` sets ``find_unused_parameters=True``.
+            at fit start (``core.runtime.handsync``); ``setup`` sets ``find_unused_parameters=True``.
             ``static_graph=True`` and other multi-process strategies are refused: pass ``False``
             there, then every block stays in DDP and frozen blocks' gradients are computed,
             all-reduced and dropped before the step (DDP's buckets the whole model's size).

@@ -3,8 +3,8 @@ one name that builds any of them by ``mode``.
 
 A selection callback decides ``selected`` -- the units (blocks; tensors for Auto-RGN) that
 train -- and this base turns that into control: the others are frozen through
-:class:`~lalr_lightning.core.control.LayerControl` (DDP-safe), and norm layers that cannot
-change keep their running statistics (:mod:`lalr_lightning.core.norms`). Training less then
+:class:`~lalr_lightning.core.runtime.control.LayerControl` (DDP-safe), and norm layers that cannot
+change keep their running statistics (:mod:`lalr_lightning.core.model.norm_modes`). Training less then
 costs less (``save_compute``, ``optimizer_state``):
 
 * a *static* selection (Spectrum, NTK, fixed blocks) decides in ``setup``, before the strategy
@@ -16,7 +16,7 @@ costs less (``save_compute``, ``optimizer_state``):
   stop training. Under DDP its switching blocks are kept out of DDP (set in ``setup``, before
   the wrap), so DDP's gradient buckets hold only what always trains, and their gradients are
   averaged across ranks by hand, only the active blocks', once per optimizer step
-  (:class:`~lalr_lightning.core.handsync.HandSync`); DDP gets ``find_unused_parameters=True``.
+  (:class:`~lalr_lightning.core.runtime.handsync.HandSync`); DDP gets ``find_unused_parameters=True``.
 
 ``requires_grad`` is given back at teardown. Logged at every logging step:
 ``<prefix>/selected/<block>`` (1 when the block trains).
@@ -36,13 +36,13 @@ from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
 from lalr_lightning.callbacks.distributed import replaces_parameters
 from lalr_lightning.callbacks.host import Host, say
 from lalr_lightning.callbacks.lightning_host import LightningHooks
-from lalr_lightning.core.control import LayerControl
-from lalr_lightning.core.forward_blocks import Trace, trace_modules
-from lalr_lightning.core.handsync import HandSync
-from lalr_lightning.core.layers import Layer, block_layers, suggest_blocks
-from lalr_lightning.core.loss import batch_loss, to_device
-from lalr_lightning.core.norms import NORM_EVAL, norm_layers, set_norm_modes
-from lalr_lightning.core.probe import fixed_batch
+from lalr_lightning.core.model.batch_loss import batch_loss, to_device
+from lalr_lightning.core.model.forward_blocks import Trace, trace_modules
+from lalr_lightning.core.model.layers import Layer, block_layers, suggest_blocks
+from lalr_lightning.core.model.norm_modes import NORM_EVAL, norm_layers, set_norm_modes
+from lalr_lightning.core.model.probe import fixed_batch
+from lalr_lightning.core.runtime.control import LayerControl
+from lalr_lightning.core.runtime.handsync import HandSync
 
 __all__ = ["LayerSelection", "SurgicalLayerSelect", "MODES", "OPTIMIZER_STATE", "forward_trace", "register_mode"]
 
@@ -317,7 +317,7 @@ class LayerSelection(LayerwiseCallback):
 def forward_trace(host: Host, module: nn.Module, loss_fn=None) -> Trace:
     """One forward pass of ``module`` with every module hooked (``core.forward_blocks``), in
     ``setup``: on its ``example_input_array`` when it has one, else on two samples of the training
-    loader run through the module's own loss (``core.loss.batch_loss``: ``loss_fn``, its
+    loader run through the module's own loss (``core.model.batch_loss.batch_loss``: ``loss_fn``, its
     ``loss(output, target)`` or its ``training_step``, logging silenced)."""
     example = getattr(module, "example_input_array", None)
     if example is not None:

@@ -1,6 +1,6 @@
 """Spectrum selection (Hartford et al. 2024): in ``setup``, before the model is wrapped, the
 matrices with the highest signal-to-noise ratio of each module type train and the others are
-frozen (:mod:`lalr_lightning.core.spectrum` for the rules; the SNR is :func:`spectral.analyze`'s
+frozen (:mod:`lalr_lightning.core.spectral.spectrum_snr` for the rules; the SNR is :func:`htsr.analyze`'s
 ``snr``, Spectrum's formula). Also ``SurgicalLayerSelect(mode="spectrum")``;
 ``python -m lalr_lightning analyze MODEL --spectrum 25`` writes the same choice as Spectrum's YAML.
 """
@@ -15,9 +15,9 @@ from torch import nn
 from lalr_lightning.callbacks.base import Decision
 from lalr_lightning.callbacks.host import Host, say, warn
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
-from lalr_lightning.core import spectral
-from lalr_lightning.core.layers import MATRIX_KINDS, check_kinds, matrix_layers, output_layer
-from lalr_lightning.core.spectrum import GROUPINGS, chosen_count, group_types, module_type, top_by_type
+from lalr_lightning.core.model.layers import MATRIX_KINDS, check_kinds, matrix_layers, output_layer
+from lalr_lightning.core.spectral import htsr
+from lalr_lightning.core.spectral.spectrum_snr import GROUPINGS, chosen_count, group_types, module_type, top_by_type
 
 __all__ = ["SpectrumSelect"]
 
@@ -52,7 +52,7 @@ class SpectrumSelect(LayerSelection):
             alone in their type -- every matrix of a model without repeated blocks (``trunk.0``,
             ``trunk.2``, ``fc1``), which no ``top_percent`` below 100 would train -- are pooled
             by kind (type ``"linear (pooled)"``, ``"conv2d (pooled)"``);
-            ``"spectrum"``: Spectrum's rule alone (:mod:`lalr_lightning.core.spectrum`).
+            ``"spectrum"``: Spectrum's rule alone (:mod:`lalr_lightning.core.spectral.spectrum_snr`).
         head, embeddings: the output layer / the input embeddings always train (Spectrum's YAML
             always unfreezes ``lm_head`` and ``model.embed_tokens``); ``False``: ranked in their
             own type like any matrix.
@@ -171,7 +171,7 @@ class SpectrumSelect(LayerSelection):
             self.check_finite(host, {la.name: la.weight for la in layers}, "the weights")
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # NaN rows are reported by top_by_type
-                df = spectral.analyze(layers, metrics=["snr"], min_evals=1)
+                df = htsr.analyze(layers, metrics=["snr"], min_evals=1)
             return dict(zip(df["name"], df["snr"].astype(float)))
 
         return self.measure_shards(host, module, ranked, snr) if ranked else {}

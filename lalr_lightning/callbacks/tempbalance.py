@@ -4,7 +4,7 @@
 exponent ``alpha`` of each layer's ESD is measured on the current weights and mapped to a
 learning-rate multiplier on top of whatever the scheduler sets: layers whose spectra look
 less trained (larger alpha) get larger learning rates. The assignment functions and the layer
-rule are in :mod:`lalr_lightning.core.tempbalance`.
+rule are in :mod:`lalr_lightning.core.spectral.tempbalance`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
 from lalr_lightning.callbacks.host import Cadence, Host
-from lalr_lightning.core import spectral
-from lalr_lightning.core.layers import DEFAULT_KINDS, check_kinds
-from lalr_lightning.core.tempbalance import ASSIGN, RANGED, SAMPLING, assign_multipliers, eligible_layers
+from lalr_lightning.core.model.layers import DEFAULT_KINDS, check_kinds
+from lalr_lightning.core.spectral import htsr
+from lalr_lightning.core.spectral.tempbalance import ASSIGN, RANGED, SAMPLING, assign_multipliers, eligible_layers
 
 __all__ = ["TempBalanceCallback", "assign_multipliers", "ASSIGN"]
 
@@ -115,8 +115,8 @@ class TempBalanceCallback(LayerwiseCallback):
         super().__init__(name=name, strict_resume=strict_resume)
         if assign not in ASSIGN:
             raise ValueError(f"unknown assign {assign!r}; valid: {', '.join(ASSIGN)}")
-        if fit not in spectral.FITS:
-            raise ValueError(f"unknown fit {fit!r}; valid: {', '.join(spectral.FITS)}")
+        if fit not in htsr.FITS:
+            raise ValueError(f"unknown fit {fit!r}; valid: {', '.join(htsr.FITS)}")
         ranged = ("lr_min_ratio", "lr_max_ratio")
         self.reject("assign", assign, {"lr_min_ratio": lr_min_ratio, "lr_max_ratio": lr_max_ratio, "std": std},
                     {a: ranged if a in RANGED else ("std",) if a in SAMPLING else () for a in ASSIGN})
@@ -175,7 +175,7 @@ class TempBalanceCallback(LayerwiseCallback):
             self.check_finite(host, {layer.name: layer.weight for layer in layers}, "the weights")
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")  # degenerate layers are reported below, as an error, with the reason
-                out = spectral.alphas(layers, fit=self.fit, filter_zeros=self.filter_zeros)
+                out = htsr.alphas(layers, fit=self.fit, filter_zeros=self.filter_zeros)
             return {n: (a, "; ".join(str(w.message) for w in caught)) for n, a in out.items()}
 
         fitted = self.measure_shards(host, module, [[layer] for layer in self.layers], fit)

@@ -25,7 +25,7 @@ The metric (eq. 8-9) generalized to any block:
   the loss after the update of Proposition 3.1.
 
 How a block is run as a function of its parameters and tapped for its states and co-states:
-:mod:`lalr_lightning.core.taps`.
+:mod:`lalr_lightning.core.model.taps`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lalr_lightning.core.taps import BlockFn, BlockTaps
+from lalr_lightning.core.model.taps import BlockFn, BlockTaps
 
 __all__ = [
     "BlockFn",

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lalr_lightning.core.placement import follow
+from lalr_lightning.core.runtime.placement import follow
 
 __all__ = ["LayerControl", "PostStep", "set_requires_grad"]
 
