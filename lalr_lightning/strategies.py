@@ -15,8 +15,8 @@ Two things ``FSDPStrategy`` does that fail on CPU processes, done differently he
   On a CPU compute device that "offload" moves nothing, and torch 2.13 then cloned freed memory in
   ``_state_dict_utils.param_hook``: rank 0 died with SIGSEGV at the first checkpoint save. This
   strategy gathers without the offload (the tensors are on the CPU already).
-* Failing: a rank whose fit raised destroys its process group at once, so the other ranks'
-  next collective fails with a message instead of waiting for it (:meth:`CPUFSDPStrategy.on_exception`).
+* Failing: a rank whose fit raised says so in one line and joins no further collective
+  (:meth:`CPUFSDPStrategy.on_exception`); once its process ends, the other ranks' collective fails.
 * Leaving: Lightning destroys the gloo process group only when the interpreter finalizes, where
   gloo's worker threads have aborted a finished rank ("terminate called without an active
   exception", SIGABRT). This strategy has the ranks leave together at exit, while the interpreter
@@ -68,6 +68,7 @@ def _leave_at_exit() -> None:
 _leave_registered = False
 
 
+
 class CPUFSDPStrategy(FSDPStrategy):
     """``FSDPStrategy`` on CPU processes with gloo (module docstring); every argument is
     ``FSDPStrategy``'s. Use it with ``accelerator="cpu"``."""
@@ -77,17 +78,22 @@ class CPUFSDPStrategy(FSDPStrategy):
         super().__init__(*args, **kwargs)
 
     def setup_environment(self) -> None:
-        global _leave_registered
+        global _leave_registered, _failed
         super().setup_environment()
+        _failed = False  # a new fit (after a failed one, the group is made anew)
         if not _leave_registered:  # once per process; atexit handlers run before finalization
             atexit.register(_leave_at_exit)
             _leave_registered = True
 
     def on_exception(self, exception: BaseException) -> None:
-        """A fit that raised on this rank: the process group is destroyed here and now, which
-        closes this rank's connections, so every other rank's next collective fails at once
-        ("Connection closed by peer") instead of waiting out the timeout (30 minutes by default)
-        for a rank that may outlive its fit: a notebook, a sweep that catches the error."""
+        """A fit that raised on this rank says so in one line and destroys its process group, so
+        this rank joins no further collective (no barrier at exit, no ``leave_process_group``):
+        one that the other ranks, stopped in their own collective, would wait on or mismatch.
+        When this process ends, gloo closes its connections and the other ranks' collective fails
+        at once ("Connection closed by peer"). A process that lives on after a failed fit (a
+        notebook, a sweep that catches the error) holds them open: the other ranks then stop at
+        the group's timeout, ``CPUFSDPStrategy(timeout=timedelta(minutes=...))`` (Lightning's
+        default is 30 minutes)."""
         global _failed
         import torch.distributed as dist
 

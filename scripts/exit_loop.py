@@ -21,11 +21,19 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+
+def _free_port() -> int:
+    """A port nothing listens on now (another loop, a test's run, may be using a fixed one)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [args.python, str(script), str(out), "--launch", args.launch]
         if args.launch == "torchrun":
             cmd = [args.python, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                   "--master_port", str(29600 + i % 200), *cmd[1:]]
+                   "--master_port", str(_free_port()), *cmd[1:]]
         t0 = time.time()
         try:
             proc = subprocess.run(cmd, env=env, cwd=clone, capture_output=True, text=True, timeout=args.timeout_s)
