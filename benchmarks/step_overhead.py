@@ -15,9 +15,9 @@ clock placed last), so a decision taken at the start or end of the epoch falls i
 
 A *decision step* is one in which the callback called ``update`` (measured and decided) or, for
 L-MSA, measured its blocks (``n_batches`` steps of states and co-states before each selection).
-Printed per callback: the mean time of its other steps / the no-callback mean (its per-step
+Printed per callback: the median time of its other steps / the no-callback median (its per-step
 bookkeeping: the goal is at most 1.05), the decision steps' count and mean time / the no-callback
-mean, and the whole epoch / the no-callback epoch. L-MSA's Hamiltonian update (``update="msa"``:
+median, and the whole epoch / the no-callback epoch. L-MSA's Hamiltonian update (``update="msa"``:
 the selected blocks move by its own inner optimizer after every step; the module's optimizer
 trains nothing there) is the method's own computation: its time is shown apart, and the ratio
 without it.
@@ -186,19 +186,19 @@ def run(factory, steps: int) -> dict:
 
 
 def summarize(runs: list[dict]) -> dict:
-    """Best (lowest) over the repeats of: the mean non-decision step, the mean decision step,
-    the whole epoch, the mean Hamiltonian update."""
+    """Best (lowest) over the repeats of: the median non-decision step (robust to the spikes of a
+    shared machine), the mean decision step, the whole epoch, the median Hamiltonian update."""
     out = {"other": [], "decide": [], "total": [], "msa": [], "n_decide": 0, "outside": 0}
     for r in runs:
         other = [t for t, d in zip(r["times"], r["deciding"]) if not d]
         dec = [t for t, d in zip(r["times"], r["deciding"]) if d]
         out["n_decide"] = len(dec)
         out["outside"] = r["outside"]
-        out["other"].append(statistics.fmean(other) if other else float("nan"))
+        out["other"].append(statistics.median(other) if other else float("nan"))
         out["decide"].append(statistics.fmean(dec) if dec else float("nan"))
         out["total"].append(sum(r["times"]))
         # the update of the non-decision steps (a measuring step's update is part of its decision)
-        out["msa"].append(statistics.fmean(r["msa"]) if r["msa"] else 0.0)
+        out["msa"].append(statistics.median(r["msa"]) if r["msa"] else 0.0)
     return {k: (min(v) if isinstance(v, list) else v) for k, v in out.items()}
 
 
