@@ -27,8 +27,9 @@ HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_
 class SyncWatch(Callback):
     """Put it in ``callbacks`` after ``watched``; use as a context manager around ``fit``."""
 
-    def __init__(self, watched, cuda: bool = False):
+    def __init__(self, watched, cuda: bool = False, decides=None):
         self.watched = watched
+        self.decides = decides or (lambda step: False)  # steps known to decide inside a batch hook
         self.cuda = cuda
         self.depth = 0
         self.step = -1
@@ -43,7 +44,8 @@ class SyncWatch(Callback):
         def guarded(*a, **k):
             self.depth += 1
             mode = None
-            if self.cuda and self.depth == 1 and self.step not in self.deciding and not self._measuring():
+            if (self.cuda and self.depth == 1 and self.step not in self.deciding and not self._measuring()
+                    and not self.decides(self.step)):
                 mode = torch.cuda.get_sync_debug_mode()
                 torch.cuda.set_sync_debug_mode("error")
             try:
@@ -96,7 +98,7 @@ class SyncWatch(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.step = trainer.global_step
-        if self._measuring():
+        if self._measuring() or self.decides(self.step):
             self.deciding.add(self.step)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):

@@ -44,7 +44,7 @@ def test_no_host_read_on_a_step_that_decides_nothing(case):
     watch = SyncWatch(cb)
     steps = 16
     with watch:
-        make_trainer([watch, cb], max_epochs=2).fit(ToyMLP(opt="adamw", lr=1e-3))
+        make_trainer([watch, cb], max_epochs=2, log_every_n_steps=1000).fit(ToyMLP(opt="adamw", lr=1e-3))
     assert watch.quiet_steps(steps) >= 4, (case, sorted(watch.deciding))  # the check saw steps to check
     assert watch.violations() == {}, case
 

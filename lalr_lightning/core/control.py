@@ -519,7 +519,7 @@ class LayerControl:
         split = []
         for gi, ps, m in runs:
             g = groups[gi]
-            sub = {k: v for k, v in g.items() if k != "params"}
+            sub = dict(g)  # the group's settings as the scheduler left them (a C-level copy)
             sub["params"] = ps
             sub["lr"] = g["lr"] * m
             split.append(sub)

@@ -240,6 +240,7 @@ class GroupedStep:
         self.order = [i for g in self.groups for i in g]
         self.device = params[self.order[0]].device if self.order else torch.device("cpu")
         self.size = len(self.order)
+        self._coefs: dict[int, tuple[Sequence[float], Tensor]] = {}
         self.layer_index = None
         self.n_layers = 0
         if layers is not None:
@@ -273,17 +274,17 @@ class GroupedStep:
         ips = []
         for g, ps, an in placed:
             ct = torch.promote_types(ps[0].dtype, torch.float32)
-            ds = torch._foreach_sub(ps, an)
+            prods = torch._foreach_sub(ps, an)  # d = theta - theta_0 (the only full-size temporary)
             gs = [grads[i] if grads[i] is not None else torch.zeros_like(p) for i, p in zip(g, ps)]
             if ct != ps[0].dtype:
-                ds = [d.to(ct) for d in ds]
-            gs = [x.to(ct) if x.dtype != ct else x for x in gs]
-            prods = torch._foreach_mul(gs, ds)
-            del ds
-            pos = torch._foreach_clamp_min(prods, 0.0)
-            total = torch.stack(torch._foreach_norm(prods, 1, dtype=torch.float64))
-            ips.append((2 * torch.stack(torch._foreach_norm(pos, 1, dtype=torch.float64)) - total).to(self.device))
-            del prods, pos
+                prods = [d.to(ct) for d in prods]
+                gs = [x.to(ct) for x in gs]
+            torch._foreach_mul_(prods, gs)  # g * d, in place
+            total = torch.stack(torch._foreach_norm(prods, 1, dtype=torch.float64))  # sum |g d|
+            torch._foreach_clamp_min_(prods, 0.0)
+            pos = torch.stack(torch._foreach_norm(prods, 1, dtype=torch.float64))  # sum max(g d, 0)
+            del prods
+            ips.append((2 * pos - total).to(self.device))
         ip = torch.cat(ips) if len(ips) > 1 else ips[0]
         if granularity == "tensor":
             pull = ip >= 0
@@ -293,14 +294,35 @@ class GroupedStep:
             per_layer = torch.zeros(self.n_layers, dtype=torch.float64, device=self.device)
             pull = (per_layer.index_add_(0, self.layer_index, ip) >= 0)[self.layer_index]
         start = 0
-        for g, ps, an in placed:
-            w = pull[start:start + len(g)].to(device=ps[0].device, dtype=ps[0].dtype).unbind()
+        for gi, (g, ps, an) in enumerate(placed):
+            dtype = ps[0].dtype
+            on = pull[start:start + len(g)].to(device=ps[0].device, dtype=dtype)
             start += len(g)
-            # theta_0 where pulled, theta elsewhere: a lerp by exactly 1 or 0
-            target = torch._foreach_lerp(ps, an, list(w))
-            torch._foreach_lerp_(ps, target, [coefs[i] for i in g])
-            del target
+            if dtype in (torch.float32, torch.float64):
+                # one lerp by lam * lr where pulled and 0 elsewhere (the coefficient rounds to the
+                # dtype as a Python number does in lerp_)
+                torch._foreach_lerp_(ps, an, list((on * self._coef_tensor(gi, coefs, dtype, ps[0].device)).unbind()))
+            else:
+                # a half-precision weight would round lam * lr: theta_0 where pulled, theta elsewhere
+                # (a lerp by exactly 1 or 0), then the host coefficient
+                target = torch._foreach_lerp(ps, an, list(on.unbind()))
+                torch._foreach_lerp_(ps, target, [coefs[i] for i in g])
+                del target
         return pull
+
+    def _coef_tensor(self, gi: int, coefs: Sequence[float], dtype: torch.dtype, device: torch.device) -> Tensor:
+        """Group ``gi``'s ``lam * lr`` on the device, copied once per new ``coefs`` list (pinned and
+        asynchronous on a GPU: no synchronisation)."""
+        cache = self._coefs
+        hit = cache.get(gi)
+        if hit is not None and hit[0] is coefs:
+            return hit[1]
+        host = torch.tensor([coefs[i] for i in self.groups[gi]], dtype=dtype)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        out = host.to(device, non_blocking=True)
+        cache[gi] = (coefs, out)
+        return out
 
 
 def _get(m: Mapping, n: str, what: str):
