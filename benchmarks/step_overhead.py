@@ -96,9 +96,9 @@ def variants(steps: int) -> dict[str, callable]:
     """name -> a factory of the callback (None: no callback). Every 50 steps is every
     ``max(steps // 6, 1)`` steps in a shorter run, so it still decides several times."""
     from lalr_lightning.callbacks import (
-        LALRScheduleCallback,
         AutoRGN,
         HTSRPruning,
+        LALRScheduleCallback,
         LayerLRMultiplier,
         LMSAStepper,
         ProximalRegularizer,
