@@ -223,7 +223,8 @@ class LMSAStepper(LayerSelection):
         self.taps: BlockTaps | None = None
         self._batch: Any = None
         self._stepping = False
-        self._last_h: list[float] = []
+        self._last_h: list = []
+        self._costates: list[tuple[str, torch.Tensor]] = []  # (block, all finite) of updates not yet checked
         self._block_params: set[int] = set()
         self._selected_params: set[int] = set()
         self._paths: dict[str, tuple] = {}
@@ -370,6 +371,7 @@ class LMSAStepper(LayerSelection):
 
     def each_epoch(self, host: Host) -> None:
         super().each_epoch(host)
+        self._check_costates(host)
         if self._measuring:
             return  # a measurement still running (resumed, or longer than an epoch)
         epoch, k = host.current_epoch, self.every_n_epochs
@@ -558,7 +560,8 @@ class LMSAStepper(LayerSelection):
             index = list(range(len(params), len(params) + len(theta)))
             params.extend(theta)
             for cap in caps:
-                self.check_finite(host, {name: cap.p}, "the co-states (-dL/dx of the block outputs)")
+                # read on the host only at a logging step or the next epoch (_check_costates)
+                self._costates.append((name, torch.isfinite(cap.p).all()))
                 batch = cap.context
 
                 def run(batch=batch) -> torch.Tensor:
@@ -577,12 +580,25 @@ class LMSAStepper(LayerSelection):
                     out.append(flat[i:i + g.numel()].view_as(g))
                     i += g.numel()
                 return out
-        self._last_h = msa.maximize_hamiltonian(terms, params, self._inner, steps=self.inner_steps, rho=self.rho,
-                                                feasibility=self.feasibility, reduce_grads=reduce,
-                                                check=stop_on_sigterm(host))
-        if host.should_log() and self._last_h:
-            self.log_values(host, {f"{self.prefix}/hamiltonian_first": self._last_h[0],
-                                      f"{self.prefix}/hamiltonian_last": self._last_h[-1]})
+        values = msa.maximize_hamiltonian(terms, params, self._inner, steps=self.inner_steps, rho=self.rho,
+                                          feasibility=self.feasibility, reduce_grads=reduce,
+                                          check=stop_on_sigterm(host), host=False)
+        self._last_h = [values[0], values[-1]] if values else []
+        if host.should_log():
+            self._check_costates(host)
+            if self._last_h:
+                self.log_values(host, {f"{self.prefix}/hamiltonian_first": float(self._last_h[0]),
+                                       f"{self.prefix}/hamiltonian_last": float(self._last_h[-1])})
+
+    def _check_costates(self, host: Host) -> None:
+        """Raise :class:`DivergenceError` for the blocks whose co-states held NaN or Inf in a
+        Hamiltonian update since the last check (one device-to-host read for all of them)."""
+        pending, self._costates = self._costates, []
+        if not pending:
+            return
+        ok = torch.stack([flag.to(pending[0][1].device) for _, flag in pending]).tolist()
+        bad = sorted({name for (name, _), good in zip(pending, ok) if not good})
+        self.check_finite(host, {name: math.nan for name in bad}, "the co-states (-dL/dx of the block outputs)")
 
     # ------------------------------------------------------------------ state
 

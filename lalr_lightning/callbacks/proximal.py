@@ -162,9 +162,15 @@ class ProximalRegularizer(LayerwiseCallback):
         self.lambda_o = math.nan
         self._params: dict[str, torch.nn.Parameter] = {}
         self._groups: dict[str, list[str]] = {}
+        self._layer_of: dict[str, int] = {}
         self._anchor: dict[str, torch.Tensor] | None = None
-        self._steps: dict[str, int] = {}
-        self._pulled: dict[str, int] = {}
+        # per set of stepped tensors: its grouped step, and the step and pull counts not yet read
+        # (kept on the device, so a step makes no device-to-host transfer)
+        self._plans: dict[tuple[str, ...], proximal.GroupedStep] = {}
+        self._pending: dict[tuple[str, ...], list] = {}
+        self._coefs: tuple[object, tuple[str, ...], list[float]] | None = None
+        self._steps = {}
+        self._pulled = {}
         self._unit_lambda_o: float | None = None  # lambda_o at r = 1 (it scales as 1 / r)
         self._installed: set[int] = set()
         self._sharded = False  # the strategy shards the weights (FSDP): sums over the ranks' pieces
@@ -187,6 +193,8 @@ class ProximalRegularizer(LayerwiseCallback):
                     raise ValueError(f"include pattern {pat!r} matches no trainable layer; layers are: {list(groups)}")
             groups = {g: m for g, m in groups.items() if any(fnmatchcase(g, pat) for pat in self.include)}
         self._groups = groups
+        self._layer_of = {n: i for i, members in enumerate(groups.values()) for n in members}
+        self._plans, self._coefs = {}, None
         self._params = {n: params[n] for members in groups.values() for n in members}
         self.layers = [Layer(name=g, kind="layer", module=None, params={n: params[n] for n in m})
                        for g, m in groups.items()]
@@ -233,7 +241,64 @@ class ProximalRegularizer(LayerwiseCallback):
     # ------------------------------------------------------------------ the step
 
     def _step(self, step: PostStep) -> None:
-        """The proximal step after one optimizer step (LayerControl calls it)."""
+        """The proximal step after one optimizer step (LayerControl calls it): grouped tensor
+        operations and no device-to-host transfer (:class:`~lalr_lightning.core.proximal.GroupedStep`);
+        under FSDP the ranks' sums go through collectives (:meth:`_sharded_step`)."""
+        if self._sharded:
+            self._sharded_step(step)
+            return
+        key = tuple(n for n, p in self._params.items() if p.grad is not None and step.stepped(p))
+        if not key:
+            return
+        params = [self._params[n] for n in key]
+        plan = self._plans.get(key)
+        if plan is None or not plan.placed(params):
+            self._flush()  # counts held on the device the model left
+            plan = self._plans[key] = proximal.GroupedStep(params, [self._layer_of[n] for n in key])
+        anchor = self._placed_anchor()
+        if self._coefs is None or self._coefs[0] is not step._lrs or self._coefs[1] != key:
+            # lam * lr per tensor, checked; the same while the step's LRs are (LayerControl keeps them)
+            coef = proximal.coefficients(self.lam, {n: step.lr(self._params[n]) for n in key}, key)
+            self._coefs = (step._lrs, key, [coef[n] for n in key])
+        pull = plan.step_(params, [anchor[n] for n in key], [p.grad for p in params], self._coefs[2],
+                          selective=self.selective, granularity=self.granularity)
+        pending = self._pending.get(key)
+        if pending is None:
+            pending = self._pending[key] = [0, torch.zeros(plan.size, dtype=torch.long, device=plan.device), plan.order]
+        pending[0] += 1
+        pending[1] += pull
+
+    def _flush(self) -> None:
+        """Add the counts held on the device to :attr:`_steps` and :attr:`_pulled` (one transfer)."""
+        pending, self._pending = self._pending, {}
+        for key, (count, pulled, order) in pending.items():
+            for i, k in zip(order, pulled.tolist()):
+                self._steps_d[key[i]] = self._steps_d.get(key[i], 0) + count
+                self._pulled_d[key[i]] = self._pulled_d.get(key[i], 0) + k
+
+    @property
+    def _steps(self) -> dict[str, int]:
+        """Optimizer steps per tensor that it took part in."""
+        self._flush()
+        return self._steps_d
+
+    @_steps.setter
+    def _steps(self, value: dict[str, int]) -> None:
+        self._pending = {}
+        self._steps_d = value
+
+    @property
+    def _pulled(self) -> dict[str, int]:
+        """Of those, the steps that pulled it toward the anchor."""
+        self._flush()
+        return self._pulled_d
+
+    @_pulled.setter
+    def _pulled(self, value: dict[str, int]) -> None:
+        self._pending = {}
+        self._pulled_d = value
+
+    def _sharded_step(self, step: PostStep) -> None:
         held = {id(p) for p in step.params}
         names = [n for n, p in self._params.items() if id(p) in held and p.grad is not None]
         reduce = None
@@ -256,8 +321,8 @@ class ProximalRegularizer(LayerwiseCallback):
             pull = dict.fromkeys(names, True)
         proximal.proximal_step_(params, anchors, self.lam, {n: step.lr(self._params[n]) for n in names}, pull)
         for n in names:
-            self._steps[n] += 1
-            self._pulled[n] += int(pull[n])
+            self._steps_d[n] += 1
+            self._pulled_d[n] += int(pull[n])
 
     def _placed_anchor(self) -> dict[str, torch.Tensor]:
         """``theta_0`` in each parameter's dtype and (unless offloaded) on its device: Lightning
