@@ -17,7 +17,7 @@ import sys
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lalr_lightning.core.control import LayerControl
+from lalr_lightning.core.runtime.control import LayerControl
 
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "nonzero", "cpu", "numpy")
 HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",

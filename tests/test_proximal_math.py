@@ -155,7 +155,7 @@ def test_theorem1_selective_step_never_increases_the_training_loss():
 def test_grouped_step_is_the_per_tensor_step_bitwise(dtype, granularity):
     """GroupedStep (the callback's foreach step, decisions on the device) gives pull_decisions +
     proximal_step_'s numbers bitwise, with a different lam * lr per tensor and a missing gradient."""
-    from lalr_lightning.core.proximal import GroupedStep, deltas, proximal_step_, pull_decisions
+    from lalr_lightning.core.linearization.proximal import GroupedStep, deltas, proximal_step_, pull_decisions
 
     g = torch.Generator().manual_seed(7)
     shapes = [(6, 5), (6,), (4, 6), (4,), (3, 4), (3,)]

@@ -18,7 +18,7 @@ from lalr_lightning.callbacks import (
     ProximalRegularizer,
     TempBalanceCallback,
 )
-from lalr_lightning.core.control import LayerControl
+from lalr_lightning.core.runtime.control import LayerControl
 from tests._nosync import SyncWatch
 from tests._toys import ToyMLP, make_trainer
 
