@@ -42,6 +42,7 @@ from lightning.pytorch.callbacks import Callback
 from lalr_lightning.callbacks import distributed
 from lalr_lightning.callbacks.distributed import SpawnHandoff, check_strategy
 from lalr_lightning.callbacks.planning import Planner, _NoFit
+from lalr_lightning.core.checks import check_arguments, lazy_error, lazy_parameters
 from lalr_lightning.core.control import LayerControl
 from lalr_lightning.core.decision import Decision
 from lalr_lightning.core.errors import DivergenceError, reject_stray
@@ -172,6 +173,9 @@ class LayerwiseCallback(Planner, SpawnHandoff, Callback):
     state_version: ClassVar[int] = 1
     #: at most this many history entries are kept (and checkpointed), the newest
     history_limit: ClassVar[int] = 1000
+    #: whether it works on parameters still lazy at setup (it reads no weight before training:
+    #: the parameters keep their identity when the first forward shapes them)
+    lazy_ok: ClassVar[bool] = False
     #: attributes a user reads after ``fit``; brought back to the main process after ddp_spawn
     readable: ClassVar[tuple[str, ...]] = ("scores", "measurements", "history")
 
@@ -368,11 +372,29 @@ class LayerwiseCallback(Planner, SpawnHandoff, Callback):
         fit, before the model is wrapped: a function of the architecture and the settings only,
         so it is the same on every rank and after resume."""
 
+    def configure_checked(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """:meth:`configure`, and where the model has lazy parameters (``nn.LazyLinear`` before its
+        first forward) that this callback's layers need, one line naming them and the fix instead
+        of torch's error from deep inside (a callback whose layers leave them out works)."""
+        lazy = lazy_parameters(pl_module)
+        if not lazy:
+            return self.configure(trainer, pl_module)
+        try:
+            self.configure(trainer, pl_module)
+        except (ValueError, RuntimeError) as err:
+            raise lazy_error(type(self).__name__, lazy) from err
+        held = getattr(self, "_params", None)
+        used = {id(p) for la in self.layers for p in la.params.values()}
+        used |= {id(p) for p in held.values()} if isinstance(held, dict) else set()
+        mine = {n: t for n, t in lazy.items() if id(pl_module.get_parameter(n)) in used}
+        if mine and not self.lazy_ok:
+            raise lazy_error(type(self).__name__, mine)
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._handoff_pending = False  # this instance runs the fit itself
         if stage == "fit":
             check_strategy(trainer, type(self).__name__, refusal=self.fsdp_refusal)
-            self.configure(trainer, pl_module)
+            self.configure_checked(trainer, pl_module)
             # sizes while the weights are whole (before any FSDP wrap), to share work out evenly
             self._sizes = {la.name: la.weight.numel() for la in self.layers if la.module is not None
                            and isinstance(getattr(la.module, "weight", None), torch.Tensor)}
@@ -478,6 +500,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, Callback):
                                      f"integer >= 1, got {plot_every_n_epochs!r}")
                 figures = self._alias(figures, plot_every_n_epochs, "plot_every_n_epochs", "figures", DEFAULT_FIGURES)
             figures = check_figures(figures)
+            args, kw = check_arguments(type(self).__name__, init, args, kw)  # a number given as a word fails here
             init(self, *args, **kw)
             self.figures = figures
 

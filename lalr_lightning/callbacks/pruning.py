@@ -34,7 +34,7 @@ from lalr_lightning.core.pruning import (
     prunable_layers,
     pruning_ratios,
 )
-from lalr_lightning.core.pruning_settings import PRESETS, pruning_settings
+from lalr_lightning.core.pruning_settings import PRESETS, check_when, pruning_settings
 from lalr_lightning.core.shards import all_sum, layer_paths, layers_in, local_tensor
 
 __all__ = ["HTSRPruning", "PRESETS", "PRUNING_METRICS", "DIRECTIONS", "CRITERIA", "pruning_ratios"]
@@ -243,6 +243,7 @@ class HTSRPruning(LayerwiseCallback):
     # ------------------------------------------------------------------ when
 
     def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        check_when(type(self).__name__, self.when, self.gradual_epochs, getattr(trainer, "max_epochs", None))
         self._model = pl_module
         self.layers, self.excluded = prunable_layers(
             pl_module, layer_types=self.layer_types, head=self.head, min_numel=self.min_numel,
@@ -406,6 +407,7 @@ class HTSRPruning(LayerwiseCallback):
         """The metric of every pruned layer on the current weights (block-averaged if asked);
         None once the ratios are fixed (the first event decides them)."""
         if self.ratios:
+            self._check_weights(trainer, pl_module)  # a later gradual event masks what diverged otherwise
             return None
         names = [layer.name for layer in self.layers]
         if self.epsilon == 0:  # uniform: the metric cannot change anything
@@ -430,6 +432,15 @@ class HTSRPruning(LayerwiseCallback):
         if self.block_average:
             values = block_average_values(values, block_groups(self._model, self.layers, self.blocks))
         return values
+
+    def _check_weights(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """:class:`DivergenceError` when a pruned layer's weights hold NaN or Inf (under FSDP each rank
+        checks its share of the layers, whole, and an error on one is raised on all)."""
+        def check(layers):
+            self.check_finite(trainer, {layer.name: layer.weight for layer in layers}, "the weights")
+            return {}
+
+        self.measure_shards(trainer, pl_module, [[layer] for layer in self.layers], check)
 
     def _ratio_array(self, metric: dict[str, float]) -> np.ndarray:
         """The ratio of every pruned layer (model order) from its metric."""

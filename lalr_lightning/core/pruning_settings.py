@@ -7,12 +7,13 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from lalr_lightning.core import spectral
+from lalr_lightning.core.checks import check_min_evals
 from lalr_lightning.core.errors import reject_stray
 from lalr_lightning.core.layers import check_kinds
 from lalr_lightning.core.llm_pruning import CRITERIA, check_nm, needs_stats
 from lalr_lightning.core.pruning import DIRECTIONS, OVERFLOW, PRUNING_METRICS
 
-__all__ = ["FITTED", "PRESETS", "pruning_settings"]
+__all__ = ["FITTED", "PRESETS", "check_when", "pruning_settings"]
 
 #: metrics that come from a power-law fit (``fit`` and ``filter_zeros`` apply to them)
 FITTED = ("alpha", "alpha_weighted", "log_alpha_norm")
@@ -128,6 +129,9 @@ def pruning_settings(
             raise ValueError("when='gradual' needs gradual_epochs >= 1 (the number of pruning epochs)")
     elif gradual_epochs is not None:
         raise ValueError(f"gradual_epochs only applies to when='gradual' (got when={when!r})")
+    if metric in FITTED and epsilon > 0 and min_evals < 2:  # the metric is measured, by a power-law fit
+        check_min_evals(who, min_evals, f"metric={metric!r} comes from a power-law fit of each layer's eigenvalues, "
+                                        "which needs at least two")
     if min_numel < 1 or min_evals < 1:
         raise ValueError("min_numel and min_evals must be >= 1")
     channel_step = 0.01 if channel_step is None else channel_step
@@ -152,3 +156,20 @@ def pruning_settings(
         blocksize=(128 if blocksize is None else int(blocksize)) if criterion == "sparsegpt" else None,
         percdamp=(0.01 if percdamp is None else float(percdamp)) if criterion == "sparsegpt" else None,
     )
+
+
+def check_when(who: str, when: str | int, gradual_epochs: int | None, max_epochs: int | None) -> None:
+    """A one-line ValueError when the fit's ``max_epochs`` ends before the pruning does: an epoch
+    number ``when`` the fit never starts (it would never prune), or a gradual schedule longer than the
+    fit (it would stop short of the target). ``max_epochs`` None or negative (a fit bounded by steps
+    alone): nothing to check."""
+    if max_epochs is None or max_epochs < 0:
+        return
+    if isinstance(when, int) and not isinstance(when, bool) and when >= max_epochs:
+        raise ValueError(f"{who}(when={when}) prunes at the start of epoch {when}, but the fit runs epochs 0 to "
+                         f"{max_epochs - 1} (max_epochs={max_epochs}), so it would never prune; use when < "
+                         f"{max_epochs}, or raise max_epochs")
+    if when == "gradual" and gradual_epochs is not None and gradual_epochs > max_epochs:
+        raise ValueError(f"{who}(when='gradual', gradual_epochs={gradual_epochs}) reaches its target at the start of "
+                         f"epoch {gradual_epochs - 1}, but the fit has max_epochs={max_epochs}, so it would stop short "
+                         f"of the target; use gradual_epochs <= {max_epochs}, or raise max_epochs")

@@ -1,0 +1,189 @@
+"""Issue 34, the second hostile round: one test per row of its table (the rows of helper 34a),
+each written to fail on the code before the fix. Every bad input ends in one line that names the
+cause and the fix, or works."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lalr_lightning import DivergenceError
+from lalr_lightning.callbacks import (
+    AutoRGN,
+    BlockSchedule,
+    HTSRPruning,
+    LALRScheduleCallback,
+    LayerLRMultiplier,
+    ProximalRegularizer,
+    SpectrumSelect,
+    SurgicalBlocks,
+    TempBalanceCallback,
+)
+from tests._toys import ToyMLP, make_data, make_trainer
+
+# ----------------------------------------------------------------------------- gradual pruning, NaN
+
+
+class _NaNLossFrom(ToyMLP):
+    """The loss is NaN from optimizer step ``start`` on (so are the gradients, then the weights)."""
+
+    def __init__(self, start: int = 3, **kw):
+        super().__init__(**kw)
+        self.start = start
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.trainer.global_step >= self.start else loss
+
+
+def test_gradual_pruning_with_the_loss_nan_from_step_3_raises_divergence_error():
+    pruner = HTSRPruning(when="gradual", gradual_epochs=3, min_numel=16, min_evals=3, target_sparsity=0.5)
+    module = _NaNLossFrom(start=3)
+    with pytest.raises(DivergenceError, match=r"HTSRPruning: the weights of .*NaN or Inf at epoch 1, step 8"):
+        make_trainer([pruner], max_epochs=3, limit_val_batches=0).fit(module)
+    assert [h["epoch"] for h in pruner.history] == [0]  # the event of epoch 0 only: no masks from NaN weights
+
+
+def test_gradual_pruning_still_prunes_every_epoch_when_nothing_diverges():
+    pruner = HTSRPruning(when="gradual", gradual_epochs=3, min_numel=16, min_evals=3, target_sparsity=0.5)
+    make_trainer([pruner], max_epochs=3, limit_val_batches=0).fit(_NaNLossFrom(start=10**9))
+    assert [h["epoch"] for h in pruner.history] == [0, 1, 2]
+    assert pruner.overall_sparsity() == pytest.approx(0.5, abs=0.02)
+
+
+# ----------------------------------------------------------------------------- LazyLinear
+
+
+class _Lazy(pl.LightningModule):
+    """An MLP whose second layer is an ``nn.LazyLinear`` (its shape comes at the first forward)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.LazyLinear(64), nn.ReLU(), nn.Linear(64, 64),
+                                 nn.ReLU(), nn.Linear(64, 4))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return DataLoader(make_data(32, 16), batch_size=8)
+
+
+LAZY = {
+    "SpectrumSelect": lambda: SpectrumSelect(top_percent=50),
+    "LISA": lambda: BlockSchedule("lisa", gamma=1, every_n_steps=2),
+    "HTSRPruning": lambda: HTSRPruning(min_numel=16, min_evals=3),
+    "ProximalRegularizer": lambda: ProximalRegularizer(lam=0.5),
+    "AutoRGN": lambda: AutoRGN(n_batches=1),
+    "LALR": lambda: LALRScheduleCallback(),
+    "LayerLRMultiplier": lambda: LayerLRMultiplier({"net.2": 0.5}),
+}
+
+
+@pytest.mark.parametrize("label", list(LAZY))
+def test_a_model_with_lazylinear_gets_one_line_naming_the_callback_the_layer_and_the_fix(label):
+    cb = LAZY[label]()
+    with pytest.raises(ValueError) as info:
+        make_trainer([cb], max_steps=2).fit(_Lazy())
+    msg = str(info.value)
+    assert "\n" not in msg and "Attempted to use an uninitialized" not in msg
+    assert msg.startswith(type(cb).__name__ + ": ") and "net.2.weight (LazyLinear)" in msg
+    assert "forward pass" in msg and "nn.Linear(" in msg
+
+
+@pytest.mark.parametrize("label", list(LAZY))
+def test_a_lazy_model_works_once_a_forward_pass_has_shaped_it(label):
+    module = _Lazy()
+    module(torch.zeros(1, 16))  # the fix the message names
+    make_trainer([LAZY[label]()], max_steps=2).fit(module)
+
+
+def test_callbacks_that_never_read_the_lazy_weights_still_work_with_them():
+    """TempBalance leaves the first matrix out and SurgicalBlocks trains blocks by name: both ran on
+    a lazy first layer before, and still do; freezing it (requires_grad_) cannot, and says so."""
+    for cb in (TempBalanceCallback(min_evals=2), SurgicalBlocks(select="first")):
+        module = _Lazy()
+        module.net[0], module.net[2] = nn.LazyLinear(64), nn.Linear(64, 64)
+        make_trainer([cb], max_steps=2).fit(module)
+        assert not isinstance(module.net[0].weight, nn.parameter.UninitializedParameter)
+    module = _Lazy()
+    module.net[0], module.net[2] = nn.LazyLinear(64), nn.Linear(64, 64)
+    with pytest.raises(ValueError, match=r"^SurgicalBlocks: net.0.weight \(LazyLinear\).* not initialized yet"):
+        make_trainer([SurgicalBlocks(select="last")], max_steps=2).fit(module)
+
+
+# ----------------------------------------------------------------------------- min_evals < 2
+
+
+@pytest.mark.parametrize("make", [lambda: HTSRPruning(min_evals=1), lambda: HTSRPruning(min_evals=0),
+                                  lambda: HTSRPruning(preset="alphapruning", min_evals=1),
+                                  lambda: TempBalanceCallback(min_evals=1)])
+def test_min_evals_below_two_is_refused_at_construction_with_the_reason(make):
+    with pytest.raises(ValueError, match=r"min_evals must be .*>= 2.*(two|power-law fit)"):
+        make()
+
+
+def test_min_evals_one_stays_allowed_where_no_fit_is_made():
+    # N:M and uniform pruning compute no metric; a norm needs no fit: one eigenvalue is enough there
+    assert HTSRPruning(n=2, m=4, min_numel=1, min_evals=1).min_evals == 1
+    assert HTSRPruning(epsilon=0.0, min_evals=1).min_evals == 1
+    assert HTSRPruning(metric="norm", min_evals=1).min_evals == 1
+
+
+# ----------------------------------------------------------------------------- argument types
+
+
+def test_argument_types_are_checked_at_construction_naming_the_argument():
+    with pytest.raises(TypeError, match=r"^TempBalanceCallback: every_n_steps must be an integer or None, got 'five'"):
+        TempBalanceCallback(every_n_steps="five")
+    with pytest.raises(TypeError, match=r"^TempBalanceCallback: every_n_epochs must be an integer, got 1.5"):
+        TempBalanceCallback(every_n_epochs=1.5)
+    with pytest.raises(TypeError, match=r"^LayerLRMultiplier: patterns maps names to numbers; "
+                                        r"patterns\['net.0'\] is 'half'"):
+        LayerLRMultiplier({"net.0": "half"})
+    with pytest.raises(TypeError, match=r"^HTSRPruning: target_sparsity must be a number or None"):
+        HTSRPruning(target_sparsity=[0.5])
+    with pytest.raises(TypeError, match=r"^ProximalRegularizer: lam must be a number, got None"):
+        ProximalRegularizer(lam=None)
+
+
+def test_numbers_given_as_text_are_read_as_a_command_line_gives_them():
+    # the convention of check_figures: a command line gives numbers as text
+    assert TempBalanceCallback(every_n_steps="5").every_n_steps == 5
+    assert LayerLRMultiplier({"net.0": "0.5"}).patterns == {"net.0": 0.5}
+    assert HTSRPruning(target_sparsity="0.3").target_sparsity == 0.3
+
+
+def test_a_string_step_count_trains_as_the_number():
+    tb = TempBalanceCallback(every_n_steps="2", min_evals=2)
+    make_trainer([tb], max_steps=4).fit(ToyMLP())
+    assert [h["step"] for h in tb.history] == [0, 2]
+
+
+# ----------------------------------------------------------------------------- when= beyond max_epochs
+
+
+def test_pruning_at_an_epoch_the_fit_never_reaches_is_refused_at_setup():
+    with pytest.raises(ValueError, match=r"^HTSRPruning\(when=50\) prunes at the start of epoch 50, but the fit "
+                                         r"runs epochs 0 to 1 \(max_epochs=2\), so it would never prune"):
+        make_trainer([HTSRPruning(when=50, min_numel=16, min_evals=3)], max_epochs=2).fit(ToyMLP())
+    with pytest.raises(ValueError, match=r"gradual_epochs=5\) .* max_epochs=2, so it would stop short"):
+        make_trainer([HTSRPruning(when="gradual", gradual_epochs=5, min_numel=16, min_evals=3)],
+                     max_epochs=2).fit(ToyMLP())
+    pruner = HTSRPruning(when=1, min_numel=16, min_evals=3)  # the last epoch is fine
+    make_trainer([pruner], max_epochs=2).fit(ToyMLP())
+    assert [h["epoch"] for h in pruner.history] == [1]
