@@ -4,9 +4,6 @@ cause and the fix, or works."""
 
 from __future__ import annotations
 
-import math
-import warnings
-
 import lightning.pytorch as pl
 import pytest
 import torch
