@@ -4,6 +4,8 @@ cause and the fix, or works."""
 
 from __future__ import annotations
 
+import re
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -184,3 +186,84 @@ def test_pruning_at_an_epoch_the_fit_never_reaches_is_refused_at_setup():
     pruner = HTSRPruning(when=1, min_numel=16, min_evals=3)  # the last epoch is fine
     make_trainer([pruner], max_epochs=2).fit(ToyMLP())
     assert [h["epoch"] for h in pruner.history] == [1]
+
+
+# ----------------------------------------------------------------------------- report and analyze
+
+
+def _csv_run(tmp_path, data: bytes):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "metrics.csv").write_bytes(data)
+    return folder
+
+
+_GOOD = (b"epoch,step,train_loss,tempbalance/multiplier/net.2\n"
+         b"0,0,1.25,0.75\n0,1,1.125,\n")
+
+
+def test_report_on_a_metrics_csv_with_non_utf8_bytes_is_one_line(tmp_path, capsys):
+    from lalr_lightning.report import report_main
+
+    folder = _csv_run(tmp_path, _GOOD.replace(b"1.125", b"1.1\xff5"))
+    assert report_main([str(folder)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert re.fullmatch(r".*report: error: .*metrics\.csv is not UTF-8 text \(byte 0xff at offset \d+\).*", err)
+    assert not (folder / "report.html").exists()
+
+
+@pytest.mark.parametrize("data, what", [(b"epoch,step,train_loss\n", "holds a header and no row"),
+                                        (b"", "is empty"), (b"epoch,st", "holds a header and no row")],
+                         ids=["header_only", "empty", "cut_in_header"])
+def test_report_on_a_metrics_csv_without_rows_fails_saying_what_is_missing(tmp_path, capsys, data, what):
+    from lalr_lightning.report import report_main
+
+    folder = _csv_run(tmp_path, data)
+    assert report_main([str(folder)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"metrics.csv {what}: the run logged nothing (yet)" in err
+    assert not (folder / "report.html").exists()  # no page with a title only
+
+
+def test_report_on_a_truncated_metrics_csv_leaves_the_cut_row_out_and_says_so(tmp_path, capsys):
+    from lalr_lightning.report import read_run, report_main
+
+    folder = _csv_run(tmp_path, _GOOD + b"0,2,1.0")  # the run stopped while writing "1.0625,0.8125"
+    assert report_main([str(folder)]) == 0
+    err = capsys.readouterr().err
+    assert "warning: " in err and "last row is cut short (3 of 4 fields, no line end): left out" in err
+    run = read_run(folder)
+    assert run.scalars["train_loss"] == [(0, 1.25), (1, 1.125)]  # not the cut 1.0 of step 2
+    assert "tempbalance" in (folder / "report.html").read_text()
+
+
+def test_report_on_a_run_without_callback_metrics_says_so(tmp_path, capsys):
+    from lalr_lightning.report import report_main
+
+    folder = _csv_run(tmp_path, b"epoch,step,train_loss\n0,0,1.5\n")
+    assert report_main([str(folder)]) == 0
+    err = capsys.readouterr().err
+    assert "warning: " in err and "holds no per-layer metrics of lalr_lightning callbacks" in err
+
+
+def test_analyze_a_model_directory_whose_config_is_not_json_is_one_line(tmp_path, capsys):
+    from lalr_lightning.cli import analyze_main
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{not json")
+    assert analyze_main([str(tmp_path / "model"), "--out", str(tmp_path / "rep"), "--no-plots"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "config.json: not a readable Hugging Face config" in err
+
+
+def test_analyze_with_out_an_existing_file_is_one_line(tmp_path, capsys):
+    from lalr_lightning.cli import analyze_main
+
+    ckpt = tmp_path / "m.ckpt"
+    torch.save({"state_dict": nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)).state_dict()}, ckpt)
+    (tmp_path / "taken").write_text("mine")
+    assert analyze_main([str(ckpt), "--out", str(tmp_path / "taken"), "--no-plots"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--out " in err and "is an existing file" in err
+    assert (tmp_path / "taken").read_text() == "mine"

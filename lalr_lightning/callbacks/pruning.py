@@ -19,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
 from lalr_lightning.callbacks.distributed import WholeCopy, shard_layout, sharded
+from lalr_lightning.callbacks.planning import _NoFit
 from lalr_lightning.core import spectral
 from lalr_lightning.core.criterion_pruning import criterion_prune, load_weights, sample_count, take_samples
 from lalr_lightning.core.layers import DEFAULT_KINDS
@@ -243,7 +244,8 @@ class HTSRPruning(LayerwiseCallback):
     # ------------------------------------------------------------------ when
 
     def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        check_when(type(self).__name__, self.when, self.gradual_epochs, getattr(trainer, "max_epochs", None))
+        if not isinstance(trainer, _NoFit):  # plan(model) has no fit, hence no max_epochs
+            check_when(type(self).__name__, self.when, self.gradual_epochs, trainer.max_epochs)
         self._model = pl_module
         self.layers, self.excluded = prunable_layers(
             pl_module, layer_types=self.layer_types, head=self.head, min_numel=self.min_numel,
