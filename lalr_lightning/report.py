@@ -19,6 +19,7 @@ import html
 import io
 import json
 import math
+import re
 import struct
 import zlib
 from collections import defaultdict
@@ -369,9 +370,11 @@ def callbacks_of(run: RunData) -> dict[str, tuple[str, type | None, dict]]:
     for key, settings in run.config.items():
         if not key.startswith("callbacks/") or not isinstance(settings, dict):
             continue
-        cls_name, _, name = key.split("/", 1)[1].partition("[")
+        rest = key.split("/", 1)[1]  # Class, Class[name] or Class{settings} (callbacks.keys)
+        cls_name = re.match(r"[^\[{]*", rest).group(0)
+        name = rest[len(cls_name) + 1:-1] if rest[len(cls_name):].startswith("[") else ""
         cls = getattr(callbacks, cls_name, None) if callbacks is not None else None
-        prefix = name.rstrip("]") or getattr(cls, "log_prefix", None)
+        prefix = name or getattr(cls, "log_prefix", None)
         if prefix:
             out[prefix] = (cls_name, cls if isinstance(cls, type) else None, settings)
     return out

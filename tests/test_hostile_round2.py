@@ -267,3 +267,76 @@ def test_analyze_with_out_an_existing_file_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "--out " in err and "is an existing file" in err
     assert (tmp_path / "taken").read_text() == "mine"
+
+
+# ----------------------------------------------------------------------------- two instances of one callback
+
+
+class _LRs(pl.Callback):
+    """The effective learning rate of each controlled layer at the last training batch."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        from lalr_lightning.core.control import LayerControl
+
+        self.lrs = LayerControl.of(trainer.optimizers[0]).effective_lrs()
+
+
+def test_two_layer_lr_multipliers_with_different_patterns_coexist_and_multiply():
+    a, b = LayerLRMultiplier({"net.2": 0.5}), LayerLRMultiplier({"net.2": 4.0, "net.4": 2.0})
+    assert a.state_key != b.state_key
+    assert a.state_key == "LayerLRMultiplier{'patterns': {'net.2': 0.5}}"
+    lrs = _LRs()
+    make_trainer([a, b, lrs], max_steps=2).fit(ToyMLP(lr=0.05))
+    assert lrs.lrs["net.2"] == pytest.approx(0.05 * 0.5 * 4.0) and lrs.lrs["net.4"] == pytest.approx(0.1)
+    assert "net.0" not in lrs.lrs  # no multiplier: the scheduled rate
+
+
+def test_a_default_instance_keeps_its_key_and_settings_that_only_log_do_not_count():
+    assert TempBalanceCallback().state_key == "TempBalanceCallback"
+    assert HTSRPruning(figures="every", make_permanent=True).state_key == "HTSRPruning"  # logged / volatile only
+    assert TempBalanceCallback(name="a").state_key == "TempBalanceCallback[a]"
+    assert TempBalanceCallback(assign="sqrt").state_key == "TempBalanceCallback{'assign': 'sqrt'}"
+    with pytest.raises(Exception, match="more than one stateful callback"):  # the same settings twice: name them
+        make_trainer([LayerLRMultiplier({"net.2": 0.5}), LayerLRMultiplier({"net.2": 0.5})])
+
+
+def _tb_fit(tmp_path, callbacks, max_epochs, ckpt=None):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ck = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    make_trainer(callbacks + [ck], max_epochs=max_epochs, enable_checkpointing=True, limit_val_batches=0,
+                 default_root_dir=tmp_path).fit(ToyMLP(), ckpt_path=ckpt)
+    return tmp_path / "last.ckpt"
+
+
+def test_two_unnamed_instances_resume_each_their_own_state(tmp_path):
+    a, b = TempBalanceCallback(min_evals=2), TempBalanceCallback(assign="sqrt", min_evals=2)
+    ckpt = _tb_fit(tmp_path / "a", [a, b], 2)
+    assert a.history != b.history
+    saved = torch.load(ckpt, weights_only=True)["callbacks"]
+    assert {a.state_key, b.state_key} <= set(saved)
+    a2, b2 = TempBalanceCallback(min_evals=2), TempBalanceCallback(assign="sqrt", min_evals=2)
+    _tb_fit(tmp_path / "b", [b2, a2], 3, ckpt=str(ckpt))  # listed the other way round: keys, not order
+    assert a2.history[:2] == a.history and b2.history[:2] == b.history and len(a2.history) == 3
+
+
+def test_a_checkpoint_written_under_the_bare_type_name_still_resumes(tmp_path):
+    """Before, an unnamed instance saved under ``TempBalanceCallback`` whatever its settings: such a
+    checkpoint resumes into the instance (and its settings are still checked)."""
+    a = TempBalanceCallback(assign="sqrt", min_evals=2)
+    ckpt = _tb_fit(tmp_path / "a", [a], 2)
+    old = torch.load(ckpt, weights_only=False)
+    old["callbacks"] = {("TempBalanceCallback" if k == a.state_key else k): v for k, v in old["callbacks"].items()}
+    torch.save(old, tmp_path / "old.ckpt")
+    a2 = TempBalanceCallback(assign="sqrt", min_evals=2)
+    _tb_fit(tmp_path / "b", [a2], 3, ckpt=str(tmp_path / "old.ckpt"))
+    assert a2.history[:2] == a.history and len(a2.history) == 3
+    from lalr_lightning.callbacks import SettingsMismatchError
+
+    with pytest.raises(SettingsMismatchError, match="written with assign='sqrt'"):
+        _tb_fit(tmp_path / "c", [TempBalanceCallback(assign="linear_map", min_evals=2)], 3,
+                ckpt=str(tmp_path / "old.ckpt"))
+    # strict_resume=False: the new settings continue from the checkpoint's state, as before
+    a3 = TempBalanceCallback(assign="linear_map", min_evals=2, strict_resume=False)
+    _tb_fit(tmp_path / "d", [a3], 3, ckpt=str(ckpt))
+    assert a3.history[:2] == a.history

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lalr_lightning.callbacks import distributed
+from lalr_lightning.callbacks import distributed, keys
 from lalr_lightning.callbacks.distributed import SpawnHandoff, check_strategy
 from lalr_lightning.callbacks.planning import Planner, _NoFit
 from lalr_lightning.core.checks import check_arguments, lazy_error, lazy_parameters
@@ -198,7 +198,13 @@ class LayerwiseCallback(Planner, SpawnHandoff, Callback):
 
     @property
     def state_key(self) -> str:
-        # several instances of one callback keep separate state when given different names
+        # ``Type[name]``, else ``Type`` plus the settings that set this instance apart (callbacks.keys)
+        return keys.state_key(self)
+
+    @property
+    def _legacy_state_key(self) -> str:
+        # Lightning reads a checkpoint's state under this key when the state_key is not there: the
+        # key of every unnamed instance before keys held settings
         return f"{type(self).__name__}" + (f"[{self.name}]" if self.name else "")
 
     @property
@@ -408,6 +414,10 @@ class LayerwiseCallback(Planner, SpawnHandoff, Callback):
         names, self._names_before_wrap = self._names_before_wrap, None
         if names:
             distributed.rebind(self.__dict__, names, pl_module)
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        keys.adopt(self, trainer, checkpoint)  # an entry written under an earlier key
+        keys.warn_orphaned_masks(trainer, checkpoint)  # pruning masks no callback of this fit enforces
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.follow_the_wrap(pl_module)
