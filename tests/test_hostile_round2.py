@@ -5,6 +5,7 @@ cause and the fix, or works."""
 from __future__ import annotations
 
 import re
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -340,3 +341,54 @@ def test_a_checkpoint_written_under_the_bare_type_name_still_resumes(tmp_path):
     a3 = TempBalanceCallback(assign="linear_map", min_evals=2, strict_resume=False)
     _tb_fit(tmp_path / "d", [a3], 3, ckpt=str(ckpt))
     assert a3.history[:2] == a.history
+
+
+# ----------------------------------------------------------------------------- pruning resumed without its callback
+
+
+def _pruned_checkpoint(tmp_path, module) -> str:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    pruner = HTSRPruning(min_numel=16, min_evals=3)
+    make_trainer([pruner, ModelCheckpoint(dirpath=tmp_path, save_last=True)], max_epochs=1, enable_checkpointing=True,
+                 limit_val_batches=0).fit(module)
+    assert pruner.masks
+    return str(tmp_path / "last.ckpt")
+
+
+def _orphan_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if "HTSRPruning masks" in str(w.message)]
+
+
+def test_a_pruning_checkpoint_resumed_without_htsrpruning_warns_that_masks_are_no_longer_enforced(tmp_path):
+    ckpt = _pruned_checkpoint(tmp_path, ToyMLP())
+    with pytest.warns(UserWarning) as record:  # another callback of the package sees the checkpoint
+        make_trainer([LayerLRMultiplier({"net.2": 0.5})], max_epochs=2, limit_val_batches=0).fit(ToyMLP(),
+                                                                                                 ckpt_path=ckpt)
+    (msg,) = _orphan_warnings(record)
+    assert "\n" not in msg and "HTSRPruning{'min_numel': 16, 'min_evals': 3} (3 masked parameters)" in msg
+    assert "no longer enforced" in msg and "add the HTSRPruning callback" in msg
+    with warnings.catch_warnings(record=True) as kept:  # with the callback: enforced, no warning
+        warnings.simplefilter("always")
+        pruner = HTSRPruning(min_numel=16, min_evals=3)
+        make_trainer([pruner], max_epochs=2, limit_val_batches=0).fit(ToyMLP(), ckpt_path=ckpt)
+    assert not _orphan_warnings(kept) and pruner.masks
+
+
+def test_a_pruning_checkpoint_resumed_into_a_package_model_without_callbacks_warns(tmp_path):
+    from lalr_lightning.models import SmallCNN
+
+    def module():
+        torch.manual_seed(0)
+        return SmallCNN(width=8, in_channels=1, num_classes=4)
+
+    data = DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 1, 8, 8), torch.randint(0, 4, (16,))),
+                      batch_size=8)
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    pruner = HTSRPruning(min_numel=16, min_evals=3)
+    make_trainer([pruner, ModelCheckpoint(dirpath=tmp_path, save_last=True)], max_epochs=1,
+                 enable_checkpointing=True).fit(module(), data)
+    with pytest.warns(UserWarning) as record:
+        make_trainer([], max_epochs=2).fit(module(), data, ckpt_path=str(tmp_path / "last.ckpt"))
+    assert len(_orphan_warnings(record)) == 1
