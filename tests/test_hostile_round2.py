@@ -392,3 +392,65 @@ def test_a_pruning_checkpoint_resumed_into_a_package_model_without_callbacks_war
     with pytest.warns(UserWarning) as record:
         make_trainer([], max_epochs=2).fit(module(), data, ckpt_path=str(tmp_path / "last.ckpt"))
     assert len(_orphan_warnings(record)) == 1
+
+
+# ----------------------------------------------------------------------------- tied weights in a selection
+
+
+class _Tied(ToyMLP):
+    """Five Linear layers; the third and the fourth hold one weight tensor (``net.6`` uses ``net.4``'s)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64),
+                                 nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+        self.net[6].weight = self.net[4].weight
+
+
+class _Moves(pl.Callback):
+    """Per step: the blocks selected and whether each of net.4 / net.6's parameters moved."""
+
+    def __init__(self):
+        self.rows = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._before = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+        self._selected = list(trainer.callbacks[0].selected)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        moved = {n: not torch.equal(p.detach(), self._before[n]) for n, p in pl_module.named_parameters()}
+        self.rows.append((self._selected, moved))
+
+
+def test_tied_weights_with_lisa_are_one_unit_so_the_freeze_is_real():
+    lisa = BlockSchedule("lisa", gamma=1, every_n_steps=1, seed=0)
+    moves = _Moves()
+    make_trainer([lisa, moves], max_steps=8).fit(_Tied())
+    assert [b.name for b in lisa.layers if b.role == "block"] == ["net.2", "net.4+net.6"]
+    seen = set()
+    for selected, moved in moves.rows:
+        on = "net.4+net.6" in selected
+        seen.add(on)
+        # the shared weight and both layers' biases move exactly when their unit trains
+        assert moved["net.4.weight"] == moved["net.4.bias"] == moved["net.6.bias"] == on, (selected, moved)
+        assert moved["net.2.weight"] == ("net.2" in selected)
+    assert seen == {True, False}  # both draws happened
+
+
+def test_tied_units_join_in_every_block_selection():
+    from lalr_lightning.core.layers import block_layers
+    from lalr_lightning.core.tied import join_tied
+
+    model = _Tied()
+    units, notes = join_tied(model, block_layers(model))
+    assert [u.name for u in units] == ["net.0+net.2", "net.4+net.6", "net.8"]
+    assert set(units[1].params) == {"net.4.weight", "net.4.bias", "net.6.bias"}
+    assert notes == ["net.4 and net.6 share net.4.weight: one unit 'net.4+net.6', trained or frozen together"]
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    make_trainer([SurgicalBlocks(select="net.4+net.6")], max_steps=2).fit(model)
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), start[n])}
+    assert moved == {"net.4.weight", "net.4.bias", "net.6.bias"}
+    untied = ToyMLP()
+    assert [u.name for u in join_tied(untied, block_layers(untied))[0]] == [u.name for u in block_layers(untied)]
+    assert join_tied(untied, block_layers(untied))[1] == []

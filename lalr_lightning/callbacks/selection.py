@@ -44,6 +44,7 @@ from lalr_lightning.core.layers import Layer, block_layers, suggest_blocks
 from lalr_lightning.core.loss import batch_loss, to_device
 from lalr_lightning.core.norms import NORM_EVAL, norm_layers, set_norm_modes
 from lalr_lightning.core.probe import fixed_batch
+from lalr_lightning.core.tied import join_tied
 
 __all__ = ["LayerSelection", "SurgicalLayerSelect", "MODES", "OPTIMIZER_STATE", "forward_trace", "register_mode"]
 
@@ -129,6 +130,9 @@ class LayerSelection(LayerwiseCallback):
         there are fewer than ``min_blocks`` to choose between."""
         trace = None if trainer is None else (lambda: forward_trace(trainer, pl_module, getattr(self, "loss_fn", None)))
         self.block_list = block_layers(pl_module, self.blocks, join_stem=self.join_stem, head=head, trace=trace)
+        self.block_list, tied = join_tied(pl_module, self.block_list)  # a shared tensor: its holders are one unit
+        for note in tied:
+            rank_zero_info(f"{type(self).__name__}: {note}")
         if len(self.block_list) < min_blocks:
             raise ValueError(
                 f"{type(pl_module).__name__} has a single block ({self.block_names}), so there is nothing to "
