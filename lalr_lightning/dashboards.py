@@ -180,20 +180,10 @@ def publish(trainer, cb, event: str, decision=None) -> None:
         raise ValueError(f"unknown event {event!r}; valid: start, decision, end")
 
 
-def config_key(trainer, cb) -> str:
-    """The callback's name in the run config: ``Class`` or ``Class[name]`` as always, unless
-    another callback of the fit has that name too (unnamed instances with other settings): then
-    its state key, which holds the settings that tell them apart."""
-    short = getattr(cb, "_legacy_state_key", cb.state_key)
-    if not isinstance(short, str) or sum(getattr(c, "_legacy_state_key", None) == short for c in trainer.callbacks) > 1:
-        return cb.state_key
-    return short
-
-
 def _start(trainer, cb) -> None:
     wb, tb, _ = _kinds(trainer)
     settings = cb.settings()
-    key = f"callbacks/{config_key(trainer, cb)}"
+    key = f"callbacks/{cb.state_key}"
     for lg in trainer.loggers:
         if lg in tb:  # TensorBoard's hparams would add another hp_metric point: text and hparams.yaml only
             if isinstance(lg.hparams, dict):

@@ -454,3 +454,115 @@ def test_tied_units_join_in_every_block_selection():
     untied = ToyMLP()
     assert [u.name for u in join_tied(untied, block_layers(untied))[0]] == [u.name for u in block_layers(untied)]
     assert join_tied(untied, block_layers(untied))[1] == []
+
+
+# ----------------------------------------------------------------------------- attention's own matrices
+
+
+class _Encoder(pl.LightningModule):
+    """A user's own transformer: a Linear input layer, two ``nn.TransformerEncoderLayer`` and a head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Linear(8, 64)
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(64, 4, 128, batch_first=True, dropout=0.0), 2,
+                                         enable_nested_tensor=False)
+        self.fc = nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.fc(self.enc(self.emb(x)).mean(1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 6, 8, generator=g),
+                                                         torch.randint(0, 4, (32,), generator=g)), batch_size=8)
+
+
+IN_PROJ = "enc.layers.0.self_attn.in_proj"
+
+
+def test_multihead_attention_in_proj_weight_is_a_matrix_layer():
+    from lalr_lightning.core.layers import matrix_layers
+
+    model = _Encoder()
+    layers = {la.name: la for la in matrix_layers(model)}
+    la = layers[IN_PROJ]
+    assert la.kind == "linear" and tuple(la.weight.shape) == (192, 64)
+    assert set(la.params) == {f"{IN_PROJ}_weight", f"{IN_PROJ}_bias"}
+    assert la.weight is model.enc.layers[0].self_attn.in_proj_weight
+    order = [n for n in layers if n.startswith("enc.layers.0.")]
+    assert order == [IN_PROJ, "enc.layers.0.self_attn.out_proj", "enc.layers.0.linear1", "enc.layers.0.linear2"]
+    # separate q/k/v projections (kdim, vdim != embed_dim): three layers
+    sep = {la.name: tuple(la.weight.shape) for la in matrix_layers(nn.MultiheadAttention(32, 2, kdim=16, vdim=8))}
+    assert sep == {"q_proj": (32, 32), "k_proj": (32, 16), "v_proj": (32, 8), "out_proj": (32, 32)}
+
+
+def test_pruning_spectrum_and_tempbalance_treat_the_attention_projections():
+    pruner = HTSRPruning(min_numel=16, min_evals=3, target_sparsity=0.5)
+    module = _Encoder()
+    make_trainer([pruner], max_steps=3).fit(module)
+    assert pruner.sparsity[IN_PROJ] > 0.2  # it was 0.0: never pruned
+    keep = pruner.masks[f"{IN_PROJ}_weight"]
+    assert torch.all(module.enc.layers[0].self_attn.in_proj_weight.detach()[~keep] == 0)  # enforced after steps
+
+    spectrum = SpectrumSelect(top_percent=50)
+    make_trainer([spectrum], max_steps=1).fit(_Encoder())
+    assert IN_PROJ in spectrum.scores  # ranked by its SNR with the other in_proj
+
+    tb = TempBalanceCallback(min_evals=2)
+    make_trainer([tb], max_steps=1).fit(_Encoder())
+    assert IN_PROJ in tb.multipliers
+
+
+def test_data_criteria_leave_attention_projections_dense_saying_why():
+    pruner = HTSRPruning(criterion="wanda", n_calibration=8, min_evals=3, min_numel=16, target_sparsity=0.5)
+    with pytest.warns(UserWarning, match=r"leaves these layers dense: .*self_attn\.in_proj \(a projection inside "
+                                         r"nn\.MultiheadAttention, whose inputs criterion='wanda' cannot read"):
+        make_trainer([pruner], max_steps=1).fit(_Encoder())
+    assert IN_PROJ in pruner.excluded and "enc.layers.0.self_attn.out_proj" in pruner.excluded
+    assert pruner.sparsity["enc.layers.0.linear1"] > 0.2
+
+
+def test_proximal_regularizer_runs_through_pytorch_transformer_layers():
+    # its probe takes a jvp in eval mode, where the layers' fused path has no forward-mode derivative
+    prox = ProximalRegularizer(lam=0.5, probe_size=4)
+    make_trainer([prox], max_steps=2).fit(_Encoder())
+    assert IN_PROJ in prox.distances
+
+
+class _OwnMatrix(ToyMLP):
+    def __init__(self):
+        super().__init__()
+        self.mix = nn.Parameter(torch.randn(64, 64) / 8)
+
+    def forward(self, x):
+        h = self.net[:4](x)
+        return self.net[4:](h @ self.mix)
+
+
+def test_a_matrix_no_layer_covers_is_warned_once_with_its_share():
+    from lalr_lightning.core import layers as L
+
+    L._WARNED.clear()
+    with pytest.warns(UserWarning) as record:
+        tb = TempBalanceCallback(min_evals=2)
+        make_trainer([tb, LayerLRMultiplier({"net.2": 0.5})], max_steps=2).fit(_OwnMatrix())
+    msgs = [str(w.message) for w in record if "in no layer the callbacks treat" in str(w.message)]
+    total = sum(p.numel() for p in _OwnMatrix().parameters())
+    assert msgs == [f"1 weight matrices of _OwnMatrix are in no layer the callbacks treat (not a Linear, Conv1d/2d, "
+                    f"Embedding, HF Conv1D or attention projection): mix (64x64), {64 * 64 / total:.1%} of its "
+                    "parameters; they keep the scheduled learning rate and are never measured or pruned. Wrap them "
+                    "in nn.Linear to include them"]
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        L.matrix_layers(ToyMLP())  # nothing left out: no warning
+        L.matrix_layers(_Encoder())
+    assert not [w for w in again if "in no layer" in str(w.message)]

@@ -403,7 +403,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, Callback):
             self.configure_checked(trainer, pl_module)
             # sizes while the weights are whole (before any FSDP wrap), to share work out evenly
             self._sizes = {la.name: la.weight.numel() for la in self.layers if la.module is not None
-                           and isinstance(getattr(la.module, "weight", None), torch.Tensor)}
+                           and isinstance(getattr(la.module, la.weight_name, None), torch.Tensor)}
             replaced = distributed.replaces_parameters(trainer)
             self._names_before_wrap = distributed.parameter_names(pl_module) if replaced else None
             self._publish(trainer, "start")  # settings into the run config, W&B's step axis

@@ -22,7 +22,7 @@ from lalr_lightning.callbacks.distributed import WholeCopy, shard_layout, sharde
 from lalr_lightning.callbacks.planning import _NoFit
 from lalr_lightning.core import spectral
 from lalr_lightning.core.criterion_pruning import criterion_prune, load_weights, sample_count, take_samples
-from lalr_lightning.core.layers import DEFAULT_KINDS
+from lalr_lightning.core.layers import DEFAULT_KINDS, inside_attention
 from lalr_lightning.core.llm_pruning import CRITERIA, needs_stats
 from lalr_lightning.core.loss import call_model, split_batch, step_loss
 from lalr_lightning.core.pruning import (
@@ -251,10 +251,21 @@ class HTSRPruning(LayerwiseCallback):
             pl_module, layer_types=self.layer_types, head=self.head, min_numel=self.min_numel,
             min_evals=self.min_evals,
         )
-        small = {k: v for k, v in self.excluded.items() if "head" not in v}
+        if self.criterion != "magnitude" or self.m:  # row-wise criteria hook a Linear's own inputs
+            packed = [la.name for la in self.layers if inside_attention(la)]
+            self.excluded.update({n: f"a projection inside nn.MultiheadAttention, whose inputs criterion={self.criterion!r}"
+                                     + (f" (n={self.n}, m={self.m})" if self.m else "") + " cannot read: "
+                                     "criterion='magnitude' prunes it" for n in packed})
+            self.layers = [la for la in self.layers if la.name not in packed]
+            if not self.layers:
+                raise ValueError(f"HTSRPruning(criterion={self.criterion!r}) has no layer left to prune: "
+                                 f"{', '.join(packed)} are projections inside nn.MultiheadAttention, whose inputs it "
+                                 "cannot read; "
+                                 "use criterion='magnitude'")
+        small = {k: v for k, v in self.excluded.items() if not v.startswith("classifier head")}
         if small:
             rank_zero_warn(
-                "HTSRPruning leaves these layers dense (too small to prune): "
+                "HTSRPruning leaves these layers dense: "
                 + "; ".join(f"{k} ({v})" for k, v in small.items())
                 + ". Lower min_numel / min_evals to include them.",
                 category=UserWarning,
