@@ -509,10 +509,13 @@ def load_for_analysis(spec: str, *, pretrained: bool = False, weights_only: bool
             from transformers import AutoModel, AutoModelForCausalLM
         except ImportError as e:
             raise ImportError('analyzing a Hugging Face directory needs transformers: pip install "lalr_lightning[text]"') from e
+        from lalr_lightning.oneshot.checkpoint import _load_config
+
+        config = _load_config(path)  # a config.json that does not read: one line, as prune says it
         try:  # a causal LM keeps its lm_head; other architectures load as their base model
-            return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
+            return AutoModelForCausalLM.from_pretrained(str(path), config=config, local_files_only=True)
         except ValueError:
-            return AutoModel.from_pretrained(str(path), local_files_only=True)
+            return AutoModel.from_pretrained(str(path), config=config, local_files_only=True)
     if path.is_file():
         state = load_checkpoint_file(path, weights_only=weights_only, unsafe_hint=(
             "pass --unsafe-load to analyze (Python: load_for_analysis(..., weights_only=False))"))
@@ -641,6 +644,11 @@ def analyze_main(argv: list[str] | None = None) -> int:
         print(f"{p.prog}: error: --pruning takes a target sparsity in [0, 1) (--preset goes with it), got "
               f"{args.pruning}", file=sys.stderr)
         return 2
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():  # checked before the work, which would end in FileExistsError
+        print(f"{p.prog}: error: --out {out} is an existing file; --out names a directory (created if missing) for "
+              "spectral.csv and the plots: pass another path", file=sys.stderr)
+        return 2
     kw = dict(fit=args.fit, min_evals=args.min_evals, dtype=torch.float64 if args.float64 else torch.float32)
     try:
         if _streamed(args.model):  # every stored matrix, lm_head included, under the checkpoint's own names
@@ -656,10 +664,9 @@ def analyze_main(argv: list[str] | None = None) -> int:
             kinds = dict(zip(df["name"], df["kind"]))
             out_layer = output_layer(model)
             head = None if out_layer is None else out_layer.name
-    except (FileNotFoundError, ValueError, ImportError, RuntimeError) as e:  # ValueError includes CheckpointFileError
+    except (OSError, ValueError, ImportError, RuntimeError) as e:  # ValueError includes CheckpointFileError
         print(f"{p.prog}: error: {_first_line(e)}", file=sys.stderr)
         return 2
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     csv = out / "spectral.csv"
     df.to_csv(csv, index=False)

@@ -19,6 +19,7 @@ import html
 import io
 import json
 import math
+import re
 import struct
 import zlib
 from collections import defaultdict
@@ -47,6 +48,8 @@ class RunData:
     images: dict[str, list[tuple[int, str, bytes]]] = field(default_factory=lambda: defaultdict(list))
     tables: dict[str, list[tuple[int, list[str], list[list]]]] = field(default_factory=lambda: defaultdict(list))
     config: dict = field(default_factory=dict)
+    #: what the reader left out of damaged files, one line each (``report`` prints them as warnings)
+    notes: list[str] = field(default_factory=list)
 
 
 class ReportError(ValueError):
@@ -201,23 +204,46 @@ def _hparams(folder: Path) -> dict:
 
     path = folder / "hparams.yaml"
     try:
-        return dict(yaml.safe_load(path.read_text()) or {}) if path.exists() else {}
-    except yaml.YAMLError:  # objects Lightning dumped with Python tags: leave them out
+        return dict(yaml.safe_load(path.read_text(encoding="utf-8")) or {}) if path.exists() else {}
+    except (yaml.YAMLError, UnicodeDecodeError):  # objects Lightning dumped with Python tags, or damage: left out
         return {}
+
+
+def _csv_rows(path: Path, notes: list[str]) -> list[dict]:
+    """The rows of a CSVLogger ``metrics.csv``; a :class:`ReportError` naming the file when it is
+    not UTF-8 text or holds no row, and the last row left out (with a note) when the file was cut
+    inside it: a number cut short would be a plausible wrong value."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ReportError(f"{path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}): it is not "
+                          "the metrics.csv a CSVLogger writes, or it is damaged; pass the run's version directory, "
+                          "or rewrite the file as UTF-8") from None
+    header, _, _ = text.partition("\n")
+    if "\n" in text and not text.endswith("\n"):  # cut inside the last row
+        text, _, cut = text.rpartition("\n")
+        notes.append(f"{path}'s last row is cut short ({len(next(csv.reader([cut])))} of "
+                     f"{len(next(csv.reader([header])))} fields, no line end): left out; the file was truncated, "
+                     "or the run was still writing it")
+    rows = list(csv.DictReader(io.StringIO(text, newline="")))
+    if not rows:
+        what = "is empty" if not text.strip() else "holds a header and no row"
+        raise ReportError(f"{path} {what}: the run logged nothing (yet), or the file was cut short; run report once "
+                          "the fit has logged a step (its loggers' log_every_n_steps), or pass another run's directory")
+    return rows
 
 
 def _read_csv(folder: Path) -> RunData:
     run = RunData("csv", folder)
-    with open(folder / "metrics.csv", newline="") as f:
-        for row in csv.DictReader(f):
-            step = int(float(row.get("step") or 0))
-            for key, value in row.items():
-                if key in ("step",) or value in ("", None):
-                    continue
-                try:
-                    run.scalars[key].append((step, float(value)))
-                except ValueError:
-                    continue
+    for row in _csv_rows(folder / "metrics.csv", run.notes):
+        step = int(float(row.get("step") or 0))
+        for key, value in row.items():
+            if key in ("step",) or value in ("", None):
+                continue
+            try:
+                run.scalars[key].append((step, float(value)))
+            except ValueError:
+                continue
     run.config = _hparams(folder)
     return run
 
@@ -344,9 +370,11 @@ def callbacks_of(run: RunData) -> dict[str, tuple[str, type | None, dict]]:
     for key, settings in run.config.items():
         if not key.startswith("callbacks/") or not isinstance(settings, dict):
             continue
-        cls_name, _, name = key.split("/", 1)[1].partition("[")
+        rest = key.split("/", 1)[1]  # Class, Class[name] or Class{settings} (callbacks.keys)
+        cls_name = re.match(r"[^\[{]*", rest).group(0)
+        name = rest[len(cls_name) + 1:-1] if rest[len(cls_name):].startswith("[") else ""
         cls = getattr(callbacks, cls_name, None) if callbacks is not None else None
-        prefix = name.rstrip("]") or getattr(cls, "log_prefix", None)
+        prefix = name or getattr(cls, "log_prefix", None)
         if prefix:
             out[prefix] = (cls_name, cls if isinstance(cls, type) else None, settings)
     return out
@@ -470,10 +498,10 @@ def render_html(run: RunData) -> str:
     return "\n".join(parts)
 
 
-def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Read ``run_dir`` and write its report page to ``out`` (default: ``report.html`` in
-    ``run_dir``, beside the run's logs); returns ``out``."""
-    page = render_html(read_run(run_dir))
+def write_report(run_dir: str | Path, out: str | Path | None = None, *, run: RunData | None = None) -> Path:
+    """Read ``run_dir`` (unless ``run`` is what was read from it) and write its report page to ``out``
+    (default: ``report.html`` in ``run_dir``, beside the run's logs); returns ``out``."""
+    page = render_html(read_run(run_dir) if run is None else run)
     out = Path(run_dir) / "report.html" if out is None else Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page, encoding="utf-8")
@@ -490,9 +518,15 @@ def report_main(argv: list[str] | None = None, prog: str = "python -m lalr_light
     p.add_argument("--out", default=None, help="the page to write (default: report.html in RUN_DIR)")
     args = p.parse_args(argv)
     try:
-        out = write_report(args.run_dir, args.out)
+        run = read_run(args.run_dir)
+        out = write_report(args.run_dir, args.out, run=run)
     except (ReportError, OSError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    for note in run.notes:
+        print(f"{prog}: warning: {note}", file=sys.stderr)
+    if not methods(run):  # the page says so too; a script reading the exit code gets a line at least
+        print(f"{prog}: warning: {args.run_dir} holds no per-layer metrics of lalr_lightning callbacks "
+              f"({len(run.scalars)} other series): the page shows the run's settings only", file=sys.stderr)
     print(f"report -> {out.resolve()}")
     return 0

@@ -186,7 +186,7 @@ def test_csv_and_unknown_loggers_get_scalars_and_settings_and_never_fail_the_run
                  log_every_n_steps=1).fit(_model(), _loader())
     assert any("tempbalance/alpha/model.layer1.0.conv1" in m for m in other.metrics)
     hparams = yaml.safe_load((tmp_path / "csv" / "hparams.yaml").read_text())
-    assert hparams["callbacks/TempBalanceCallback"] == tb.settings()
+    assert hparams[f"callbacks/{tb.state_key}"] == tb.settings()  # TempBalanceCallback{'min_evals': 5}
     run = report.read_run(tmp_path / "csv")
     assert run.kind == "csv" and not run.images and not run.tables  # CSV keeps the scalars only
     page = report.render_html(run)

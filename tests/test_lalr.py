@@ -283,7 +283,7 @@ def test_phase_cycle_and_multipliers_survive_resume(tmp_path):
     full = fit(5)
     fit(2, dirpath=tmp_path)
     ckpt = tmp_path / "last.ckpt"
-    state = torch.load(ckpt, weights_only=True)["callbacks"]["LALRScheduleCallback"]  # plain containers
+    state = torch.load(ckpt, weights_only=True)["callbacks"][LALRScheduleCallback(groups="histogram").state_key]  # plain
     assert state["position"] == 2 and state["last_epoch"] == 1 and state["phase"] == "ce"
     resumed = fit(5, dirpath=tmp_path / "resumed", ckpt=str(ckpt))
     assert [h["phase"] for h in resumed.history] == [h["phase"] for h in full.history] == \

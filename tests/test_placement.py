@@ -79,7 +79,7 @@ def test_a_fit_whose_module_is_recast_after_the_decisions_uses_state_in_the_new_
     float64 (the distance to theta_0 matches one computed by hand)."""
     module = _Float64Ready(n=32, batch_size=8, seed=3)
     start = {n: p.detach().clone() for n, p in module.named_parameters()}
-    pruning = HTSRPruning(metric="alpha", target_sparsity=0.5, when="fit_start", min_evals=1, min_numel=1,
+    pruning = HTSRPruning(metric="alpha", target_sparsity=0.5, when="fit_start", min_evals=2, min_numel=1,
                           plot_every_n_epochs=None)
     proximal = ProximalRegularizer(lam=0.5, selective=False, every_n_epochs=None)
     ntk = NTKDiagnostics(probe_size=4, every_n_epochs=1)
@@ -108,7 +108,7 @@ def test_a_fit_whose_module_is_recast_after_the_decisions_uses_state_in_the_new_
     lambda: NTKSelect(probe_size=4, max_layers=2),
     lambda: ProximalRegularizer(lam=0.5, probe_size=4),
     lambda: HTSRPruning(criterion="wanda", target_sparsity=0.5, n_calibration=8, layer_types=("linear",), head=True,
-                        min_evals=1, min_numel=1),
+                        min_evals=2, min_numel=1),
 ], ids=["autorgn", "ntk", "ntkselect", "proximal", "wanda"])
 def test_callbacks_drawing_their_own_batches_convert_them_as_lightning_does_under_bf16_true(make):
     """Lightning converts each training batch to the precision's input dtype before

@@ -38,12 +38,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from lalr_lightning.callbacks import distributed
+from lalr_lightning.callbacks import distributed, keys
 from lalr_lightning.callbacks.distributed import SpawnHandoff
 from lalr_lightning.callbacks.host import Cadence, Host
 from lalr_lightning.callbacks.lightning_host import LightningHooks, check_strategy
 from lalr_lightning.callbacks.planning import Planner, _NoFit
 from lalr_lightning.core.model.layers import Layer
+from lalr_lightning.core.runtime.checks import check_arguments, lazy_error, lazy_parameters
 from lalr_lightning.core.runtime.control import LayerControl
 from lalr_lightning.core.runtime.decision import Decision
 from lalr_lightning.core.runtime.errors import DivergenceError, reject_stray
@@ -166,6 +167,9 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
     state_version: ClassVar[int] = 1
     #: at most this many history entries are kept (and checkpointed), the newest
     history_limit: ClassVar[int] = 1000
+    #: whether it works on parameters still lazy at setup (it reads no weight before training:
+    #: the parameters keep their identity when the first forward shapes them)
+    lazy_ok: ClassVar[bool] = False
     #: attributes a user reads after ``fit``; brought back to the main process after ddp_spawn
     readable: ClassVar[tuple[str, ...]] = ("scores", "measurements", "history")
 
@@ -191,7 +195,13 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
 
     @property
     def state_key(self) -> str:
-        # several instances of one callback keep separate state when given different names
+        # ``Type[name]``, else ``Type`` plus the settings that set this instance apart (callbacks.keys)
+        return keys.state_key(self)
+
+    @property
+    def _legacy_state_key(self) -> str:
+        # Lightning reads a checkpoint's state under this key when the state_key is not there: the
+        # key of every unnamed instance before keys held settings
         return f"{type(self).__name__}" + (f"[{self.name}]" if self.name else "")
 
     @property
@@ -367,6 +377,24 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         fit, before the model is wrapped: a function of the architecture and the settings only,
         so it is the same on every rank and after resume."""
 
+    def configure_checked(self, host: Host, module: nn.Module) -> None:
+        """:meth:`configure`, and where the model has lazy parameters (``nn.LazyLinear`` before its
+        first forward) that this callback's layers need, one line naming them and the fix instead
+        of torch's error from deep inside (a callback whose layers leave them out works)."""
+        lazy = lazy_parameters(module)
+        if not lazy:
+            return self.configure(host, module)
+        try:
+            self.configure(host, module)
+        except (ValueError, RuntimeError) as err:
+            raise lazy_error(type(self).__name__, lazy) from err
+        held = getattr(self, "_params", None)
+        used = {id(p) for la in self.layers for p in la.params.values()}
+        used |= {id(p) for p in held.values()} if isinstance(held, dict) else set()
+        mine = {n: t for n, t in lazy.items() if id(module.get_parameter(n)) in used}
+        if mine and not self.lazy_ok:
+            raise lazy_error(type(self).__name__, mine)
+
     # The method's steps on the timeline; each a no-op unless a method needs it. The owner calls
     # them at the right point for every host and strategy (docs/design.md, "The timeline").
 
@@ -426,10 +454,10 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
     def _begin(self, host: Host) -> None:
         self._wrapped = self._started = False
         self.early = None
-        self.configure(host, host.module)
+        self.configure_checked(host, host.module)
         # sizes while the weights are whole (before any FSDP wrap), to share work out evenly
         self._sizes = {la.name: la.weight.numel() for la in self.layers if la.module is not None
-                       and isinstance(getattr(la.module, "weight", None), torch.Tensor)}
+                       and isinstance(getattr(la.module, la.weight_name, None), torch.Tensor)}
         # FSDP2 puts new parameters in place of these: everything held follows them after the wrap
         self._names_before_wrap = distributed.parameter_names(host.module) if host.sharding == "fsdp2" else None
         self._whole_copy = distributed.WholeCopy(host.module, type(self).__name__) \
@@ -551,6 +579,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
                                      f"integer >= 1, got {plot_every_n_epochs!r}")
                 figures = self._alias(figures, plot_every_n_epochs, "plot_every_n_epochs", "figures", DEFAULT_FIGURES)
             figures = check_figures(figures)
+            args, kw = check_arguments(type(self).__name__, init, args, kw)  # a number given as a word fails here
             init(self, *args, **kw)
             self.figures = figures
 

@@ -258,6 +258,12 @@ class LightningHooks(Callback):
     def load_state_dict(self, state_dict: dict) -> None:
         self._restore(state_dict)
 
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        from lalr_lightning.callbacks import keys
+
+        keys.adopt(self, trainer, checkpoint)  # an entry written under an earlier key
+        keys.warn_orphaned_masks(trainer, checkpoint)  # pruning masks no callback of this fit enforces
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._train_start(self._host(trainer, pl_module))
 

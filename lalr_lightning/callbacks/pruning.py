@@ -20,8 +20,9 @@ from torch import nn
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
 from lalr_lightning.callbacks.distributed import shard_layout, sharded
 from lalr_lightning.callbacks.host import Host, warn
+from lalr_lightning.callbacks.planning import _NoFit
 from lalr_lightning.core.model.batch_loss import call_model, split_batch, step_loss
-from lalr_lightning.core.model.layers import DEFAULT_KINDS
+from lalr_lightning.core.model.layers import DEFAULT_KINDS, inside_attention
 from lalr_lightning.core.pruning.alphapruning import (
     DIRECTIONS,
     PRUNING_METRICS,
@@ -34,7 +35,7 @@ from lalr_lightning.core.pruning.alphapruning import (
 )
 from lalr_lightning.core.pruning.by_criterion import criterion_prune, load_weights, sample_count, take_samples
 from lalr_lightning.core.pruning.criteria import CRITERIA, needs_stats
-from lalr_lightning.core.pruning.settings import PRESETS, pruning_settings
+from lalr_lightning.core.pruning.settings import PRESETS, check_when, pruning_settings
 from lalr_lightning.core.runtime.shards import all_sum, layer_paths, layers_in, local_tensor
 from lalr_lightning.core.spectral import htsr
 
@@ -239,15 +240,28 @@ class HTSRPruning(LayerwiseCallback):
     # ------------------------------------------------------------------ when
 
     def configure(self, host: Host, module: nn.Module) -> None:
+        if not isinstance(host, _NoFit):  # plan(model) has no fit, hence no max_epochs
+            check_when(type(self).__name__, self.when, self.gradual_epochs, host.max_epochs)
         self._model = module
         self.layers, self.excluded = prunable_layers(
             module, layer_types=self.layer_types, head=self.head, min_numel=self.min_numel,
             min_evals=self.min_evals,
         )
-        small = {k: v for k, v in self.excluded.items() if "head" not in v}
+        if self.criterion != "magnitude" or self.m:  # row-wise criteria hook a Linear's own inputs
+            packed = [la.name for la in self.layers if inside_attention(la)]
+            self.excluded.update({n: f"a projection inside nn.MultiheadAttention, whose inputs criterion={self.criterion!r}"
+                                     + (f" (n={self.n}, m={self.m})" if self.m else "") + " cannot read: "
+                                     "criterion='magnitude' prunes it" for n in packed})
+            self.layers = [la for la in self.layers if la.name not in packed]
+            if not self.layers:
+                raise ValueError(f"HTSRPruning(criterion={self.criterion!r}) has no layer left to prune: "
+                                 f"{', '.join(packed)} are projections inside nn.MultiheadAttention, whose inputs it "
+                                 "cannot read; "
+                                 "use criterion='magnitude'")
+        small = {k: v for k, v in self.excluded.items() if not v.startswith("classifier head")}
         if small:
             warn(
-                "HTSRPruning leaves these layers dense (too small to prune): "
+                "HTSRPruning leaves these layers dense: "
                 + "; ".join(f"{k} ({v})" for k, v in small.items())
                 + ". Lower min_numel / min_evals to include them.",
                 category=UserWarning,
@@ -386,6 +400,7 @@ class HTSRPruning(LayerwiseCallback):
         """The metric of every pruned layer on the current weights (block-averaged if asked);
         None once the ratios are fixed (the first event decides them)."""
         if self.ratios:
+            self._check_weights(host, module)  # a later gradual event masks what diverged otherwise
             return None
         names = [layer.name for layer in self.layers]
         if self.epsilon == 0:  # uniform: the metric cannot change anything
@@ -410,6 +425,15 @@ class HTSRPruning(LayerwiseCallback):
         if self.block_average:
             values = block_average_values(values, block_groups(self._model, self.layers, self.blocks))
         return values
+
+    def _check_weights(self, host: Host, module: nn.Module) -> None:
+        """:class:`DivergenceError` when a pruned layer's weights hold NaN or Inf (under FSDP each rank
+        checks its share of the layers, whole, and an error on one is raised on all)."""
+        def check(layers):
+            self.check_finite(host, {layer.name: layer.weight for layer in layers}, "the weights")
+            return {}
+
+        self.measure_shards(host, module, [[layer] for layer in self.layers], check)
 
     def _ratio_array(self, metric: dict[str, float]) -> np.ndarray:
         """The ratio of every pruned layer (model order) from its metric."""

@@ -41,6 +41,7 @@ from lalr_lightning.core.model.forward_blocks import Trace, trace_modules
 from lalr_lightning.core.model.layers import Layer, block_layers, suggest_blocks
 from lalr_lightning.core.model.norm_modes import NORM_EVAL, norm_layers, set_norm_modes
 from lalr_lightning.core.model.probe import fixed_batch
+from lalr_lightning.core.model.tied import join_tied
 from lalr_lightning.core.runtime.control import LayerControl
 from lalr_lightning.core.runtime.handsync import HandSync
 
@@ -126,6 +127,9 @@ class LayerSelection(LayerwiseCallback):
         there are fewer than ``min_blocks`` to choose between."""
         trace = None if host is None else (lambda: forward_trace(host, module, getattr(self, "loss_fn", None)))
         self.block_list = block_layers(module, self.blocks, join_stem=self.join_stem, head=head, trace=trace)
+        self.block_list, tied = join_tied(module, self.block_list)  # a shared tensor: its holders are one unit
+        for note in tied:
+            say(f"{type(self).__name__}: {note}")
         if len(self.block_list) < min_blocks:
             raise ValueError(
                 f"{type(module).__name__} has a single block ({self.block_names}), so there is nothing to "

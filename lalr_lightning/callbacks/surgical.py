@@ -54,6 +54,7 @@ class SurgicalBlocks(LayerSelection):
     log_prefix = "surgical"
     title = "surgical"
     logs_lr = True
+    lazy_ok = True  # it freezes blocks by name and measures nothing: a lazy layer is shaped by the first step
 
     def __init__(
         self,

@@ -153,6 +153,12 @@ class ClassifierModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ forward and loss
 
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self._trainer is not None:  # resuming a fit: pruning masks without their callback are a warning
+            from lalr_lightning.callbacks.keys import warn_orphaned_masks
+
+            warn_orphaned_masks(self._trainer, checkpoint)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
 

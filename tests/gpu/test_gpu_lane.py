@@ -64,10 +64,10 @@ CALLBACKS = {
     "ntkselect": lambda model: NTKSelect(probe_size=4, max_layers=2),
     "autorgn": lambda model: AutoRGN(n_batches=2),
     "lmsa": lambda model: LMSAStepper(inner_steps=1),
-    "magnitude": lambda model: HTSRPruning(metric="alpha", target_sparsity=0.5, min_evals=1, min_numel=1),
-    "wanda": lambda model: HTSRPruning(criterion="wanda", target_sparsity=0.5, n_calibration=8, min_evals=1,
+    "magnitude": lambda model: HTSRPruning(metric="alpha", target_sparsity=0.5, min_evals=2, min_numel=1),
+    "wanda": lambda model: HTSRPruning(criterion="wanda", target_sparsity=0.5, n_calibration=8, min_evals=2,
                                        min_numel=1, **_calibration(model)),
-    "sparsegpt": lambda model: HTSRPruning(criterion="sparsegpt", target_sparsity=0.5, n_calibration=8, min_evals=1,
+    "sparsegpt": lambda model: HTSRPruning(criterion="sparsegpt", target_sparsity=0.5, n_calibration=8, min_evals=2,
                                            min_numel=1, **_calibration(model)),
 }
 
@@ -305,7 +305,7 @@ def _resume_fit(accelerator: str, ckpt_dir: Path, ckpt_path: str | None, save: b
 
     module = lm_module("llama", False, lr=0.05, samples=12, length=16, hidden=64, layers=4, seed=seed)
     cbs = [TempBalanceCallback(every_n_steps=2, min_evals=2), ProximalRegularizer(lam=0.5, every_n_epochs=None),
-           HTSRPruning(metric="alpha", target_sparsity=0.3, when="gradual", gradual_epochs=2, min_evals=1,
+           HTSRPruning(metric="alpha", target_sparsity=0.3, when="gradual", gradual_epochs=2, min_evals=2,
                        min_numel=1), BlockSchedule("lisa", gamma=1, every_n_steps=2, seed=3)]
     if save:
         cbs.append(ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_epochs=1))

@@ -210,9 +210,15 @@ def _check_groups(groups: Mapping[str, Sequence[str]], params: Mapping[str, Tens
 
 @contextlib.contextmanager
 def _eval_math(model: nn.Module) -> Iterator[None]:
-    """eval() mode (restored per module afterwards) and the math attention kernel."""
+    """eval() mode (restored per module afterwards) and the math attention kernel; PyTorch's own
+    transformer layers off their fused eval path (``_transformer_encoder_layer_fwd`` has no
+    forward-mode derivative, so ``jvp`` through an ``nn.TransformerEncoderLayer`` would fail)."""
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
+    mha = getattr(torch.backends, "mha", None)
+    fast = mha.get_fastpath_enabled() if mha is not None else None
+    if fast:
+        mha.set_fastpath_enabled(False)
     try:
         try:
             from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -223,6 +229,8 @@ def _eval_math(model: nn.Module) -> Iterator[None]:
         with ctx:
             yield
     finally:
+        if fast:
+            mha.set_fastpath_enabled(True)
         for m, t in modes:
             m.training = t
 

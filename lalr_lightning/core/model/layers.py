@@ -41,6 +41,9 @@ __all__ = [
     "params_of",
     "num_eigenvalues",
     "check_kinds",
+    "attention_layers",
+    "inside_attention",
+    "warn_left_out",
 ]
 
 #: The kinds of weight matrix HT-SR analyses (``Layer.kind`` of matrix layers).
@@ -115,12 +118,16 @@ class Layer:
     modules: list[nn.Module] = field(default_factory=list)
     index: int = 0
     role: str = "matrix"  # matrix | stem | block | head
+    #: the module's attribute holding the matrix: ``weight``, or for a projection packed into a
+    #: module that is not a Linear, its own name (``nn.MultiheadAttention``'s ``in_proj_weight``)
+    weight_name: str = "weight"
 
     @property
     def weight(self) -> torch.Tensor:
-        if self.module is None or not isinstance(getattr(self.module, "weight", None), torch.Tensor):
+        w = None if self.module is None else getattr(self.module, self.weight_name, None)
+        if not isinstance(w, torch.Tensor):
             raise AttributeError(f"layer {self.name!r} ({self.kind}) has no single weight matrix")
-        return self.module.weight
+        return w
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.params.values())
@@ -208,6 +215,11 @@ def matrix_layers(
             layers.append(layer)
             by_name[name] = layer
             names_in_order.append(name)
+        elif types is None and isinstance(mod, nn.MultiheadAttention):
+            for layer in attention_layers(name, mod, seen, include_frozen):
+                layers.append(layer)
+                by_name[layer.name] = layer
+                names_in_order.append(layer.name)
         elif isinstance(mod, _NORM_TYPES):
             norms.append((name, mod))
     if tie_norms:
@@ -223,7 +235,83 @@ def matrix_layers(
             layer.modules.append(mod)
     for i, layer in enumerate(layers):
         layer.index = i
+    if types is None and include_frozen:
+        warn_left_out(model, seen)
     return layers
+
+
+#: nn.MultiheadAttention's input projections: (the parameter holding the matrix, the layer's
+#: name suffix); packed (q, k and v stacked, ``in_proj_weight``) or separate (``kdim != embed_dim``)
+_ATTENTION = (("in_proj_weight", "in_proj"), ("q_proj_weight", "q_proj"), ("k_proj_weight", "k_proj"),
+              ("v_proj_weight", "v_proj"))
+
+
+def attention_layers(name: str, mod: nn.MultiheadAttention, seen: set[int], include_frozen: bool = True
+                     ) -> list[Layer]:
+    """The input projections of an ``nn.MultiheadAttention`` as matrix layers (kind ``linear``): its
+    packed ``in_proj_weight`` (the q, k and v projections stacked, ``(3 E, E)``: one layer, as one
+    parameter takes one learning rate and one mask), or its separate ``q/k/v_proj_weight``. The
+    input bias (and ``bias_k``/``bias_v``) go with the first. Its output projection is an
+    ``nn.Linear`` (``out_proj``), listed as every Linear. ``seen`` is updated."""
+    out: list[Layer] = []
+    for attr, suffix in _ATTENTION:
+        w = getattr(mod, attr, None)
+        if not isinstance(w, nn.Parameter) or id(w) in seen or (not include_frozen and not w.requires_grad):
+            continue
+        params = {f"{name}.{attr}" if name else attr: w}
+        seen.add(id(w))
+        if not out:  # the input bias and the extra key/value biases follow the first projection
+            for extra in ("in_proj_bias", "bias_k", "bias_v"):
+                b = getattr(mod, extra, None)
+                if isinstance(b, nn.Parameter) and id(b) not in seen:
+                    seen.add(id(b))
+                    params[f"{name}.{extra}" if name else extra] = b
+        out.append(Layer(name=f"{name}.{suffix}" if name else suffix, kind="linear", module=mod, params=params,
+                         modules=[mod], weight_name=attr))
+    return out
+
+
+def inside_attention(layer: Layer) -> bool:
+    """Whether ``nn.MultiheadAttention`` applies the layer's matrix itself (its input projections,
+    and its ``out_proj``, which it reads as a tensor without calling the Linear): no hook on the
+    layer's module sees its inputs."""
+    return layer.weight_name != "weight" or isinstance(layer.module, nn.modules.linear.NonDynamicallyQuantizableLinear)
+
+
+_WARNED: set[tuple] = set()
+
+
+def warn_left_out(model: nn.Module, seen: set[int]) -> list[str]:
+    """Warn, once per model type and set of parameters, about the weight matrices (parameters
+    with two or more dimensions) of ``model`` that no matrix layer holds -- a user's own
+    ``nn.Parameter(torch.randn(d, d))``, a ``ConvTranspose2d``, a ``Conv3d``, a position table --
+    with their share of the model's parameters: no callback measures, scales or prunes them.
+    Returns their names."""
+    total, left = 0, []
+    done: set[int] = set()
+    for raw, p in model.named_parameters():
+        if id(p) in done:
+            continue
+        done.add(id(p))
+        total += p.numel() if not isinstance(p, nn.parameter.UninitializedParameter) else 0
+        if id(p) not in seen and p.ndim >= 2 and not isinstance(p, nn.parameter.UninitializedParameter) \
+                and min(p.shape) > 1:
+            left.append((clean_name(raw), tuple(p.shape), p.numel()))
+    if not left:
+        return []
+    key = (type(model).__name__, tuple(n for n, _, _ in left))
+    if key not in _WARNED:
+        _WARNED.add(key)
+        import warnings
+
+        share = sum(k for _, _, k in left) / max(total, 1)
+        shown = ", ".join(f"{n} ({'x'.join(map(str, shape))})" for n, shape, _ in left[:6]) + (
+            f" and {len(left) - 6} more" if len(left) > 6 else "")
+        warnings.warn(f"{len(left)} weight matrices of {type(model).__name__} are in no layer the callbacks treat "
+                      f"(not a Linear, Conv1d/2d, Embedding, HF Conv1D or attention projection): {shown}, "
+                      f"{share:.1%} of its parameters; they keep the scheduled learning rate and are never measured "
+                      "or pruned. Wrap them in nn.Linear to include them", UserWarning, stacklevel=3)
+    return [n for n, _, _ in left]
 
 
 # --------------------------------------------------------------------------- block layers

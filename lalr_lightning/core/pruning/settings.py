@@ -9,10 +9,11 @@ from typing import Any
 from lalr_lightning.core.model.layers import check_kinds
 from lalr_lightning.core.pruning.alphapruning import DIRECTIONS, OVERFLOW, PRUNING_METRICS
 from lalr_lightning.core.pruning.criteria import CRITERIA, check_nm, needs_stats
+from lalr_lightning.core.runtime.checks import check_min_evals
 from lalr_lightning.core.runtime.errors import reject_stray
 from lalr_lightning.core.spectral import htsr
 
-__all__ = ["FITTED", "PRESETS", "pruning_settings"]
+__all__ = ["FITTED", "PRESETS", "check_when", "pruning_settings"]
 
 #: metrics that come from a power-law fit (``fit`` and ``filter_zeros`` apply to them)
 FITTED = ("alpha", "alpha_weighted", "log_alpha_norm")
@@ -73,6 +74,9 @@ def pruning_settings(
             raise ValueError("when='gradual' needs gradual_epochs >= 1 (the number of pruning epochs)")
     elif gradual_epochs is not None:
         raise ValueError(f"gradual_epochs only applies to when='gradual' (got when={when!r})")
+    if metric in FITTED and epsilon > 0 and min_evals < 2:  # the metric is measured, by a power-law fit
+        check_min_evals(who, min_evals, f"metric={metric!r} comes from a power-law fit of each layer's eigenvalues, "
+                                        "which needs at least two")
     if min_numel < 1 or min_evals < 1:
         raise ValueError("min_numel and min_evals must be >= 1")
     channel_step = 0.01 if channel_step is None else channel_step
@@ -175,3 +179,20 @@ def _check_calibration(n_calibration: int | None, blocksize: int | None, percdam
         raise ValueError(f"blocksize ({blocksize}) must be a multiple of m={m}")
     if percdamp is not None and not float(percdamp) >= 0:
         raise ValueError(f"percdamp must be >= 0 (SparseGPT's dampening, 0.01), got {percdamp}")
+
+
+def check_when(who: str, when: str | int, gradual_epochs: int | None, max_epochs: int | None) -> None:
+    """A one-line ValueError when the fit's ``max_epochs`` ends before the pruning does: an epoch
+    number ``when`` the fit never starts (it would never prune), or a gradual schedule longer than the
+    fit (it would stop short of the target). ``max_epochs`` None or negative (a fit bounded by steps
+    alone): nothing to check."""
+    if max_epochs is None or max_epochs < 0:
+        return
+    if isinstance(when, int) and not isinstance(when, bool) and when >= max_epochs:
+        raise ValueError(f"{who}(when={when}) prunes at the start of epoch {when}, but the fit runs epochs 0 to "
+                         f"{max_epochs - 1} (max_epochs={max_epochs}), so it would never prune; use when < "
+                         f"{max_epochs}, or raise max_epochs")
+    if when == "gradual" and gradual_epochs is not None and gradual_epochs > max_epochs:
+        raise ValueError(f"{who}(when='gradual', gradual_epochs={gradual_epochs}) reaches its target at the start of "
+                         f"epoch {gradual_epochs - 1}, but the fit has max_epochs={max_epochs}, so it would stop short "
+                         f"of the target; use gradual_epochs <= {max_epochs}, or raise max_epochs")

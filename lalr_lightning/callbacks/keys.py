@@ -1,0 +1,115 @@
+"""Which checkpoint entry is whose: the state keys of several instances of one callback, and
+what a resumed fit finds in a checkpoint that none of its callbacks takes.
+
+Lightning keeps each callback's state under its ``state_key`` and refuses two callbacks with one
+key. A named instance keys as ``Type[name]``; an unnamed one as ``Type`` plus, in Lightning's own
+style (``ModelCheckpoint{'monitor': ...}``), the settings in which it differs from the default
+instance: ``LayerLRMultiplier{'patterns': {'fc': 2.0}}``. So a default instance keeps the key it
+always had, and two instances with other settings coexist. Settings a resumed run may change
+(what is only logged, the volatile ones) are not part of the key.
+
+A checkpoint written before (under the bare ``Type``), or by the same callback with other
+settings under ``strict_resume=False``, still finds its instance: an instance whose key the
+checkpoint lacks takes the one entry of its type that no other callback of the fit claims
+(:func:`adopt`); the settings check then runs on it as before."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Any
+
+__all__ = ["adopt", "distinct_settings", "state_key", "warn_orphaned_masks"]
+
+#: settings of what is only logged (base._LOGGING_SETTINGS): never part of a key
+_LOGGED = ("figures",)
+_DEFAULTS: dict[type, dict | None] = {}
+
+
+def _default_settings(cls: type) -> dict | None:
+    """The settings of ``cls()`` (None when the class needs arguments), once per class."""
+    if cls not in _DEFAULTS:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _DEFAULTS[cls] = cls().settings()
+        except Exception:  # noqa: BLE001 -- a required argument: the signature's defaults stand in
+            _DEFAULTS[cls] = None
+    return _DEFAULTS[cls]
+
+
+def distinct_settings(cb: Any) -> dict:
+    """The settings of ``cb`` that differ from those of its class's default instance (or, for a
+    class with required arguments, from the signature's defaults), in signature order."""
+    from lalr_lightning.callbacks.base import _plain
+
+    skip = set(cb.volatile_settings) | set(_LOGGED)
+    ref = _default_settings(type(cb))
+    if ref is None:
+        ref = {a: _plain(p.default) for a, p in inspect.signature(type(cb).__init__).parameters.items()
+               if p.default is not inspect.Parameter.empty}
+    return {k: v for k, v in cb.settings().items() if k not in skip and (k not in ref or ref[k] != v)}
+
+
+def state_key(cb: Any) -> str:
+    """``Type[name]``, else ``Type`` with the settings that set ``cb`` apart (module docstring).
+    Kept on the instance once computed (a step's bookkeeping reads it)."""
+    adopted = cb.__dict__.get("_adopted_key")
+    if adopted is not None:
+        return adopted
+    memo = cb.__dict__.get("_key_memo")
+    if memo is not None and memo[0] == cb.name:
+        return memo[1]
+    base = type(cb).__name__
+    if cb.name:
+        key = f"{base}[{cb.name}]"
+    else:
+        diff = distinct_settings(cb)
+        key = base + (repr(diff) if diff else "")
+    cb.__dict__["_key_memo"] = (cb.name, key)
+    return key
+
+
+def _family(key: Any, cb: Any) -> bool:
+    base = type(cb).__name__
+    if cb.name:
+        return key == f"{base}[{cb.name}]"
+    return isinstance(key, str) and (key == base or key.startswith(base + "{"))
+
+
+def adopt(cb: Any, trainer: Any, checkpoint: dict) -> None:
+    """Before Lightning hands out the checkpoint's callback states: where the checkpoint has no
+    entry under ``cb``'s key, ``cb`` takes the one entry of its type that no callback of this fit
+    claims (a checkpoint of an earlier release, or settings changed under ``strict_resume=False``).
+    Two or more such entries: none is taken (Lightning warns that they are left over)."""
+    states = checkpoint.get("callbacks") or {}
+    if cb.state_key in states:
+        return
+    claimed = {c.state_key for c in trainer.callbacks}
+    free = [k for k in states if _family(k, cb) and k not in claimed]
+    if len(free) == 1:
+        cb.__dict__["_adopted_key"] = free[0]
+
+
+def warn_orphaned_masks(trainer: Any, checkpoint: dict) -> str | None:
+    """The warning (also returned) for a checkpoint holding HTSRPruning's masks that no callback
+    of this fit takes: the masks are then no longer enforced. Once per checkpoint."""
+    if checkpoint.get("_lalr_orphans_checked"):
+        return None
+    checkpoint["_lalr_orphans_checked"] = True
+    states = checkpoint.get("callbacks") or {}
+    claimed = {c.state_key for c in trainer.callbacks}
+    orphans = {k: len(v.get("masks") or {}) for k, v in states.items()
+               if isinstance(k, str) and k.split("{")[0].split("[")[0] == "HTSRPruning" and isinstance(v, dict)
+               and v.get("masks") and k not in claimed}
+    if not orphans:
+        return None
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    shown = ", ".join(f"{k} ({n} masked parameters)" for k, n in orphans.items())
+    msg = (f"the checkpoint holds HTSRPruning masks ({shown}) that no callback of this fit takes: the pruned weights "
+           "are zero now, but the masks are no longer enforced and training revives them; add the HTSRPruning "
+           "callback with the settings of the run that pruned to keep them (make_permanent=True there drops them "
+           "on purpose)")
+    rank_zero_warn(msg, category=UserWarning)
+    return msg

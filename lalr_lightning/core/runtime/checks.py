@@ -1,0 +1,138 @@
+"""Checks of what a user hands the package, each ending in one line that names the cause and the
+fix: constructor arguments against their annotations, models with lazy (not yet shaped)
+parameters, and matrices no layer listing covers. Pure Python and torch (no lightning)."""
+
+from __future__ import annotations
+
+import numbers
+import types
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["check_arguments", "coerce", "lazy_parameters", "lazy_error", "check_min_evals"]
+
+_NUMBERS = {int: "an integer", float: "a number"}
+
+
+def _number(value: Any, kind: type) -> Any:
+    """``value`` as ``kind`` (int or float), or ``None`` when it is not one. Text is read the
+    way a command line gives numbers (``"5"``, ``"0.5"``), as ``check_figures`` does."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            return int(text) if kind is int else float(text)
+        except ValueError:
+            return None
+    if kind is int:
+        return int(value) if isinstance(value, numbers.Integral) else None
+    return value if isinstance(value, numbers.Real) else None
+
+
+def _plain(hint: Any) -> tuple[type | None, bool]:
+    """(int or float, None allowed) for ``int``, ``float``, ``int | None`` and ``float | None``;
+    ``(None, False)`` for any other annotation (not checked here)."""
+    if hint in _NUMBERS:
+        return hint, False
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1 and args[0] in _NUMBERS and len(typing.get_args(hint)) == 2:
+            return args[0], True
+    return None, False
+
+
+def coerce(who: str, arg: str, value: Any, hint: Any) -> Any:
+    """``value`` checked against the annotation ``hint`` (numbers, optional numbers, and
+    ``Mapping[str, float]``), numeric text converted; a one-line ``TypeError`` naming the argument
+    and the type it takes otherwise. Other annotations pass ``value`` through."""
+    kind, optional = _plain(hint)
+    if kind is not None:
+        if value is None and optional:
+            return None
+        got = _number(value, kind)
+        if got is None:
+            raise TypeError(f"{who}: {arg} must be {_NUMBERS[kind]}{' or None' if optional else ''}, "
+                            f"got {value!r} ({type(value).__name__})")
+        return got
+    # Mapping[str, float] (| None): the factors of LayerLRMultiplier
+    inner = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_origin(hint) in (
+        typing.Union, types.UnionType) else [hint]
+    if len(inner) == 1 and typing.get_origin(inner[0]) is Mapping and typing.get_args(inner[0])[1:] == (float,):
+        if value is None or not isinstance(value, Mapping):
+            return value  # the constructor's own check says what it wants
+        out = {}
+        for k, v in value.items():
+            got = _number(v, float)
+            if got is None:
+                raise TypeError(f"{who}: {arg} maps names to numbers; {arg}[{k!r}] is {v!r} "
+                                f"({type(v).__name__})")
+            out[k] = got
+        return out
+    return value
+
+
+def check_arguments(who: str, init: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of a call of ``init`` (a constructor taking ``self`` first) with every
+    argument annotated as a number (or a mapping to numbers) checked and converted by
+    :func:`coerce`: a string where a number is due fails here, naming the argument, not as a
+    comparison deep in the constructor."""
+    try:
+        hints = typing.get_type_hints(init)
+    except Exception:  # noqa: BLE001 -- an annotation that does not resolve: nothing is checked
+        return args, kwargs
+    import inspect
+
+    sig = inspect.signature(init)
+    try:
+        bound = sig.bind_partial(None, *args, **kwargs)
+    except TypeError:
+        return args, kwargs  # the call itself is wrong: Python's own error says how
+    for arg, value in list(bound.arguments.items()):
+        if arg in hints and sig.parameters[arg].kind not in (inspect.Parameter.VAR_POSITIONAL,
+                                                              inspect.Parameter.VAR_KEYWORD):
+            bound.arguments[arg] = coerce(who, arg, value, hints[arg])
+    return bound.args[1:], bound.kwargs
+
+
+def check_min_evals(who: str, min_evals: int, why: str = "a power-law fit needs at least two eigenvalues") -> int:
+    """``min_evals`` when >= 2, else a one-line ValueError: the ESD of a matrix with one
+    eigenvalue has no shape to fit."""
+    if isinstance(min_evals, bool) or not isinstance(min_evals, numbers.Integral) or min_evals < 2:
+        raise ValueError(f"{who}: min_evals must be an integer >= 2, got {min_evals!r}: {why} "
+                         "(a layer with fewer is left out)")
+    return int(min_evals)
+
+
+# --------------------------------------------------------------------------- lazy modules
+
+
+def lazy_parameters(model: nn.Module) -> dict[str, str]:
+    """``{parameter name: module type}`` of every parameter not yet materialized
+    (``nn.LazyLinear`` and the other lazy modules before their first forward)."""
+    out = {}
+    for mname, mod in model.named_modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            if isinstance(p, nn.parameter.UninitializedParameter):
+                out[f"{mname}.{pname}" if mname else pname] = type(mod).__name__
+    return out
+
+
+def lazy_error(who: str, lazy: Mapping[str, str]) -> ValueError:
+    """The one-line error for a callback that needs the shapes of ``lazy`` parameters."""
+    names = list(lazy)
+    shown = ", ".join(f"{n} ({lazy[n]})" for n in names[:3]) + (", ..." if len(names) > 3 else "")
+    return ValueError(
+        f"{who}: {shown} {'is' if len(names) == 1 else 'are'} not initialized yet (a lazy module gets its shape at "
+        "its first forward, after the callback must choose its layers); run one forward pass on an example "
+        "batch before fit (model(x[:1])), or build the layer with its sizes (nn.Linear(in_features, out_features))"
+    )
+
+
+def uninitialized(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """The names of ``tensors`` that are lazy parameters not yet materialized."""
+    return [n for n, t in tensors.items() if isinstance(t, nn.parameter.UninitializedParameter)]
