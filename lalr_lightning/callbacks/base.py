@@ -377,17 +377,25 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         fit, before the model is wrapped: a function of the architecture and the settings only,
         so it is the same on every rank and after resume."""
 
+    def lazy_guarded(self, module: nn.Module, fn: Callable[[], Any]) -> dict:
+        """Run ``fn``; where the model has lazy parameters and ``fn`` fails, one line naming them and
+        the fix (:func:`~lalr_lightning.core.runtime.checks.lazy_error`). Returns the lazy parameters."""
+        lazy = lazy_parameters(module)
+        try:
+            fn()
+        except (ValueError, RuntimeError) as err:
+            if lazy:
+                raise lazy_error(type(self).__name__, lazy) from err
+            raise
+        return lazy
+
     def configure_checked(self, host: Host, module: nn.Module) -> None:
         """:meth:`configure`, and where the model has lazy parameters (``nn.LazyLinear`` before its
         first forward) that this callback's layers need, one line naming them and the fix instead
         of torch's error from deep inside (a callback whose layers leave them out works)."""
-        lazy = lazy_parameters(module)
+        lazy = self.lazy_guarded(module, lambda: self.configure(host, module))
         if not lazy:
-            return self.configure(host, module)
-        try:
-            self.configure(host, module)
-        except (ValueError, RuntimeError) as err:
-            raise lazy_error(type(self).__name__, lazy) from err
+            return
         held = getattr(self, "_params", None)
         used = {id(p) for la in self.layers for p in la.params.values()}
         used |= {id(p) for p in held.values()} if isinstance(held, dict) else set()
@@ -462,7 +470,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         self._names_before_wrap = distributed.parameter_names(host.module) if host.sharding == "fsdp2" else None
         self._whole_copy = distributed.WholeCopy(host.module, type(self).__name__) \
             if self.needs_whole_model and host.sharded else None
-        self.prepare(host)
+        self.lazy_guarded(host.module, lambda: self.prepare(host))  # a static selection freezes here
         host.publish(self, "start")  # settings into the run config, W&B's step axis
 
     def _wrapped_now(self, host: Host, final: bool) -> None:
