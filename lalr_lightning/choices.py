@@ -10,3 +10,5 @@ PRUNING_METRICS = ("alpha", "alpha_weighted", "log_alpha_norm", "stable_rank", "
 DTYPES = ("float32", "float16", "bfloat16")
 #: the per-layer ratio recipes of ``prune --preset`` and ``HTSRPruning(preset=...)``
 PRESETS = ("alphapruning", "owl")
+#: the zero-shot tasks of the Wanda, SparseGPT and AlphaPruning papers (lm-evaluation-harness names)
+PAPER_TASKS = ("boolq", "rte", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")

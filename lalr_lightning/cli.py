@@ -585,9 +585,9 @@ def _usage() -> str:
     """The top-level help: every command with one line (``python -m lalr_lightning --help``)."""
     prog = _prog()
     width = max(map(len, COMMANDS))
-    lines = [f"usage: {prog} COMMAND [ARGS]  ({prog} COMMAND --help for each)", "",
-             "Layer-wise fine-tuning callbacks for PyTorch Lightning, and one-shot pruning of language models.", "",
-             "commands:"]
+    lines = [f"usage: {prog} COMMAND [ARGS]", "",
+             "Layer-wise fine-tuning callbacks for PyTorch Lightning, and one-shot pruning of language models.",
+             f"Commands: {', '.join(COMMANDS)} ({prog} COMMAND --help for each).", ""]
     lines += [f"  {name:<{width}}  {what}" for name, what in COMMANDS.items()]
     lines += ["", "Errors are one line; --traceback (or LALR_TRACEBACK=1) shows the traceback.",
               f"Start here: {prog} fit --config quickstart"]
