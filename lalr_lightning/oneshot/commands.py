@@ -301,9 +301,11 @@ def zeroshot_main(argv: Sequence[str] | None = None, prog: str = "python -m lalr
 
 def _zeroshot_run(args, names: list[str]) -> dict[str, dict]:
     from lalr_lightning.oneshot.checkpoint import _load_config, _load_tokenizer, _resolve_device
-    from lalr_lightning.oneshot.zeroshot import _bar, harness_tasks, read_task, zeroshot
+    from lalr_lightning.oneshot.zeroshot import _bar, check_datasets, harness_tasks, read_task, zeroshot
 
     files = {Path(f).stem: read_task(f) for f in args.task}  # every file checked before the model loads
+    if names:
+        check_datasets(names, args.data_dir)
     model_dir = Path(args.model)
     config = _load_config(model_dir)
     dev = _resolve_device(args.device)

@@ -212,9 +212,34 @@ def _local_override(name: str, data_dir: Path | None) -> dict | str:
     if data_dir is None or not (data_dir / f"{name}.jsonl").is_file():
         return name
     cfg = _task_config(name)
-    split = cfg.get("test_split") or cfg.get("validation_split") or "test"
-    return {"task": name, "dataset_path": "json", "dataset_name": None,
+    key = "test_split" if cfg.get("test_split") else "validation_split"
+    split = cfg.get(key) or "test"
+    return {**cfg, "task": name, "dataset_path": "json", "dataset_name": None, key: split, "training_split": None,
+            "fewshot_split": None,
             "dataset_kwargs": {"data_files": {split: str(data_dir / f"{name}.jsonl")}}}
+
+
+def check_datasets(tasks: Sequence[str], data_dir: str | os.PathLike | None = None) -> None:
+    """Offline (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``), refuse before anything loads a task whose
+    dataset is neither ``data_dir/<task>.jsonl`` nor in the Hugging Face cache (:class:`MissingDataset`);
+    an unknown task name is a ``ValueError`` naming the closest."""
+    import difflib
+
+    folder = Path(data_dir) if data_dir is not None else None
+    for name in tasks:
+        cfg = _task_config(name)
+        if not cfg:
+            close = difflib.get_close_matches(name, list(_MANAGER.task_index), n=1)
+            raise ValueError(f"unknown lm-evaluation-harness task {name!r}" + (f"; did you mean {close[0]}?" if close
+                                                                                else ""))
+        if not _offline() or (folder is not None and (folder / f"{name}.jsonl").is_file()):
+            continue
+        try:
+            import datasets
+
+            datasets.load_dataset_builder(cfg.get("dataset_path"), cfg.get("dataset_name"))
+        except Exception:  # noqa: BLE001 -- offline and not cached: datasets raises one of many types
+            raise MissingDataset(_missing_line(name, folder)) from None
 
 
 def harness_tasks(model: nn.Module, tokenizer, tasks: Sequence[str], batch_size: int = 16,
@@ -229,6 +254,10 @@ def harness_tasks(model: nn.Module, tokenizer, tasks: Sequence[str], batch_size:
     except ImportError:
         raise ImportError('--tasks runs lm-evaluation-harness: pip install "lm-eval>=0.4.5" (or use --task FILE.jsonl)'
                           ) from None
+    import logging
+
+    for logger in ("lm-eval", "lm_eval"):  # its per-task notes would drown the table
+        logging.getLogger(logger).setLevel(logging.ERROR)
     folder = Path(data_dir) if data_dir is not None else None
     results = {}
     for name in tasks:
