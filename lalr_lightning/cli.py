@@ -594,6 +594,16 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def _hide_torchvision() -> None:
+    """Keep torchvision out of a one-shot command's process. Transformers 5 imports it (for its image
+    utilities) as soon as a config is read, whenever it is installed; a causal LM never uses it. A
+    ``None`` entry in ``sys.modules`` makes ``importlib.util.find_spec`` report it missing, so
+    transformers takes its no-torchvision path. Only on the command line (``main()`` without
+    ``argv``): a Python process that called ``main([...])`` keeps its imports as they are."""
+    if "torchvision" not in sys.modules and os.environ.get("LALR_KEEP_TORCHVISION", "") in ("", "0"):
+        sys.modules["torchvision"] = None  # type: ignore[assignment]
+
+
 def _lightning_main(args: list[str], given: bool) -> None:
     from lalr_lightning.data._common import DownloadError
     from lalr_lightning.lightning_cli import LalrCLI
@@ -636,6 +646,9 @@ def main(argv: list[str] | None = None) -> None:
         print(_usage())
         raise SystemExit(0 if args else 2)
     command, rest, prog = args[0], args[1:], f"{_prog()} {args[0]}"
+    if argv is None and (command in ("prune", "perplexity", "zeroshot") or command == "analyze" and rest
+                         and _streamed(rest[0])):  # timm names and torch files may need torchvision
+        _hide_torchvision()
     if command == "analyze":
         raise SystemExit(analyze_main(rest))
     if command in ("prune", "perplexity", "zeroshot"):
