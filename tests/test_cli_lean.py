@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "lightning", "lightning.pytorch", "pytorch_lightning", "torchvision")
 
 # runs ``python -m lalr_lightning ARGS`` in this process, then reports what it imported
-_PROBE = """
+_PROBE = f"""
 import json, runpy, sys
 sys.argv = ["lalr_lightning", *json.loads(sys.argv[1])]
 code = 0
@@ -28,8 +28,8 @@ try:
     runpy.run_module("lalr_lightning", run_name="__main__", alter_sys=True)
 except SystemExit as e:
     code = e.code
-print("PROBE " + json.dumps({"code": code, "loaded": [m for m in %r if sys.modules.get(m) is not None]}))
-""" % (HEAVY,)
+print("PROBE " + json.dumps({{"code": code, "loaded": [m for m in {HEAVY!r} if sys.modules.get(m) is not None]}}))
+"""
 
 
 def _probe(args: list[str], cwd: Path | None = None) -> tuple[int, list[str], str]:
