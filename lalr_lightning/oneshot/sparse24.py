@@ -11,7 +11,7 @@ kernel (CUTLASS, or cuSPARSELt where torch has it) without another dependency.
 
 On a CPU, or a GPU below 8.0, :func:`semi_structured_unsupported` says so in one line and nothing
 is converted. Outputs equal the dense-with-zeros model's within float tolerance
-(``tests/gpu/test_sparse24.py``); ``benchmarks/sparse24.py`` measures the speed.
+(``tests/gpu/test_gpu_sparse24.py``); ``benchmarks/sparse24.py`` measures the speed.
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ def semi_structured_unsupported(device: torch.device | str) -> str | None:
     """Why 2:4 semi-structured tensors cannot run on ``device`` (one line), or None when they can."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
+        here = "no CUDA device is available" if device.type == "cuda" else f"this is the {device.type.upper()}"
         return ("2:4 semi-structured sparse tensors run on the sparse tensor cores of a CUDA GPU of compute "
-                f"capability 8.0 or higher; this is {'a CPU' if device.type == 'cpu' else device.type}: the 2:4 "
-                "model runs dense (weights with zeros), at the dense model's speed")
+                f"capability 8.0 or higher; {here}: the 2:4 model runs dense (weights with zeros), at the dense "
+                "model's speed")
     major, minor = torch.cuda.get_device_capability(device)
     if major < 8:
         return (f"2:4 semi-structured sparse tensors need a GPU of compute capability 8.0 or higher; "
