@@ -1,50 +1,42 @@
 """Layer-wise fine-tuning callbacks for PyTorch Lightning.
 
-model -> layers (core.model.layers) -> measurements (core.spectral.htsr, ...) -> per-layer decisions
-(one callback per method) -> control (core.runtime.control: LR multipliers and freezing that compose).
+model -> layers (core.layers) -> measurements (core.spectral, ...) -> per-layer decisions
+(one callback per method) -> control (core.control: LR multipliers and freezing that compose).
+
+The names below are imported on first use (PEP 562), so ``import lalr_lightning`` -- and the one-shot
+commands, ``python -m lalr_lightning prune`` / ``perplexity`` / ``zeroshot`` / ``analyze`` -- load
+neither Lightning nor torchvision unless a callback is asked for.
 """
 
-from lalr_lightning.callbacks import (
-    AutoRGN,
-    BlockSchedule,
-    HTSRPruning,
-    LALRScheduleCallback,
-    LayerLRMultiplier,
-    LMSAStepper,
-    NTKDiagnostics,
-    NTKSelect,
-    ProximalRegularizer,
-    SurgicalBlocks,
-    SurgicalLayerSelect,
-    TempBalanceCallback,
-)
-from lalr_lightning.core.model.layers import Layer, block_layers, find_layers, matrix_layers
-from lalr_lightning.core.runtime.control import LayerControl
-from lalr_lightning.core.runtime.errors import DivergenceError
-from lalr_lightning.core.spectral.htsr import analyze
-from lalr_lightning.core.spectral.lalr_metrics import lalr_metrics
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AutoRGN",
-    "BlockSchedule",
-    "DivergenceError",
-    "HTSRPruning",
-    "LALRScheduleCallback",
-    "LMSAStepper",
-    "Layer",
-    "LayerControl",
-    "LayerLRMultiplier",
-    "NTKDiagnostics",
-    "NTKSelect",
-    "ProximalRegularizer",
-    "SurgicalBlocks",
-    "SurgicalLayerSelect",
-    "TempBalanceCallback",
-    "analyze",
-    "block_layers",
-    "find_layers",
-    "lalr_metrics",
-    "matrix_layers",
-]
+#: public name -> the module that defines it
+_WHERE = {
+    **dict.fromkeys(
+        ("AutoRGN", "BlockSchedule", "HTSRPruning", "LALRScheduleCallback", "LayerLRMultiplier", "LMSAStepper",
+         "NTKDiagnostics", "NTKSelect", "ProximalRegularizer", "SurgicalBlocks", "SurgicalLayerSelect",
+         "TempBalanceCallback"), "lalr_lightning.callbacks"),
+    "LayerControl": "lalr_lightning.core.runtime.control",
+    "DivergenceError": "lalr_lightning.core.runtime.errors",
+    "lalr_metrics": "lalr_lightning.core.spectral.lalr_metrics",
+    **dict.fromkeys(("Layer", "block_layers", "find_layers", "matrix_layers"), "lalr_lightning.core.model.layers"),
+    "analyze": "lalr_lightning.core.spectral.htsr",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'lalr_lightning' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value  # once: later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

@@ -22,25 +22,36 @@ import re
 import socket
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import lightning.pytorch as pl
-import torch
 import yaml
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from torch import nn
 
-from lalr_lightning.data._common import DownloadError
-from lalr_lightning.models.base import CheckpointFileError, check_checkpoint_file, load_checkpoint_file
+if TYPE_CHECKING:  # imported on first use (module __getattr__): they load Lightning
+    import torch
+    from torch import nn
 
-__all__ = ["ConfigError", "LalrCLI", "SaveRunConfig", "analyze_main", "config_dirs", "load_for_analysis", "main",
+    from lalr_lightning.lightning_cli import LalrCLI, SaveRunConfig, run_dir  # noqa: F401
+
+__all__ = ["COMMANDS", "ConfigError", "LalrCLI", "SaveRunConfig", "analyze_main", "config_dirs", "load_for_analysis", "main",
            "packaged_configs", "resolve_config", "run_dir"]
 
 
+#: every command with its one line, as ``--help`` lists them
+COMMANDS = {
+    "fit": "train from a config (LightningCLI): fit --config quickstart",
+    "validate": "validate a model from a config and a checkpoint (LightningCLI)",
+    "test": "test a model from a config and a checkpoint (LightningCLI)",
+    "predict": "predict with a model from a config and a checkpoint (LightningCLI)",
+    "analyze": "per-layer HT-SR spectral report (alpha, ESD plots) of a model, checkpoint or HF directory",
+    "prune": "prune a Hugging Face causal LM one shot (Wanda, SparseGPT, magnitude; uniform, OWL or AlphaPruning "
+             "ratios; N:M)",
+    "perplexity": "perplexity of a Hugging Face causal LM on a text file (non-overlapping windows)",
+    "zeroshot": "zero-shot accuracy (acc, acc_norm) of a causal LM on multiple-choice tasks, as lm-evaluation-harness",
+    "report": "one HTML page of a run's per-layer decisions",
+    "configs": "list the shipped configs, or print one (configs NAME)",
+}
 #: the commands ``main`` runs itself, next to LightningCLI's fit / validate / test / predict
-_EXTRA_COMMANDS = ("analyze", "prune", "perplexity", "report", "configs")
-#: every command, as the top-level help lists them
-COMMANDS = ("fit", "validate", "test", "predict", *_EXTRA_COMMANDS)
+_EXTRA_COMMANDS = tuple(COMMANDS)[4:]
 
 
 class ConfigError(ValueError):
@@ -135,45 +146,6 @@ def configs_main(argv: list[str] | None = None) -> int:
     where = sorted({str(path.parent) for path in found.values()})
     print(f"\n{len(found)} configs in {', '.join(where)}; run one with: {_prog()} fit --config NAME")
     return 0
-
-
-def run_dir(trainer: pl.Trainer) -> str:
-    """The directory of this run: the logger's version directory, where Lightning also puts the
-    run's ``checkpoints/`` (``save_dir/name/version``; for W&B the version is the run id)."""
-    if not trainer.loggers:
-        return trainer.default_root_dir
-    logger = trainer.loggers[0]
-    if isinstance(logger, (CSVLogger, TensorBoardLogger)):
-        return logger.log_dir
-    version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
-    return os.path.join(logger.save_dir or trainer.default_root_dir, str(logger.name), version)
-
-
-class SaveRunConfig(SaveConfigCallback):
-    """Saves the parsed config as ``config.yaml`` in the run's own directory (:func:`run_dir`) and,
-    with a ``WandbLogger``, into the W&B run config under ``cli`` (``cli.trainer.callbacks`` ...).
-
-    Lightning's default writes to ``trainer.log_dir``, which for W&B (and any logger without a
-    version directory) is the ``save_dir`` every run shares: each run overwrote the previous
-    run's config, and the settings never reached W&B.
-    """
-
-    def __init__(self, parser, config, config_filename: str = "config.yaml", overwrite: bool = False,
-                 multifile: bool = False, save_to_log_dir: bool = True) -> None:
-        # the file is written by save_config below, into the run's directory
-        super().__init__(parser, config, config_filename, overwrite, multifile, save_to_log_dir=False)
-
-    def save_config(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        out = run_dir(trainer)  # rank zero only (Lightning calls save_config there)
-        os.makedirs(out, exist_ok=True)
-        self.parser.save(self.config, os.path.join(out, self.config_filename), skip_none=False,
-                         overwrite=self.overwrite, multifile=self.multifile)
-        wandb_loggers = [lg for lg in trainer.loggers if type(lg).__name__ == "WandbLogger"]
-        if wandb_loggers:
-            settings = yaml.safe_load(self.parser.dump(self.config, skip_none=False))
-            settings.pop("config", None)  # the paths of the YAML files given, not settings
-            for lg in wandb_loggers:  # under one key: Lightning adds the module's hparams beside it
-                lg.experiment.config.update({"cli": settings}, allow_val_change=True)
 
 
 # ----------------------------------------------------------------------------- parser errors
@@ -293,125 +265,6 @@ def parse_error_line(message: str, parser) -> str:
     return " ".join([first] + _clean(lines[1:]))
 
 
-class _Parser(LightningArgumentParser):
-    """LightningCLI's parser, whose errors are one line (with ``--traceback``: jsonargparse's usage
-    and full message, then the one line)."""
-
-    def error(self, message: str, ex: Exception | None = None):
-        if not self.exit_on_error:
-            return super().error(message, ex)
-        parser = getattr(ex, "subcommand_parser", None) or self
-        line = parse_error_line(message, parser)
-        if _show_traceback():
-            try:
-                super().error(message, ex)
-            finally:
-                sys.stderr.write(f"{_prog()}: error: {line}\n")
-        sys.stderr.write(f"{_prog()}: error: {line}\n")
-        self.exit(2)
-
-
-class LalrCLI(LightningCLI):
-    """LightningCLI over any LightningModule and LightningDataModule (``class_path`` in YAML).
-
-    The datamodule knows its number of classes; the model takes it from there, so a config
-    names the dataset once. After ``fit`` it prints where the logs and checkpoints went.
-    """
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("subclass_mode_model", True)
-        kwargs.setdefault("subclass_mode_data", True)
-        kwargs.setdefault("save_config_callback", SaveRunConfig)
-        # each run has its own directory, so overwriting only ever replaces the run's own file
-        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
-        kwargs.setdefault("parser_class", _Parser)
-        prog = _prog()
-        parser_kwargs = dict(kwargs.pop("parser_kwargs", None) or {})
-        parser_kwargs.setdefault("prog", prog)
-        parser_kwargs.setdefault("description", (
-            f"Commands: {', '.join(COMMANDS)} ({prog} COMMAND --help for each). "
-            f"Train, validate, test or predict from a config: {prog} fit --config configs/quickstart.yaml "
-            f"(or a shipped config by name: --config quickstart; {prog} configs lists them). "
-            f"Per-layer spectral report (HT-SR alpha, ESD plots) of a model or checkpoint: {prog} analyze MODEL "
-            f"(see {prog} analyze --help). "
-            f"Prune a Hugging Face causal LM one shot (Wanda, SparseGPT, magnitude; AlphaPruning's ratios): "
-            f"{prog} prune MODEL_DIR --out OUT_DIR; its perplexity on a text: {prog} perplexity MODEL_DIR --data FILE. "
-            f"HTML page of a run's per-layer decisions: {prog} report RUN_DIR. "
-            "Errors are one line; --traceback (or LALR_TRACEBACK=1) shows the traceback."
-        ))
-        kwargs["parser_kwargs"] = parser_kwargs
-        super().__init__(pl.LightningModule, pl.LightningDataModule, *args, **kwargs)
-
-    def add_arguments_to_parser(self, parser) -> None:
-        parser.link_arguments("data.num_classes", "model.init_args.num_classes", apply_on="instantiate")
-
-    def _subconfig(self):
-        sub = self.config.get("subcommand")
-        return self.config[sub] if sub else self.config
-
-    def parse_arguments(self, parser, args) -> None:
-        if args is None:  # the command line; parsed here so LightningCLI does not warn about args
-            self.config = parser.parse_args(_resolve_config_args(sys.argv[1:]))
-        else:
-            super().parse_arguments(parser, _resolve_config_args(args) if isinstance(args, list) else args)
-        # Lightning reads --ckpt_path right after parsing (its hyper-parameters) and again in
-        # fit; check the file first so a broken one is named in one line.
-        ckpt = self._subconfig().get("ckpt_path")
-        if ckpt and str(ckpt) not in ("last", "best", "hpc") and not str(ckpt).startswith("registry") \
-                and "://" not in str(ckpt):
-            try:
-                load_checkpoint_file(ckpt, mmap=True, unsafe_hint=(
-                    "resume from Python instead: Trainer.fit(model, datamodule, ckpt_path=..., weights_only=False) "
-                    "(the CLI reads checkpoints with weights_only=True)"))
-            except FileNotFoundError:
-                raise ConfigError(f"--ckpt_path {ckpt}: no such file") from None
-            except CheckpointFileError as e:
-                raise ConfigError(f"--ckpt_path: {e}") from None
-
-    def before_instantiate_classes(self) -> None:
-        cfg = self._subconfig()
-        ckpt = cfg.get("model.init_args.checkpoint")
-        if not ckpt:
-            return
-        try:
-            check_checkpoint_file(ckpt)
-        except FileNotFoundError:
-            raise ConfigError(_missing_checkpoint_message(str(ckpt), cfg.get("config") or [])) from None
-        except CheckpointFileError as e:
-            raise ConfigError(f"model.init_args.checkpoint: {e}") from None
-
-    def instantiate_classes(self) -> None:
-        try:
-            super().instantiate_classes()
-        except ValueError as e:
-            # jsonargparse reports a constructor's error inside a many-line "Does not validate
-            # against any of the Union subtypes" message; the constructor's own line is the cause
-            cause = e.__cause__
-            if isinstance(cause, (ValueError, TypeError, OSError, ImportError)):
-                raise ConfigError(_first_line(cause)) from cause
-            raise
-
-    def after_fit(self) -> None:
-        trainer = self.trainer
-        if not trainer.is_global_zero:
-            return
-        val = {k: float(v) for k, v in sorted(trainer.callback_metrics.items())
-               if k.startswith("val") and getattr(v, "numel", lambda: 1)() == 1}
-        if val:  # the last validation's metrics, so a run shows its result without opening a file
-            print("\nvalidation: " + ", ".join(f"{k} {v:.4g}" for k, v in val.items()))
-        logger = trainer.logger
-        if isinstance(logger, CSVLogger):
-            print(f"\nmetrics: {os.path.abspath(logger.experiment.metrics_file_path)}")
-        else:
-            print(f"\nlogs: {os.path.abspath(run_dir(trainer)) if trainer.loggers else '(no logger)'}")
-        if type(logger).__name__ == "WandbLogger":
-            print(f"wandb run: {os.path.abspath(os.path.dirname(logger.experiment.dir))}")
-        ckpt = getattr(trainer.checkpoint_callback, "best_model_path", "") or getattr(
-            trainer.checkpoint_callback, "last_model_path", "")
-        if ckpt:
-            print(f"checkpoint: {os.path.abspath(ckpt)}")
-
-
 def _first_line(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
     return lines[0] if lines else type(e).__name__
@@ -463,13 +316,27 @@ def _missing_checkpoint_message(ckpt: str, configs) -> str:
 # ----------------------------------------------------------------------------- analyze
 
 
-class _Shell(nn.Module):
-    """A module tree rebuilt from a state dict: one Linear/Conv shell per weight matrix, so a
-    checkpoint can be analyzed without the class that wrote it."""
+def _shell():
+    """A module tree node rebuilt from a state dict: one Linear/Conv shell per weight matrix, so a
+    checkpoint can be analyzed without the class that wrote it (defined on first use: torch is
+    imported only once a command needs it)."""
+    global _Shell
+    if _Shell is None:
+        from torch import nn
+
+        class _Shell(nn.Module):  # noqa: N801 -- the name shown by repr(module)
+            pass
+    return _Shell()
+
+
+_Shell = None
 
 
 def _module_from_state_dict(state: dict[str, torch.Tensor]) -> nn.Module:
-    root = _Shell()
+    import torch
+    from torch import nn
+
+    root = _shell()
     for key, w in state.items():
         if not key.endswith("weight") or not isinstance(w, torch.Tensor) or w.ndim not in (2, 3, 4):
             continue
@@ -487,7 +354,7 @@ def _module_from_state_dict(state: dict[str, torch.Tensor]) -> nn.Module:
         parts = path.split(".")
         for part in parts[:-1]:
             if not hasattr(parent, part):
-                parent.add_module(part, _Shell())
+                parent.add_module(part, _shell())
             parent = getattr(parent, part)
         parent.add_module(parts[-1], mod)
     return root
@@ -501,6 +368,10 @@ def load_for_analysis(spec: str, *, pretrained: bool = False, weights_only: bool
     pickled ``nn.Module``, custom classes) is refused, since unpickling it runs code named in
     the file; ``weights_only=False`` (``analyze --unsafe-load``) reads it when you trust it.
     """
+    from torch import nn
+
+    from lalr_lightning.models.base import load_checkpoint_file
+
     path = Path(spec)
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -607,8 +478,7 @@ _FIT_NOTES = {
 
 
 def analyze_main(argv: list[str] | None = None) -> int:
-    from lalr_lightning import viz
-    from lalr_lightning.core.spectral import htsr
+    from lalr_lightning.choices import FITS, PRESETS
 
     p = argparse.ArgumentParser(
         prog=f"{_prog()} analyze",
@@ -616,7 +486,7 @@ def analyze_main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("model", help="timm model name, Lightning .ckpt / state-dict file, .safetensors file, or Hugging "
                                  "Face model directory (safetensors: read one tensor at a time, never built)")
-    p.add_argument("--fit", default="ks", choices=htsr.FITS, help="power-law fit (default: ks, as WeightWatcher)")
+    p.add_argument("--fit", default="ks", choices=FITS, help="power-law fit (default: ks, as WeightWatcher)")
     p.add_argument("--out", default="spectral_report", help="output directory (default: ./spectral_report)")
     p.add_argument("--pretrained", action="store_true", help="timm names: load pretrained weights (needs the hub)")
     p.add_argument("--min-evals", type=int, default=10, help="skip layers with fewer eigenvalues (default 10)")
@@ -631,7 +501,7 @@ def analyze_main(argv: list[str] | None = None) -> int:
                    help="also write the per-layer ratios HTSRPruning(target_sparsity=S) gives these weights "
                         "(pruning_<preset>_<S>.csv in --out; the same as callback.plan(model)); a Hugging Face "
                         "directory or .safetensors file is then loaded whole")
-    p.add_argument("--preset", default=None, choices=["alphapruning"],
+    p.add_argument("--preset", default=None, choices=[p for p in PRESETS if p != "owl"],
                    help="with --pruning: HTSRPruning's preset (alphapruning: AlphaPruning's LLM recipe)")
     p.add_argument("--unsafe-load", action="store_true",
                    help="read torch files that hold Python objects besides tensors (torch.load weights_only=False); "
@@ -649,6 +519,11 @@ def analyze_main(argv: list[str] | None = None) -> int:
         print(f"{p.prog}: error: --out {out} is an existing file; --out names a directory (created if missing) for "
               "spectral.csv and the plots: pass another path", file=sys.stderr)
         return 2
+    import torch
+
+    from lalr_lightning import viz
+    from lalr_lightning.core.spectral import htsr
+
     kw = dict(fit=args.fit, min_evals=args.min_evals, dtype=torch.float64 if args.float64 else torch.float32)
     try:
         if _streamed(args.model):  # every stored matrix, lm_head included, under the checkpoint's own names
@@ -713,35 +588,36 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Entry point of ``python -m lalr_lightning`` and the ``lalr-lightning`` script.
+def _usage() -> str:
+    """The top-level help: every command with one line (``python -m lalr_lightning --help``)."""
+    prog = _prog()
+    width = max(map(len, COMMANDS))
+    lines = [f"usage: {prog} COMMAND [ARGS]", "",
+             "Layer-wise fine-tuning callbacks for PyTorch Lightning, and one-shot pruning of language models.",
+             f"Commands: {', '.join(COMMANDS)} ({prog} COMMAND --help for each).", ""]
+    lines += [f"  {name:<{width}}  {what}" for name, what in COMMANDS.items()]
+    lines += ["", "Errors are one line; --traceback (or LALR_TRACEBACK=1) shows the traceback.",
+              f"Start here: {prog} fit --config quickstart"]
+    return "\n".join(lines)
 
-    ``argv`` defaults to the command line; it is passed to LightningCLI only when given, since
-    LightningCLI warns when it gets both ``args`` and a command line. ``--traceback`` anywhere
-    (or ``LALR_TRACEBACK=1``) keeps the tracebacks the CLI otherwise turns into one line.
-    """
-    global _TRACEBACK
-    args = list(sys.argv[1:] if argv is None else argv)
-    if "--traceback" in args:
-        _TRACEBACK = True
-        args = [a for a in args if a != "--traceback"]
-        if argv is None:
-            sys.argv = [sys.argv[0], *args]
-    if args and args[0] == "analyze":
-        raise SystemExit(analyze_main(args[1:]))
-    if args and args[0] in ("prune", "perplexity"):
-        from lalr_lightning import oneshot
 
-        run = oneshot.prune_main if args[0] == "prune" else oneshot.perplexity_main
-        raise SystemExit(run(args[1:], prog=f"{_prog()} {args[0]}"))
-    if args and args[0] == "report":
-        from lalr_lightning.report import report_main
+def _hide_torchvision() -> None:
+    """Keep torchvision out of a one-shot command's process. Transformers 5 imports it (for its image
+    utilities) as soon as a config is read, whenever it is installed; a causal LM never uses it. A
+    ``None`` entry in ``sys.modules`` makes ``importlib.util.find_spec`` report it missing, so
+    transformers takes its no-torchvision path. Only on the command line (``main()`` without
+    ``argv``): a Python process that called ``main([...])`` keeps its imports as they are."""
+    if "torchvision" not in sys.modules and os.environ.get("LALR_KEEP_TORCHVISION", "") in ("", "0"):
+        sys.modules["torchvision"] = None  # type: ignore[assignment]
 
-        raise SystemExit(report_main(args[1:], prog=f"{_prog()} report"))
-    if args and args[0] == "configs":
-        raise SystemExit(configs_main(args[1:]))
+
+def _lightning_main(args: list[str], given: bool) -> None:
+    from lalr_lightning.data._common import DownloadError
+    from lalr_lightning.lightning_cli import LalrCLI
+    from lalr_lightning.models.base import CheckpointFileError
+
     try:
-        LalrCLI(args=None if argv is None else args)
+        LalrCLI(args=args if given else None)
     except (ConfigError, CheckpointFileError, DownloadError, FileNotFoundError) as e:
         # FileNotFoundError: the datamodules' missing-dataset messages (what to download, where)
         if _show_traceback():
@@ -755,3 +631,54 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(f"{_prog()}: error: {_one_line(e)}", file=sys.stderr)
         raise SystemExit(1) from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of ``python -m lalr_lightning`` and the ``lalr-lightning`` script.
+
+    ``argv`` defaults to the command line; it is passed to LightningCLI only when given, since
+    LightningCLI warns when it gets both ``args`` and a command line. ``--traceback`` anywhere
+    (or ``LALR_TRACEBACK=1``) keeps the tracebacks the CLI otherwise turns into one line. Only
+    ``fit`` / ``validate`` / ``test`` / ``predict`` import Lightning; every other command parses
+    its arguments before importing torch.
+    """
+    global _TRACEBACK
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--traceback" in args:
+        _TRACEBACK = True
+        args = [a for a in args if a != "--traceback"]
+        if argv is None:
+            sys.argv = [sys.argv[0], *args]
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        raise SystemExit(0 if args else 2)
+    command, rest, prog = args[0], args[1:], f"{_prog()} {args[0]}"
+    if argv is None and (command in ("prune", "perplexity", "zeroshot") or command == "analyze" and rest
+                         and _streamed(rest[0])):  # timm names and torch files may need torchvision
+        _hide_torchvision()
+    if command == "analyze":
+        raise SystemExit(analyze_main(rest))
+    if command in ("prune", "perplexity", "zeroshot"):
+        from lalr_lightning.oneshot import commands
+
+        raise SystemExit(getattr(commands, f"{command}_main")(rest, prog=prog))
+    if command == "report":
+        from lalr_lightning.report import report_main
+
+        raise SystemExit(report_main(rest, prog=prog))
+    if command == "configs":
+        raise SystemExit(configs_main(rest))
+    _lightning_main(args, argv is not None)
+
+
+_LAZY = ("LalrCLI", "SaveRunConfig", "run_dir")
+
+
+def __getattr__(name: str):
+    # the LightningCLI classes live in lightning_cli.py: importing them here would load Lightning
+    # for every command
+    if name in _LAZY:
+        from lalr_lightning import lightning_cli
+
+        return getattr(lightning_cli, name)
+    raise AttributeError(f"module 'lalr_lightning.cli' has no attribute {name!r}")

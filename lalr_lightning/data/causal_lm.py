@@ -56,6 +56,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lalr_lightning.data._common import SplitLoaders, check_loader_args
 from lalr_lightning.data._files import default_cache_dir, expand, split_map, write_lines_atomic
+from lalr_lightning.records import read_records
 from lalr_lightning.text_assets import is_local, resolve_model_name
 
 __all__ = [
@@ -171,38 +172,6 @@ def _expand(split: str, paths: list[str]) -> list[str]:
                 "(.txt: one example per line; .jsonl: one JSON object per line; .json: a list of objects)"
             )
     return out
-
-
-def read_records(path: str) -> list[dict[str, Any]]:
-    """The records of one file: ``{"text": line}`` per non-empty line of a ``.txt``; the objects of
-    a ``.jsonl`` / ``.json`` (a list, or LMFlow's ``{"instances": [...]}``). Strings in a JSON list
-    are text records."""
-    ext = os.path.splitext(path)[1].lower()
-    with open(path, encoding="utf-8") as f:
-        if ext == ".txt":
-            return [{"text": line.rstrip("\r\n")} for line in f if line.strip()]
-        if ext in (".jsonl", ".ndjson"):
-            rows = []
-            for i, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{i}: invalid JSON ({e.msg}); a .jsonl file holds one JSON object per line") from None
-            return rows
-        try:
-            obj = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
-    if isinstance(obj, Mapping) and isinstance(obj.get("instances"), list):
-        obj = obj["instances"]
-    if not isinstance(obj, list):
-        raise ValueError(
-            f"{path}: a .json file must hold a list of records or an object with an 'instances' list; "
-            f"got a {type(obj).__name__}" + (f" with keys {sorted(obj)[:8]}" if isinstance(obj, Mapping) else "")
-        )
-    return [{"text": r} if isinstance(r, str) else r for r in obj]
 
 
 # ---------------------------------------------------------------------------- tokenized data

@@ -1,4 +1,5 @@
-"""One-shot pruning and perplexity of a Hugging Face causal-LM directory (``prune``, ``perplexity``).
+"""One-shot pruning and evaluation of a Hugging Face causal-LM directory (``prune``, ``perplexity``,
+``zeroshot``).
 
 One concern a module, each importing only the ones listed before it:
 
@@ -8,23 +9,35 @@ One concern a module, each importing only the ones listed before it:
 * ``outdir``: the all-or-nothing output directory and its lock;
 * ``prune``: the per-layer ratios and the prune, streamed one block at a time or in memory;
 * ``evaluate``: the windowed perplexity and the model it evaluates;
-* ``commands``: ``prune_main`` / ``perplexity_main``, their arguments and one-line errors.
+* ``owl``: OWL's per-layer ratios from the calibration activations (outlier-weighted layerwise sparsity);
+* ``zeroshot``: multiple-choice accuracy (``acc``, ``acc_norm``) as lm-evaluation-harness computes it;
+* ``sparse24``: a 2:4 checkpoint's linear weights as semi-structured sparse tensors;
+* ``commands``: ``prune_main`` / ``perplexity_main`` / ``zeroshot_main``, their arguments and one-line
+  errors; they parse the arguments before importing torch.
 
 Conventions and the places they differ from the reference code: ``docs/llm_pruning.md``.
 """
 
-from lalr_lightning.oneshot.commands import perplexity_main, prune_main
-from lalr_lightning.oneshot.evaluate import perplexity
-from lalr_lightning.oneshot.prune import PruneReport, prune_checkpoint, prune_model
-from lalr_lightning.oneshot.text import calibration_samples, read_text
+import importlib
 
-__all__ = [
-    "calibration_samples",
-    "perplexity",
-    "perplexity_main",
-    "prune_checkpoint",
-    "prune_main",
-    "prune_model",
-    "read_text",
-    "PruneReport",
-]
+#: public name -> its module; imported on first use (PEP 562), so the commands parse their arguments
+#: before torch is imported
+_WHERE = {
+    "perplexity_main": "commands", "prune_main": "commands", "zeroshot_main": "commands",
+    "perplexity": "evaluate",
+    "PruneReport": "prune", "prune_checkpoint": "prune", "prune_model": "prune",
+    "owl_ratios": "owl", "outlier_ratios": "owl",
+    "calibration_samples": "text", "read_text": "text",
+    "zeroshot": "zeroshot", "read_task": "zeroshot",
+    "load_semi_structured": "sparse24", "to_semi_structured": "sparse24",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'lalr_lightning.oneshot' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"lalr_lightning.oneshot.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value

@@ -64,6 +64,13 @@ def _unreadable(file, e: BaseException) -> ValueError:
                       "incomplete: copy or download it again")
 
 
+def _refuse_nonfinite(key: str, f: Path, t: torch.Tensor) -> None:
+    if not _finite(t):
+        bad = int((~torch.isfinite(t)).sum())
+        raise ValueError(f"{key} in {f.name} holds {bad} NaN or Inf value(s) of {t.numel()}: the "
+                         "checkpoint itself is broken (nothing has run yet); fix or re-export it")
+
+
 class _Checkpoint:
     """The tensors of a safetensors model directory, by key, read one at a time. Every shard's
     header is read here (a damaged file is one line naming it); :meth:`check_values` reads every
@@ -121,12 +128,7 @@ class _Checkpoint:
             try:
                 with safe_open(str(f), framework="pt") as h:
                     for k in mine:
-                        t = h.get_tensor(k)
-                        if not _finite(t):
-                            bad = int((~torch.isfinite(t)).sum())
-                            raise ValueError(f"{k} in {f.name} holds {bad} NaN or Inf value(s) of {t.numel()}: the "
-                                             "checkpoint itself is broken (nothing has run yet); fix or re-export it")
-                        del t
+                        _refuse_nonfinite(k, f, h.get_tensor(k))
             except ValueError:
                 raise
             except Exception as e:  # noqa: BLE001 -- SafetensorError, OSError

@@ -1,23 +1,20 @@
-"""The commands ``python -m lalr_lightning prune`` and ``perplexity`` (``cli.py`` hands them their
-arguments): the argument parsers, every failure as one ``error:`` line (exit 2), Ctrl-C and
-SIGTERM (exit 130, saying what a failed ``prune`` left at ``--out``).
+"""The commands ``python -m lalr_lightning prune``, ``perplexity`` and ``zeroshot`` (``cli.py`` hands
+them their arguments): the argument parsers, every failure as one ``error:`` line (exit 2), Ctrl-C and
+SIGTERM (exit 130, saying what a failed ``prune`` left at ``--out``). The arguments are parsed before
+torch is imported (an argument error takes a fraction of a second), and nothing here imports
+Lightning or torchvision.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
-from lalr_lightning.core.pruning import criteria
-from lalr_lightning.oneshot.checkpoint import DTYPES, _first_line, _load_config, _load_tokenizer, _resolve_device
-from lalr_lightning.oneshot.evaluate import _load_evaluated, perplexity
-from lalr_lightning.oneshot.prune import prune_checkpoint
-from lalr_lightning.oneshot.text import _encode, read_text
+from lalr_lightning.choices import CRITERIA, DTYPES, PRESETS, PRUNING_METRICS
 
 
 def _quiet_transformers() -> None:
@@ -30,8 +27,10 @@ def _quiet_transformers() -> None:
 
 
 def _fail(prog: str, e: BaseException, device: str | None = None, after: str = "") -> int:
+    from lalr_lightning.oneshot.checkpoint import _first_line
+
     line = _first_line(e)
-    if isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in line:
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in line:
         line = (f"out of memory on {device or 'cpu'} ({line.split(':', 1)[0] or type(e).__name__}); lower "
                 "--batch-size, --n-samples or --seq-len")
     print(f"{prog}: error: {line}{'; ' + after if after else ''}", file=sys.stderr)
@@ -68,14 +67,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def prune_main(argv: Sequence[str] | None = None, prog: str = "python -m lalr_lightning prune") -> int:
-    from lalr_lightning.core.pruning.alphapruning import PRUNING_METRICS
-
+def _prune_parser(prog: str) -> _Parser:
     p = _Parser(
         prog=prog,
         description="Prune a Hugging Face causal LM one shot, block by block (Wanda, SparseGPT or magnitude; "
-                    "uniform or HT-SR per-layer ratios; unstructured or N:M), streaming one block at a time, "
-                    "and write the pruned model directory (docs/llm_pruning.md).",
+                    "uniform, OWL, HT-SR (AlphaPruning) or explicit per-layer ratios; unstructured or N:M), "
+                    "streaming one block at a time, "
+                    "and write the pruned model directory (docs/criteria.md).",
         epilog=_EPILOG,
     )
     p.add_argument("model", help="Hugging Face model directory (config.json, safetensors, tokenizer)")
@@ -83,13 +81,21 @@ def prune_main(argv: Sequence[str] | None = None, prog: str = "python -m lalr_li
     p.add_argument("--sparsity", type=float, default=None,
                    help="target fraction of the blocks' linear weights set to zero, in [0, 1) (default 0.5); "
                         "not with --n/--m (N:M fixes it at n/m)")
-    p.add_argument("--criterion", default="wanda", choices=criteria.CRITERIA,
+    p.add_argument("--criterion", default="wanda", choices=CRITERIA,
                    help="wanda: |W| x input-feature norm, needs --calibration; sparsegpt: OBS reconstruction from the "
                         "calibration Hessian, needs --calibration; magnitude: |W| alone, reads no data "
                         "(default: wanda)")
-    p.add_argument("--preset", default=None, choices=["alphapruning"],
-                   help="per-layer ratios from AlphaPruning's recipe (alpha by the peak fit, averaged per block, "
-                        "epsilon 0.3); default: uniform")
+    p.add_argument("--preset", default=None, choices=PRESETS,
+                   help="per-layer ratios: alphapruning (AlphaPruning's recipe: alpha by the peak fit, averaged per "
+                        "block, epsilon 0.3) or owl (OWL: each block's share of outlier Wanda scores in the "
+                        "calibration activations; needs --calibration); default: uniform")
+    p.add_argument("--owl-m", type=float, default=None,
+                   help="OWL's M: a score is an outlier above M x its block's mean score (default 5)")
+    p.add_argument("--owl-lambda", type=float, default=None,
+                   help="OWL's lambda: the blocks' ratios span 2 x lambda around --sparsity (default 0.08)")
+    p.add_argument("--ratios", default=None, metavar="FILE",
+                   help="explicit per-layer ratios: JSON list (one per decoder block), JSON {name: ratio} (block or "
+                        "matrix names; a previous run's pruning.json too), or one number per block a line")
     p.add_argument("--metric", default=None, choices=PRUNING_METRICS,
                    help="per-layer ratios from this HT-SR metric; default: uniform")
     p.add_argument("--epsilon", type=float, default=None,
@@ -116,8 +122,14 @@ def prune_main(argv: Sequence[str] | None = None, prog: str = "python -m lalr_li
     p.add_argument("--percdamp", type=float, default=None, help="SparseGPT's dampening, >= 0 (default 0.01); "
                                                                "sparsegpt only")
     p.add_argument("--in-memory", action="store_true", help="load the whole model instead of streaming blocks")
-    args = p.parse_args(argv)
+    return p
+
+
+def prune_main(argv: Sequence[str] | None = None, prog: str = "python -m lalr_lightning prune") -> int:
+    args = _prune_parser(prog).parse_args(argv)
     _quiet_transformers()
+    from lalr_lightning.oneshot.prune import prune_checkpoint
+
     out = Path(args.out).absolute()
     import signal
     import threading
@@ -131,7 +143,8 @@ def prune_main(argv: Sequence[str] | None = None, prog: str = "python -m lalr_li
             preset=args.preset, metric=args.metric, epsilon=args.epsilon, calibration=args.calibration,
             n_samples=args.n_samples, seq_len=args.seq_len, seed=args.seed, text_field=args.text_field,
             device=args.device, dtype=args.dtype, batch_size=args.batch_size, blocksize=args.blocksize,
-            percdamp=args.percdamp, in_memory=args.in_memory, log=lambda s: print(s, file=sys.stderr),
+            percdamp=args.percdamp, in_memory=args.in_memory, owl_m=args.owl_m, owl_lambda=args.owl_lambda,
+            ratios=args.ratios, log=lambda s: print(s, file=sys.stderr),
         )
     except KeyboardInterrupt as e:
         what = "terminated" if isinstance(e, _Terminated) else "interrupted"
@@ -166,8 +179,13 @@ def perplexity_main(argv: Sequence[str] | None = None, prog: str = "python -m la
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 (default cpu)")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="compute dtype (auto: the checkpoint's on CUDA, float32 on CPU)")
+    _semi_structured_flag(p)
     args = p.parse_args(argv)
     _quiet_transformers()
+    from lalr_lightning.oneshot.checkpoint import _load_config, _load_tokenizer, _resolve_device
+    from lalr_lightning.oneshot.evaluate import perplexity
+    from lalr_lightning.oneshot.text import _encode, read_text
+
     try:
         if args.batch_size < 1 or args.seq_len < 2 or (args.max_windows is not None and args.max_windows < 1):
             raise ValueError(f"--batch-size and --max-windows must be >= 1 and --seq-len >= 2, got {args.batch_size}, "
@@ -181,7 +199,7 @@ def perplexity_main(argv: Sequence[str] | None = None, prog: str = "python -m la
         tokenizer = _load_tokenizer(model_dir)
         docs, _ = read_text(args.data, args.text_field)
         ids = _encode(tokenizer, "\n\n".join(docs))
-        model = _load_evaluated(model_dir, config, dev, args.dtype)
+        model = _model(model_dir, config, dev, args.dtype, args.semi_structured)
         t0 = time.perf_counter()
         ppl, windows = perplexity(model, ids, args.seq_len, args.batch_size, args.max_windows)
         dt = time.perf_counter() - t0
@@ -193,3 +211,117 @@ def perplexity_main(argv: Sequence[str] | None = None, prog: str = "python -m la
     print(f"perplexity {ppl:.4f} ({windows} windows of {args.seq_len} tokens, {windows * args.seq_len / dt:.0f} "
           f"tokens/s)")
     return 0
+
+
+# ----------------------------------------------------------------------------- 2:4 and zeroshot
+
+
+def _semi_structured_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--semi-structured", action="store_true",
+                   help="run a 2:4 checkpoint's linear weights as semi-structured sparse tensors (sparse tensor "
+                        "cores: a CUDA GPU of compute capability >= 8.0, --dtype float16/bfloat16); elsewhere it "
+                        "says so in one line and runs dense")
+
+
+def _model(model_dir: Path, config, dev, dtype: str, semi_structured: bool):
+    """The evaluated model; with ``--semi-structured``, its 2:4 weights made semi-structured where the
+    device can run them (one line on stderr where it cannot)."""
+    from lalr_lightning.oneshot.evaluate import _load_evaluated
+
+    model = _load_evaluated(model_dir, config, dev, dtype)
+    if semi_structured:
+        from lalr_lightning.oneshot.sparse24 import semi_structured_unsupported, to_semi_structured
+
+        why = semi_structured_unsupported(dev)
+        if why:
+            print(f"note: {why}", file=sys.stderr)
+        else:
+            done = to_semi_structured(model)
+            sparse = sum(v == "sparse" for v in done.values())
+            print(f"2:4: {sparse} of {len(done)} linear weights semi-structured", file=sys.stderr)
+    return model
+
+
+def _zeroshot_parser(prog: str) -> _Parser:
+    from lalr_lightning.choices import PAPER_TASKS
+
+    p = _Parser(
+        prog=prog,
+        description="Zero-shot accuracy (acc, acc_norm) of a Hugging Face causal LM on multiple-choice tasks, as "
+                    "lm-evaluation-harness computes them: each choice scored by the log-likelihood of ' ' + choice "
+                    "after the context; acc_norm divides it by the choice's length (docs/zeroshot.md).",
+        epilog=f"The papers' seven tasks: --tasks {','.join(PAPER_TASKS)} (through lm-evaluation-harness: "
+               "datasets from --data-dir DIR/<task>.jsonl or the Hugging Face cache). A local task: --task FILE.jsonl, "
+               'one example a line: {"context": str, "choices": [str, ...], "label": int}.',
+    )
+    p.add_argument("model", help="Hugging Face model directory")
+    p.add_argument("--task", action="append", default=[], metavar="FILE.jsonl",
+                   help="a local task file (repeatable); its name in the table is the file's stem")
+    p.add_argument("--tasks", default=None, help=f"lm-evaluation-harness task names, comma-separated (the papers': "
+                                                 f"{','.join(PAPER_TASKS)})")
+    p.add_argument("--data-dir", default=None, help="--tasks: a folder of <task>.jsonl files (the task's evaluation "
+                                                    "split in the dataset's own fields), used instead of the hub")
+    p.add_argument("--limit", type=int, default=None, help="--tasks: only the first N examples of each task")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per forward (default 16)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 (default cpu)")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="compute dtype (auto: the checkpoint's on CUDA, float32 on CPU)")
+    p.add_argument("--out", default=None, help="write the results as JSON here (default: zeroshot.json in the "
+                                               "current directory)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _semi_structured_flag(p)
+    return p
+
+
+def zeroshot_main(argv: Sequence[str] | None = None, prog: str = "python -m lalr_lightning zeroshot") -> int:
+    p = _zeroshot_parser(prog)
+    args = p.parse_args(argv)
+    if not args.task and not args.tasks:
+        p.error("give --task FILE.jsonl or --tasks boolq,rte,... (or both)")
+    if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
+        p.error(f"--batch-size and --limit must be >= 1, got {args.batch_size} and {args.limit}")
+    names = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
+    _quiet_transformers()
+    try:
+        results = _zeroshot_run(args, names)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except (FileNotFoundError, ValueError, ImportError, RuntimeError, OSError, MemoryError) as e:
+        return _fail(prog, e, args.device)
+    from lalr_lightning.oneshot.zeroshot import table
+
+    print(table(results, "acc"))
+    print(table(results, "acc_norm"))
+    out = Path(args.out or "zeroshot.json")
+    out.write_text(json.dumps({"model": str(Path(args.model).resolve()), "results": results}, indent=2) + "\n")
+    print(f"\nresults -> {out.resolve()}")
+    return 0
+
+
+def _zeroshot_run(args, names: list[str]) -> dict[str, dict]:
+    from lalr_lightning.oneshot.checkpoint import _load_config, _load_tokenizer, _resolve_device
+    from lalr_lightning.oneshot.zeroshot import _bar, check_datasets, harness_tasks, read_task, zeroshot
+
+    files = {Path(f).stem: read_task(f) for f in args.task}  # every file checked before the model loads
+    if names:
+        check_datasets(names, args.data_dir)
+    model_dir = Path(args.model)
+    config = _load_config(model_dir)
+    dev = _resolve_device(args.device)
+    tokenizer = _load_tokenizer(model_dir)
+    model = _model(model_dir, config, dev, args.dtype, args.semi_structured)
+    results = {}
+    for name, docs in files.items():
+        t0 = time.perf_counter()
+        update, close = _bar(sum(len(d["choices"]) for d in docs), name, args.quiet)
+        try:
+            results[name] = zeroshot(model, tokenizer, docs, args.batch_size, update)
+        finally:
+            close()
+        if not args.quiet:
+            print(f"{name}: {len(docs)} examples, acc {results[name]['acc']:.4f}, acc_norm "
+                  f"{results[name]['acc_norm']:.4f} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    if names:
+        results.update(harness_tasks(model, tokenizer, names, args.batch_size, args.data_dir, args.limit))
+    return results

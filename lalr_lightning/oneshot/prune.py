@@ -83,18 +83,73 @@ class PruneReport:
 # ----------------------------------------------------------------------------- ratios
 
 
-def _check_prune_args(sparsity: float | None, criterion: str, n: int, m: int, preset, metric, epsilon=None,
-                      blocksize: int | None = None, percdamp: float | None = None) -> float:
-    """Every argument of a prune that needs no file, checked before anything is read or written;
-    returns the target sparsity (``n / m`` for N:M; 0.5 when left out)."""
-    from lalr_lightning.core.pruning.alphapruning import PRUNING_METRICS
+@dataclass(frozen=True)
+class Recipe:
+    """How the per-layer ratios are chosen: uniform (every field None), HT-SR (``preset`` alphapruning or
+    ``metric``, ``epsilon``), OWL (``preset="owl"``, ``owl_m``, ``owl_lambda``) or explicit (``ratios``:
+    a file, a list of per-block ratios or ``{name: ratio}``, names of blocks or of matrices)."""
 
+    preset: str | None = None
+    metric: str | None = None
+    epsilon: float | None = None
+    owl_m: float | None = None
+    owl_lambda: float | None = None
+    ratios: object = None
+
+    @property
+    def owl(self) -> bool:
+        return self.preset == "owl"
+
+    @property
+    def htsr(self) -> bool:
+        return not self.owl and (self.preset is not None or self.metric is not None)
+
+
+#: OWL's defaults: the paper's M = 5 and llm-compressor's example lambda 0.08
+OWL_M, OWL_LAMBDA = 5.0, 0.08
+
+
+def _check_recipe(recipe: Recipe, n: int, m: int, sparsity) -> None:
+    from lalr_lightning.core.pruning.alphapruning import PRUNING_METRICS
+    from lalr_lightning.core.pruning.owl import check_owl
+
+    if m and (recipe.preset is not None or recipe.metric is not None or recipe.ratios is not None):
+        raise ValueError(f"N:M sparsity prunes every layer to n/m = {n}/{m}; per-layer ratios (--preset / --metric / "
+                         "--ratios) do not apply (AlphaPruning's and OWL's ratios are for unstructured sparsity)")
+    if recipe.ratios is not None:
+        given = [f for f, v in (("--sparsity", sparsity), ("--preset", recipe.preset), ("--metric", recipe.metric),
+                                ("--epsilon", recipe.epsilon)) if v is not None]
+        if given:
+            raise ValueError(f"--ratios gives every layer's ratio; {', '.join(given)} does not apply: leave it out")
+    if recipe.metric is not None and recipe.metric not in PRUNING_METRICS:
+        raise ValueError(f"unknown --metric {recipe.metric!r}; valid: {', '.join(PRUNING_METRICS)}")
+    if recipe.owl and (recipe.metric is not None or recipe.epsilon is not None):
+        raise ValueError("--preset owl takes its ratios from the activations' outliers (--owl-m, --owl-lambda); "
+                         "--metric and --epsilon are HT-SR's: leave them out")
+    if not recipe.owl and (recipe.owl_m is not None or recipe.owl_lambda is not None):
+        raise ValueError("--owl-m and --owl-lambda are OWL's: add --preset owl, or leave them out")
+    if recipe.owl:
+        check_owl(OWL_M if recipe.owl_m is None else recipe.owl_m,
+                  OWL_LAMBDA if recipe.owl_lambda is None else recipe.owl_lambda)
+    if recipe.epsilon is not None:
+        if not recipe.htsr:
+            raise ValueError("--epsilon spreads per-layer ratios (--preset or --metric); uniform pruning has none: "
+                             "leave it out or add --preset alphapruning")
+        if not 0.0 <= float(recipe.epsilon) <= 1.0:  # NaN fails too
+            raise ValueError(f"--epsilon must be in [0, 1] (ratios spread over [1 - eps, 1 + eps] x the target), "
+                             f"got {recipe.epsilon}")
+
+
+def _check_prune_args(sparsity: float | None, criterion: str, n: int, m: int, preset, metric, epsilon=None,
+                      blocksize: int | None = None, percdamp: float | None = None,
+                      recipe: Recipe | None = None) -> float:
+    """Every argument of a prune that needs no file, checked before anything is read or written;
+    returns the target sparsity (``n / m`` for N:M; 0.5 when left out; the ratios' own with --ratios)."""
+    recipe = recipe or Recipe(preset, metric, epsilon)
     n, m = criteria.check_nm(n, m)
     if criterion not in criteria.CRITERIA:
         raise ValueError(f"unknown criterion {criterion!r}; valid: {', '.join(criteria.CRITERIA)}")
-    if m and (preset is not None or metric is not None):
-        raise ValueError(f"N:M sparsity prunes every layer to n/m = {n}/{m}; per-layer ratios (--preset / --metric) "
-                         "do not apply (AlphaPruning's ratios are for unstructured sparsity)")
+    _check_recipe(recipe, n, m, sparsity)
     if m and sparsity is not None and not math.isclose(float(sparsity), n / m):
         raise ValueError(f"N:M sparsity {n}:{m} prunes exactly n/m = {n / m:g} of every layer; --sparsity {sparsity} "
                          "does not apply: leave it out")
@@ -102,15 +157,6 @@ def _check_prune_args(sparsity: float | None, criterion: str, n: int, m: int, pr
     if not m and not (0.0 <= sparsity < 1.0):
         raise ValueError(f"--sparsity must be in [0, 1) (the fraction of the blocks' linear weights set to zero), "
                          f"got {sparsity}")
-    if metric is not None and metric not in PRUNING_METRICS:
-        raise ValueError(f"unknown --metric {metric!r}; valid: {', '.join(PRUNING_METRICS)}")
-    if epsilon is not None:
-        if preset is None and metric is None:
-            raise ValueError("--epsilon spreads per-layer ratios (--preset or --metric); uniform pruning has none: "
-                             "leave it out or add --preset alphapruning")
-        if not 0.0 <= float(epsilon) <= 1.0:  # NaN fails too
-            raise ValueError(f"--epsilon must be in [0, 1] (ratios spread over [1 - eps, 1 + eps] x the target), "
-                             f"got {epsilon}")
     used = criterion == "sparsegpt"
     for flag, value in (("--blocksize", blocksize), ("--percdamp", percdamp)):
         if value is not None and not used:
@@ -125,11 +171,67 @@ def _check_prune_args(sparsity: float | None, criterion: str, n: int, m: int, pr
     return sparsity
 
 
+def read_ratios(source) -> list[float] | dict[str, float]:
+    """``--ratios FILE``: JSON, either a list (one ratio per decoder block, in order) or ``{name: ratio}``
+    (names of blocks, ``model.layers.3``, or of matrices, ``model.layers.3.mlp.down_proj``; a ``prune``
+    run's ``pruning.json`` works too: its ``ratios``), or plain text with one number per block a line.
+    A list or dict passes through (checked the same way)."""
+    data = source
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if not path.is_file():
+            raise FileNotFoundError(f"no such --ratios file: {source}")
+        text = path.read_text()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            try:
+                data = [float(x) for x in text.split()]
+            except ValueError:
+                raise ValueError(f"--ratios {source}: expected JSON (a list of per-block ratios, or {{name: ratio}}) "
+                                 "or one number a line") from None
+    if isinstance(data, dict) and isinstance(data.get("ratios"), dict):
+        data = data["ratios"]  # a pruning.json written by prune
+    values = data.values() if isinstance(data, dict) else data if isinstance(data, list) else None
+    if values is None or not data:
+        raise ValueError(f"--ratios: expected a non-empty list of per-block ratios or {{name: ratio}}, got "
+                         f"{type(data).__name__}")
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1]
+    if bad:
+        raise ValueError(f"--ratios: every ratio must be a number in [0, 1), got {bad[:3]}")
+    return data
+
+
+def _explicit_ratios(data, groups: list[list[str]], path: str) -> dict[str, float]:
+    """Every matrix's ratio from ``read_ratios``' list (per block) or dict (per block or per matrix)."""
+    if isinstance(data, list):
+        if len(data) != len(groups):
+            raise ValueError(f"--ratios lists {len(data)} ratios, the model has {len(groups)} decoder blocks: give one "
+                             "per block (or {name: ratio})")
+        return {k: float(r) for r, names in zip(data, groups) for k in names}
+    out, missing = {}, []
+    for i, names in enumerate(groups):
+        for k in names:
+            r = data.get(k, data.get(f"{path}.{i}"))
+            if r is None:
+                missing.append(k)
+            else:
+                out[k] = float(r)
+    known = {f"{path}.{i}" for i in range(len(groups))} | {k for g in groups for k in g}
+    unknown = sorted(set(data) - known)
+    if unknown or missing:
+        raise ValueError(f"--ratios: {'no layer named ' + str(unknown[:3]) if unknown else ''}"
+                         f"{'; ' if unknown and missing else ''}{'no ratio for ' + str(missing[:3]) if missing else ''}"
+                         f" (names: {path}.0 ... {path}.{len(groups) - 1}, or their matrices, e.g. {groups[0][0]})")
+    return out
+
+
 def _ratio_settings(preset, metric, epsilon):
-    """(metric, epsilon, fit, filter_zeros, block_average) or None for uniform ratios."""
-    if preset is None and metric is None:
+    """(metric, epsilon, fit, filter_zeros, block_average) of HT-SR ratios, or None (uniform, OWL or
+    explicit ratios)."""
+    if preset is None and metric is None or preset == "owl":
         return None
-    from lalr_lightning.callbacks.pruning import PRESETS
+    from lalr_lightning.core.pruning.settings import PRESETS
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; valid: {', '.join(repr(p) for p in PRESETS if p)}")
@@ -171,6 +273,39 @@ def _ratios(settings, metric_values: dict[str, float], groups: list[list[str]], 
     return dict(zip(names, r.tolist()))
 
 
+def _owl_shares(blocks, inputs: list, m: float, materialize=None, release=None) -> list[float]:
+    """OWL's outlier share ``D`` of every block, measured on the dense model: each block's Wanda scores
+    from its calibration inputs, its output (unpruned) feeding the next. ``inputs`` is consumed."""
+    from lalr_lightning.core.pruning.owl import outlier_share
+
+    shares: list[float] = []
+
+    def measure(index: int, block: nn.Module, stats) -> None:
+        scores = [criteria.wanda_scores(weight_matrix(mod), stats[name].scaler_row)
+                  for name, mod in linear_modules(block).items()]
+        shares.append(outlier_share(scores, m))
+
+    run_blocks(blocks, inputs, measure, stats=True, hessian=False, materialize=materialize, release=release)
+    return shares
+
+
+def _plan_ratios(report: PruneReport, recipe: Recipe, settings, sparsity: float, groups: list[list[str]],
+                 path: str, owl_pass) -> None:
+    """``report.ratios`` (and ``report.metric``: the HT-SR metric or OWL's ``D`` of each matrix's block)
+    from the recipe; ``owl_pass(m)`` measures OWL's shares when the recipe is OWL's."""
+    if recipe.ratios is not None:
+        report.ratios = _explicit_ratios(read_ratios(recipe.ratios), groups, path)
+    elif recipe.owl:
+        from lalr_lightning.core.pruning.owl import owl_ratios
+
+        shares = owl_pass(OWL_M if recipe.owl_m is None else float(recipe.owl_m))
+        per_block = owl_ratios(shares, sparsity, OWL_LAMBDA if recipe.owl_lambda is None else float(recipe.owl_lambda))
+        report.metric = {k: d for d, names in zip(shares, groups) for k in names}
+        report.ratios = {k: r for r, names in zip(per_block, groups) for k in names}
+    else:
+        report.ratios = _ratios(settings, report.metric, groups, report.numels, sparsity)
+
+
 # ----------------------------------------------------------------------------- prune
 
 
@@ -209,12 +344,18 @@ def prune_model(
     batch_size: int = 8,
     blocksize: int | None = None,
     percdamp: float | None = None,
+    owl_m: float | None = None,
+    owl_lambda: float | None = None,
+    ratios=None,
 ) -> PruneReport:
     """Prune a loaded Hugging Face causal LM in place, block by block (the in-memory twin of
     :func:`prune_checkpoint`; the same ratios and masks). ``samples``: ``(n, seq_len)`` token ids
-    (None for magnitude). ``sparsity``: default 0.5 (``n / m`` with N:M, which fixes it);
-    ``blocksize`` / ``percdamp``: SparseGPT's (default 128 and 0.01)."""
-    sparsity = _check_prune_args(sparsity, criterion, n, m, preset, metric, epsilon, blocksize, percdamp)
+    (None for magnitude without OWL). ``sparsity``: default 0.5 (``n / m`` with N:M, which fixes it);
+    ``blocksize`` / ``percdamp``: SparseGPT's (default 128 and 0.01). Per-layer ratios: ``preset``
+    (``"alphapruning"``, ``"owl"`` with ``owl_m`` / ``owl_lambda``), ``metric`` / ``epsilon``, or
+    ``ratios`` (a file, a per-block list or ``{name: ratio}``, :func:`read_ratios`)."""
+    recipe = Recipe(preset, metric, epsilon, owl_m, owl_lambda, ratios)
+    sparsity = _check_prune_args(sparsity, criterion, n, m, preset, metric, epsilon, blocksize, percdamp, recipe)
     blocksize, percdamp = 128 if blocksize is None else int(blocksize), 0.01 if percdamp is None else float(percdamp)
     settings = _ratio_settings(preset, metric, epsilon)
     t0 = time.perf_counter()
@@ -227,18 +368,20 @@ def prune_model(
         report.numels.update({f"{path}.{i}.{k}": mod.weight.numel() for k, mod in mods.items()})
         if settings is not None:
             report.metric.update(_block_metric(blk, f"{path}.{i}", settings[0], settings[2], settings[3]))
-    report.ratios = _ratios(settings, report.metric, groups, report.numels, sparsity)
     needs = criteria.needs_stats(criterion)
-    if needs and samples is None:
-        raise ValueError(f"criterion {criterion!r} needs calibration samples")
+    if (needs or recipe.owl) and samples is None:
+        raise ValueError(f"criterion {criterion!r}{' with OWL' if recipe.owl else ''} needs calibration samples")
     use_cache = getattr(model.config, "use_cache", None)
     was_training = model.training
     model.eval()
     try:
-        inputs = []
-        if needs:
-            device = next(model.parameters()).device
-            inputs = capture_block_inputs(model, _batches(samples, batch_size), device=device)
+        device = next(model.parameters()).device
+
+        def capture():
+            return capture_block_inputs(model, _batches(samples, batch_size), device=device)
+
+        _plan_ratios(report, recipe, settings, sparsity, groups, path, lambda m_: _owl_shares(blocks, capture(), m_))
+        inputs = capture() if needs else []
         run_blocks(blocks, inputs, _pruner(report, lambda i, k: f"{path}.{i}.{k}", criterion, n, m, blocksize,
                                            percdamp),
                    stats=needs, hessian=criterion == "sparsegpt")
@@ -318,6 +461,51 @@ def _verify_output(out_dir: Path, source: _Checkpoint | None, config) -> None:
                            f"{extra[:3]}, other shape or dtype {changed[:3]}); please report this")
 
 
+def _settings_record(criterion: str, sparsity: float, n: int, m: int, settings, recipe: Recipe) -> dict:
+    """What pruning.json records of the settings."""
+    out = {"criterion": criterion, "sparsity": sparsity, "n": n, "m": m, "preset": recipe.preset,
+           "metric": None if settings is None else settings[0], "epsilon": None if settings is None else settings[1]}
+    if recipe.owl:
+        out.update(owl_m=OWL_M if recipe.owl_m is None else recipe.owl_m,
+                   owl_lambda=OWL_LAMBDA if recipe.owl_lambda is None else recipe.owl_lambda)
+    if recipe.ratios is not None:
+        out["ratios_from"] = str(recipe.ratios) if isinstance(recipe.ratios, (str, os.PathLike)) else "given"
+    return out
+
+
+def _samples(model_dir: Path, calibration, n_samples: int, seq_len: int, seed: int, text_field: str, say):
+    samples = calibration_samples(_load_tokenizer(model_dir), calibration, n_samples, seq_len, seed, text_field)
+    say(f"calibration: {samples.shape[0]} windows of {samples.shape[1]} tokens from {calibration}")
+    return samples
+
+
+def _check_run_args(n_samples, seq_len, batch_size, ratios=None) -> None:
+    if ratios is not None:
+        read_ratios(ratios)  # the file's format now; its names once the blocks are known
+    for flag, value in (("--n-samples", n_samples), ("--seq-len", seq_len), ("--batch-size", batch_size)):
+        if isinstance(value, bool) or int(value) != value or value < 1:
+            raise ValueError(f"{flag} must be an integer >= 1, got {value}")
+
+
+def _check_calibration(criterion: str, recipe: Recipe, calibration, config, seq_len: int, say) -> bool:
+    """Whether the prune reads calibration data (Wanda, SparseGPT, OWL's ratios); the file and the
+    window length checked against it."""
+    needs = criteria.needs_stats(criterion) or recipe.owl
+    why = f"criterion {criterion!r}" if criteria.needs_stats(criterion) else "--preset owl"
+    if needs and calibration is None:
+        raise ValueError(f"{why} needs --calibration FILE (text or JSON lines, e.g. a C4 shard)")
+    if calibration is not None and not Path(calibration).is_file():
+        raise FileNotFoundError(f"no such calibration file: {calibration}" + (
+            "" if needs else f" (--criterion {criterion} does not read one: leave --calibration out)"))
+    if not needs and calibration is not None:
+        say(f"note: --criterion {criterion} prunes by the weights alone; --calibration {calibration} (and --n-samples, "
+            "--seq-len, --seed, --batch-size) are not used")
+    max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if needs and max_pos and seq_len > max_pos:
+        raise ValueError(f"--seq-len {seq_len} exceeds the model's {max_pos} positions; lower --seq-len")
+    return needs
+
+
 def prune_checkpoint(
     model_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -340,10 +528,14 @@ def prune_checkpoint(
     blocksize: int | None = None,
     percdamp: float | None = None,
     in_memory: bool = False,
+    owl_m: float | None = None,
+    owl_lambda: float | None = None,
+    ratios=None,
     log=None,
 ) -> PruneReport:
     """Prune the causal LM in ``model_dir`` and write the pruned model to ``out_dir`` (module
-    docstring). Returns the :class:`PruneReport`; ``log`` receives progress lines.
+    docstring). Returns the :class:`PruneReport`; ``log`` receives progress lines. Per-layer ratios
+    as :func:`prune_model`'s.
 
     Everything that can be checked is checked before the first block: the arguments, the
     architecture, every tensor the config implies (present, with its shape) and every value
@@ -355,28 +547,14 @@ def prune_checkpoint(
     say = log or (lambda s: None)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     # 1. arguments, the architecture and every tensor: nothing is written, nothing calibrated yet
-    sparsity = _check_prune_args(sparsity, criterion, n, m, preset, metric, epsilon, blocksize, percdamp)
-    given = dict(blocksize=blocksize, percdamp=percdamp)  # prune_model checks them again (None: not given)
-    blocksize, percdamp = 128 if blocksize is None else int(blocksize), 0.01 if percdamp is None else float(percdamp)
-    for flag, value in (("--n-samples", n_samples), ("--seq-len", seq_len), ("--batch-size", batch_size)):
-        if isinstance(value, bool) or int(value) != value or value < 1:
-            raise ValueError(f"{flag} must be an integer >= 1, got {value}")
+    recipe = Recipe(preset, metric, epsilon, owl_m, owl_lambda, ratios)
+    sparsity = _check_prune_args(sparsity, criterion, n, m, preset, metric, epsilon, blocksize, percdamp, recipe)
+    _check_run_args(n_samples, seq_len, batch_size, ratios)
     settings = _ratio_settings(preset, metric, epsilon)
     dev = _resolve_device(device)
     config = _load_config(model_dir)
     _check_out(model_dir, out_dir)
-    needs = criteria.needs_stats(criterion)
-    if needs and calibration is None:
-        raise ValueError(f"criterion {criterion!r} needs --calibration FILE (text or JSON lines, e.g. a C4 shard)")
-    if calibration is not None and not Path(calibration).is_file():
-        raise FileNotFoundError(f"no such calibration file: {calibration}" + (
-            "" if needs else f" (--criterion {criterion} does not read one: leave --calibration out)"))
-    if not needs and calibration is not None:
-        say(f"note: --criterion {criterion} prunes by the weights alone; --calibration {calibration} (and --n-samples, "
-            "--seq-len, --seed, --batch-size) are not used")
-    max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if needs and max_pos and seq_len > max_pos:
-        raise ValueError(f"--seq-len {seq_len} exceeds the model's {max_pos} positions; lower --seq-len")
+    needs = _check_calibration(criterion, recipe, calibration, config, seq_len, say)
     ckpt = _Checkpoint(model_dir)
     cdtype = _resolve_dtype(dtype, dev, ckpt.stored_dtype())
     sm = _Streamed(model_dir, config, dev, cdtype, ckpt=ckpt)
@@ -385,31 +563,32 @@ def prune_checkpoint(
     if needs:
         hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 0
         _check_calibration_memory(int(n_samples), int(seq_len), int(hidden), cdtype, dev)
-    written = {"criterion": criterion, "sparsity": sparsity, "n": n, "m": m, "preset": preset,
-               "metric": None if settings is None else settings[0], "epsilon": None if settings is None else settings[1]}
+    written = _settings_record(criterion, sparsity, n, m, settings, recipe)
     # 2. claim --out (or learn who holds it), then work in a temporary sibling
     claim = OutputClaim(out_dir, command=f"prune {model_dir} --out {out_dir} --criterion {criterion} --sparsity "
                                          f"{sparsity:g}", log=say)
     with claim as tmp:
-        samples = None
-        if needs:
-            tokenizer = _load_tokenizer(model_dir)
-            samples = calibration_samples(tokenizer, calibration, n_samples, seq_len, seed, text_field)
-            say(f"calibration: {samples.shape[0]} windows of {samples.shape[1]} tokens from {calibration}")
+        samples = _samples(model_dir, calibration, n_samples, seq_len, seed, text_field, say) if needs else None
         t0 = time.perf_counter()
         if in_memory:
             report = _prune_in_memory(model_dir, tmp, samples, cdtype, dev, ckpt.stored_dtype(), sparsity=sparsity,
-                                      criterion=criterion, n=n, m=m, preset=preset, metric=metric, epsilon=epsilon,
-                                      batch_size=batch_size, **given)
+                                      criterion=criterion, n=n, m=m, batch_size=batch_size, blocksize=blocksize,
+                                      percdamp=percdamp, **_recipe_kwargs(recipe))
         else:
-            report = _prune_streamed(sm, tmp, samples, settings, sparsity, criterion, n, m, batch_size, blocksize,
-                                     percdamp, say)
+            knobs = (128 if blocksize is None else int(blocksize), 0.01 if percdamp is None else float(percdamp))
+            report = _prune_streamed(sm, tmp, samples, settings, recipe, sparsity, criterion, n, m, batch_size,
+                                     *knobs, say)
         _copy_side_files(model_dir, tmp, overwrite=not in_memory)  # save_pretrained wrote its own config
         report.seconds = time.perf_counter() - t0
         _write_report(tmp, report, written)
         _verify_output(tmp, None if in_memory else ckpt, config)
         claim.commit()
     return report
+
+
+def _recipe_kwargs(recipe: Recipe) -> dict:
+    return dict(preset=recipe.preset, metric=recipe.metric, epsilon=recipe.epsilon, owl_m=recipe.owl_m,
+                owl_lambda=recipe.owl_lambda, ratios=recipe.ratios)
 
 
 def _prune_in_memory(model_dir: Path, tmp: Path, samples, cdtype, dev, stored, **kw) -> PruneReport:
@@ -421,14 +600,13 @@ def _prune_in_memory(model_dir: Path, tmp: Path, samples, cdtype, dev, stored, *
     return report
 
 
-def _prune_streamed(sm: _Streamed, tmp: Path, samples, settings, sparsity, criterion, n, m, batch_size, blocksize,
-                    percdamp, say) -> PruneReport:
-    from safetensors.torch import save_file
-
+def _streamed_ratios(sm: _Streamed, samples, settings, recipe: Recipe, sparsity: float, batch_size: int,
+                     report: PruneReport) -> None:
+    """Sizes from the meta skeleton; the HT-SR metric from each block loaded in turn, or OWL's shares
+    from a dense calibration pass (each block loaded, measured, run and freed); then the ratios."""
     nb = len(sm.blocks)
-    report = PruneReport()
     groups = []
-    for i in range(nb):  # sizes from the meta skeleton; metric from each block loaded in turn
+    for i in range(nb):
         mods = linear_modules(sm.blocks[i])
         groups.append([f"{sm.path}.{i}.{k}" for k in mods])
         report.numels.update({f"{sm.path}.{i}.{k}": weight_matrix(mod).numel() for k, mod in mods.items()})
@@ -436,7 +614,28 @@ def _prune_streamed(sm: _Streamed, tmp: Path, samples, settings, sparsity, crite
         for i in range(nb):
             report.metric.update(_block_metric(sm.block(i), f"{sm.path}.{i}", settings[0], settings[2], settings[3]))
             sm.free(i)
-    report.ratios = _ratios(settings, report.metric, groups, report.numels, sparsity)
+
+    def owl_pass(m_: float) -> list[float]:
+        return _owl_shares(nb, _stem_inputs(sm, samples, batch_size), m_, materialize=sm.block,
+                           release=lambda i, block: sm.free(i))
+
+    _plan_ratios(report, recipe, settings, sparsity, groups, sm.path, owl_pass)
+
+
+def _stem_inputs(sm: _Streamed, samples, batch_size: int) -> list:
+    sm.load_stem()
+    inputs = capture_block_inputs(sm.model, _batches(samples, batch_size), device=sm.device)
+    sm.free_stem()
+    return inputs
+
+
+def _prune_streamed(sm: _Streamed, tmp: Path, samples, settings, recipe, sparsity, criterion, n, m, batch_size,
+                    blocksize, percdamp, say) -> PruneReport:
+    from safetensors.torch import save_file
+
+    nb = len(sm.blocks)
+    report = PruneReport()
+    _streamed_ratios(sm, samples, settings, recipe, sparsity, batch_size, report)
     width = len(str(nb + 1))
     total = nb + 1
 
@@ -468,12 +667,8 @@ def _prune_streamed(sm: _Streamed, tmp: Path, samples, settings, sparsity, crite
         say(f"block {i + 1}/{nb} pruned")
 
     stats = criteria.needs_stats(criterion)
-    inputs = []
-    if stats:
-        sm.load_stem()
-        inputs = capture_block_inputs(sm.model, _batches(samples, batch_size), device=sm.device)
-        sm.free_stem()
     # run_blocks replaces each batch by the block's output in this list: one copy of the activations
+    inputs = _stem_inputs(sm, samples, batch_size) if stats else []
     run_blocks(nb, inputs, _pruner(report, lambda i, k: f"{sm.path}.{i}.{k}", criterion, n, m, blocksize, percdamp),
                stats=stats, hessian=criterion == "sparsegpt", materialize=sm.block, release=release)
     del inputs

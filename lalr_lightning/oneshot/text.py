@@ -17,7 +17,7 @@ def read_text(path: str | os.PathLike, text_field: str = "text") -> tuple[list[s
     """(documents, verbatim) of a text file: a ``.txt`` is one document, its content verbatim
     (save WikiText's split joined as the reference joins it and the tokens are the same); a
     ``.json`` / ``.jsonl`` gives one document per record (its ``text_field``), as C4's shards."""
-    from lalr_lightning.data.causal_lm import read_records
+    from lalr_lightning.records import read_records
 
     p = Path(path)
     if not p.is_file():

@@ -1,0 +1,152 @@
+"""OWL's per-layer ratios (``prune --preset owl``) against the paper's formula, and explicit ratios
+(``prune --ratios FILE``)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from lalr_lightning.cli import main
+from lalr_lightning.core.pruning.owl import outlier_share, owl_ratios
+from tests._lm import WORDS, save_tiny_lm
+
+_WORDS = [w for w in WORDS if w.isalpha()]
+
+
+def _run(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    out = capsys.readouterr()
+    return info.value.code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("owl")
+    rng = random.Random(0)
+    (root / "calib.txt").write_text("\n".join(" ".join(rng.choice(_WORDS) for _ in range(25)) for _ in range(30)))
+    model = save_tiny_lm(root / "llama", "llama", False, layers=4, hidden=32, seed=1)
+    return root, model
+
+
+# ---------------------------------------------------------------------------- the formula by hand
+
+
+def test_outlier_share_by_hand():
+    # scores 1, 1, 1, 9 and 1, 1: mean 14/6; M = 2 puts the threshold at 4.67: one of six is an outlier
+    scores = [torch.tensor([[1.0, 1.0, 1.0, 9.0]]), torch.tensor([[1.0], [1.0]])]
+    assert outlier_share(scores, 2.0) == pytest.approx(100 / 6)
+    assert outlier_share(scores, 4.0) == 0.0  # 9 < 4 x 2.33 = 9.33
+    assert outlier_share([torch.tensor([2.0, 2.0, 2.0])], 1.0) == 0.0  # above, strictly
+
+
+def test_owl_ratios_follow_the_paper_by_hand():
+    # D = 1, 2, 4, 3 -> (D - 1) / 3 x 2 lambda = 0, 1/15, 1/5, 2/15 (lambda 0.1); mean 0.1;
+    # ratios 0.6 - (r - 0.1): the block with the most outliers is pruned least
+    got = owl_ratios([1.0, 2.0, 4.0, 3.0], 0.6, 0.1)
+    assert got == pytest.approx([0.7, 0.6 + 0.1 - 1 / 15, 0.5, 0.6 + 0.1 - 2 / 15])
+    assert sum(got) / 4 == pytest.approx(0.6)
+    assert max(got) - min(got) == pytest.approx(0.2)  # the span is 2 lambda
+    assert owl_ratios([5.0, 5.0, 5.0], 0.7, 0.08) == [0.7, 0.7, 0.7]  # no spread: uniform
+    with pytest.raises(ValueError, match="lower --owl-lambda"):
+        owl_ratios([0.0, 1.0], 0.05, 0.2)  # a negative ratio
+
+
+# ---------------------------------------------------------------------------- the command
+
+
+def _dense_shares(model_dir, samples, m):
+    """OWL's D per block from one forward of the whole dense model (hooks on every linear input)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    sq, handles = {}, []
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and ".layers." in name:
+            def hook(mod, args, name=name):
+                x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+                sq[name] = sq.get(name, 0) + x.square().sum(0)
+            handles.append(mod.register_forward_pre_hook(hook))
+    with torch.no_grad():
+        model(input_ids=samples, use_cache=False)
+    for h in handles:
+        h.remove()
+    blocks = {}
+    for name, s in sq.items():
+        w = model.get_submodule(name).weight.detach().double()
+        blocks.setdefault(int(name.split(".")[2]), []).append(w.abs() * (s / samples.shape[0]).sqrt())
+    return [outlier_share(blocks[i], m) for i in sorted(blocks)]
+
+
+@pytest.mark.parametrize("in_memory", [False, True])
+def test_prune_preset_owl_gives_the_formula_on_the_dense_activations(files, tmp_path, capsys, in_memory):
+    from transformers import AutoTokenizer
+
+    from lalr_lightning.oneshot.text import calibration_samples
+
+    root, model = files
+    out = tmp_path / "owl"
+    code, _, err = _run(["prune", str(model), "--out", str(out), "--sparsity", "0.6", "--preset", "owl",
+                         "--owl-m", "3", "--owl-lambda", "0.1", "--calibration", str(root / "calib.txt"),
+                         "--n-samples", "8", "--seq-len", "16", *(["--in-memory"] if in_memory else [])], capsys)
+    assert code == 0, err
+    report = json.loads((out / "pruning.json").read_text())
+    assert report["preset"] == "owl" and report["owl_m"] == 3 and report["owl_lambda"] == 0.1
+    samples = calibration_samples(AutoTokenizer.from_pretrained(model), root / "calib.txt", 8, 16, 0, "text")
+    shares = _dense_shares(model, samples, 3.0)
+    assert len(set(shares)) > 1  # the blocks differ: the ratios are not uniform
+    expected = owl_ratios(shares, 0.6, 0.1)
+    for k, r in report["ratios"].items():
+        block = int(k.split(".")[2])
+        assert report["metric_values"][k] == pytest.approx(shares[block], abs=1e-6)
+        assert r == pytest.approx(expected[block], abs=1e-6), k
+        assert report["achieved"][k] == pytest.approx(r, abs=1 / 16)  # Wanda: int(ratio x columns) a row
+
+
+def test_explicit_ratios_per_block_and_per_matrix(files, tmp_path, capsys):
+    root, model = files
+    listed = tmp_path / "r.json"
+    listed.write_text(json.dumps([0.2, 0.4, 0.6, 0.8]))
+    code, _, err = _run(["prune", str(model), "--out", str(tmp_path / "a"), "--criterion", "magnitude",
+                         "--ratios", str(listed)], capsys)
+    assert code == 0, err
+    report = json.loads((tmp_path / "a" / "pruning.json").read_text())
+    for k, r in report["ratios"].items():
+        assert r == [0.2, 0.4, 0.6, 0.8][int(k.split(".")[2])]
+        assert report["achieved"][k] == pytest.approx(r, abs=1e-3)
+    # a previous run's pruning.json, one matrix changed: {name: ratio} of matrices
+    report["ratios"]["model.layers.0.mlp.down_proj"] = 0.5
+    (tmp_path / "p.json").write_text(json.dumps(report))
+    code, _, err = _run(["prune", str(model), "--out", str(tmp_path / "b"), "--criterion", "magnitude",
+                         "--ratios", str(tmp_path / "p.json")], capsys)
+    assert code == 0, err
+    again = json.loads((tmp_path / "b" / "pruning.json").read_text())
+    assert again["ratios"] == report["ratios"]
+
+
+@pytest.mark.parametrize("args, phrase", [
+    (["--ratios", "LIST3"], "lists 3 ratios, the model has 4 decoder blocks"),
+    (["--ratios", "UNKNOWN"], "no layer named ['model.layers.9']"),
+    (["--ratios", "LIST3", "--sparsity", "0.5"], "--sparsity does not apply"),
+    (["--preset", "owl", "--n", "2", "--m", "4"], "do not apply"),
+    (["--owl-m", "5"], "add --preset owl"),
+    (["--preset", "owl", "--owl-lambda", "0.7"], "--owl-lambda must be in [0, 0.5)"),
+    (["--preset", "owl", "--metric", "alpha"], "leave them out"),
+    (["--preset", "owl", "--criterion", "magnitude"], "--preset owl needs --calibration"),
+])
+def test_bad_recipes_are_one_line(files, tmp_path, capsys, args, phrase):
+    root, model = files
+    (tmp_path / "l3.json").write_text("[0.1, 0.2, 0.3]")
+    (tmp_path / "u.json").write_text(json.dumps({"model.layers.9": 0.5}))
+    args = [str(tmp_path / "l3.json") if a == "LIST3" else str(tmp_path / "u.json") if a == "UNKNOWN" else a
+            for a in args]
+    crit = [] if "--criterion" in args else ["--criterion", "magnitude"] if "--ratios" in args else []
+    calib = [] if "magnitude" in args + crit else ["--calibration", str(root / "calib.txt")]
+    code, _, err = _run(["prune", str(model), "--out", str(tmp_path / "o"), *crit, *calib, "--n-samples", "4",
+                         "--seq-len", "16", *args], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert phrase in err, err
+    assert not (tmp_path / "o").exists()
