@@ -52,6 +52,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
 from lalr_lightning.callbacks.distributed import backward_discarded, loss_through_root, sharded
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
+from lalr_lightning.choices import unknown
 from lalr_lightning.core.layers import matrix_layers
 from lalr_lightning.core.loss import batch_loss
 from lalr_lightning.core.selection import (
@@ -131,7 +132,7 @@ class AutoRGN(LayerSelection):
         super().__init__(blocks=blocks, join_stem=join_stem, norm_eval=norm_eval, save_compute=False, name=name,
                          strict_resume=strict_resume)
         if criterion not in CRITERIA:
-            raise ValueError(f"unknown criterion {criterion!r}; valid: {', '.join(CRITERIA)}")
+            raise unknown("criterion", criterion, CRITERIA)
         self.reject("criterion", criterion, {"eb_threshold": eb_threshold}, {"rgn": (), "eb": ("eb_threshold",)})
         for arg, value in (("n_batches", n_batches), ("every_n_epochs", every_n_epochs)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -21,6 +21,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback
+from lalr_lightning.choices import unknown
 from lalr_lightning.core.lalr_metrics import (
     DEFAULT_LAYER_TYPES,
     GROUPS,
@@ -126,9 +127,9 @@ class LALRScheduleCallback(LayerwiseCallback):
     ):
         super().__init__(name=name, strict_resume=strict_resume)
         if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
+            raise unknown("mode", mode, MODES)
         if groups not in GROUPS:
-            raise ValueError(f"unknown groups {groups!r}; valid: {', '.join(GROUPS)}")
+            raise unknown("groups", groups, GROUPS)
         if weights is not None and mode != "weighted":
             raise ValueError(f"weights only apply to mode='weighted' (got mode={mode!r}); drop weights or set the mode")
         self.reject("mode", mode, {"phases": phases, "weights": weights, "hessian_delta": hessian_delta},

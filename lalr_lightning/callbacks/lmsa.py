@@ -24,6 +24,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
 from lalr_lightning.callbacks.distributed import WholeCopy, sharded
 from lalr_lightning.callbacks.selection import LayerSelection
+from lalr_lightning.choices import unknown
 from lalr_lightning.core import msa
 from lalr_lightning.core.control import LayerControl
 from lalr_lightning.core.errors import DivergenceError
@@ -197,9 +198,9 @@ class LMSAStepper(LayerSelection):
         super().__init__(blocks=blocks, join_stem=join_stem, norm_eval=norm_eval, save_compute=save_compute,
                          optimizer_state=optimizer_state, name=name, strict_resume=strict_resume)
         if select not in SELECT:
-            raise ValueError(f"unknown select {select!r}; valid: {', '.join(SELECT)}")
+            raise unknown("select", select, SELECT)
         if update not in UPDATE:
-            raise ValueError(f"unknown update {update!r}; valid: {', '.join(UPDATE)}")
+            raise unknown("update", update, UPDATE)
         inner = ("rho", "inner_optimizer", "inner_lr", "inner_steps", "feasibility")
         self.reject("update", update, dict(zip(inner, (rho, inner_optimizer, inner_lr, inner_steps, feasibility))),
                     {"msa": inner, "optimizer": ()})

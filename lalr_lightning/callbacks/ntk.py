@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, stop_on_sigterm
 from lalr_lightning.callbacks.distributed import WholeCopy, sharded
+from lalr_lightning.choices import unknown
 from lalr_lightning.core import ntk
 from lalr_lightning.core.anchor import check_anchor, snapshot, trainable
 from lalr_lightning.core.placement import follow
@@ -100,7 +101,7 @@ class NTKDiagnostics(LayerwiseCallback):
         if not (math.isfinite(sigma) and sigma >= 0):
             raise ValueError(f"sigma must be a finite number >= 0 (a fraction of trace(K) / M), got {sigma}")
         if kernel not in ntk.MODES:
-            raise ValueError(f"unknown kernel {kernel!r}; valid: {', '.join(map(repr, ntk.MODES))}")
+            raise unknown("kernel", kernel, ntk.MODES, show=repr)
         self.every_n_epochs = every_n_epochs
         self.probe_size = probe_size
         self.sigma = float(sigma)

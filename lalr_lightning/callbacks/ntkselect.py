@@ -17,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
 from lalr_lightning.callbacks.distributed import sharded
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
+from lalr_lightning.choices import unknown
 from lalr_lightning.core import ntk
 from lalr_lightning.core.anchor import trainable
 from lalr_lightning.core.layers import Layer, output_layer
@@ -100,7 +101,7 @@ class NTKSelect(LayerSelection):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{arg} must be an integer >= 1, got {value!r}")
         if kernel not in ntk.MODES:
-            raise ValueError(f"unknown kernel {kernel!r}; valid: {', '.join(map(repr, ntk.MODES))}")
+            raise unknown("kernel", kernel, ntk.MODES, show=repr)
         self.kappa_max = float(kappa_max)
         self.sigma = float(sigma)
         self.max_layers = max_layers

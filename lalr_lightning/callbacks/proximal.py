@@ -30,6 +30,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, stop_on_sigterm
 from lalr_lightning.callbacks.distributed import WholeCopy, shard_layout, sharded
+from lalr_lightning.choices import unknown
 from lalr_lightning.core import proximal
 from lalr_lightning.core.anchor import check_anchor, load_anchor, snapshot, trainable
 from lalr_lightning.core.control import PostStep
@@ -135,7 +136,7 @@ class ProximalRegularizer(LayerwiseCallback):
         if not math.isfinite(lam) or lam < 0:
             raise ValueError(f"lam must be a finite number >= 0, got {lam}")
         if granularity not in GRANULARITIES:
-            raise ValueError(f"unknown granularity {granularity!r}; valid: {', '.join(map(repr, GRANULARITIES))}")
+            raise unknown("granularity", granularity, GRANULARITIES, show=repr)
         if not isinstance(anchor, (str, os.PathLike)) or not str(anchor):
             raise ValueError(f"anchor must be 'fit_start' or the path of a checkpoint / state dict, got {anchor!r}")
         if radius is not None and not (math.isfinite(radius) and radius > 0):

@@ -24,6 +24,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lalr_lightning.callbacks.base import Decision
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
+from lalr_lightning.choices import unknown
 from lalr_lightning.core.layers import describe_blocks, output_layer, suggest_blocks
 from lalr_lightning.core.selection import LIFT_ORDERS, lift_block, lisa_sample
 
@@ -99,7 +100,7 @@ class BlockSchedule(LayerSelection):
         switch_every: int | None = None,
     ):
         if schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
+            raise unknown("schedule", schedule, SCHEDULES)
         super().__init__(blocks=blocks, join_stem=(schedule != "lisa") if join_stem is None else join_stem,
                          norm_eval=norm_eval, save_compute=save_compute, optimizer_state=optimizer_state, name=name,
                          strict_resume=strict_resume)
@@ -109,7 +110,7 @@ class BlockSchedule(LayerSelection):
         order = "front_to_end" if order is None else order
         gamma = 2 if gamma is None else gamma
         if order not in LIFT_ORDERS:
-            raise ValueError(f"unknown LIFT order {order!r}; valid: {', '.join(LIFT_ORDERS)}")
+            raise unknown("LIFT order", order, LIFT_ORDERS)
         for arg, value in (("every_n_steps (switch_every)", every_n_steps), ("gamma", gamma)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{arg} must be an integer >= 1, got {value!r}")

@@ -37,6 +37,7 @@ from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
 from lalr_lightning.callbacks.distributed import replaces_parameters, sharded
+from lalr_lightning.choices import unknown
 from lalr_lightning.core.control import LayerControl
 from lalr_lightning.core.forward_blocks import Trace, trace_modules
 from lalr_lightning.core.handsync import HandSync
@@ -82,10 +83,10 @@ class LayerSelection(LayerwiseCallback):
                  name: str | None = None, strict_resume: bool = True):
         super().__init__(name=name, strict_resume=strict_resume)
         if norm_eval not in NORM_EVAL:
-            raise ValueError(f"unknown norm_eval {norm_eval!r}; valid: {', '.join(NORM_EVAL)}")
+            raise unknown("norm_eval", norm_eval, NORM_EVAL)
         if optimizer_state not in OPTIMIZER_STATE:
-            raise ValueError(f"unknown optimizer_state {optimizer_state!r}; valid: {', '.join(OPTIMIZER_STATE)} "
-                             "('keep' matches LMFlow's LISA callback)")
+            raise unknown("optimizer_state", optimizer_state, OPTIMIZER_STATE,
+                          note=" ('keep' matches LMFlow's LISA callback)")
         self.optimizer_state = optimizer_state
         self.blocks = None if blocks is None else list(blocks)
         self.join_stem = bool(join_stem)
@@ -451,7 +452,7 @@ class SurgicalLayerSelect(Callback):
     ):
         given = {k: v for k, v in locals().items() if k not in ("cls", "mode") and v is not None}
         if mode not in _REGISTRY:
-            raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
+            raise unknown("mode", mode, MODES)
         target, fixed = _REGISTRY[mode]
         params = inspect.signature(target).parameters
         stray = sorted(set(given) - set(params))

@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 import numpy as np
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
+from lalr_lightning.choices import unknown
 from lalr_lightning.core import spectral
 from lalr_lightning.core.layers import DEFAULT_KINDS, check_kinds
 from lalr_lightning.core.tempbalance import ASSIGN, RANGED, SAMPLING, assign_multipliers, eligible_layers
@@ -113,9 +114,9 @@ class TempBalanceCallback(LayerwiseCallback):
     ):
         super().__init__(name=name, strict_resume=strict_resume)
         if assign not in ASSIGN:
-            raise ValueError(f"unknown assign {assign!r}; valid: {', '.join(ASSIGN)}")
+            raise unknown("assign", assign, ASSIGN)
         if fit not in spectral.FITS:
-            raise ValueError(f"unknown fit {fit!r}; valid: {', '.join(spectral.FITS)}")
+            raise unknown("fit", fit, spectral.FITS)
         ranged = ("lr_min_ratio", "lr_max_ratio")
         self.reject("assign", assign, {"lr_min_ratio": lr_min_ratio, "lr_max_ratio": lr_max_ratio, "std": std},
                     {a: ranged if a in RANGED else ("std",) if a in SAMPLING else () for a in ASSIGN})

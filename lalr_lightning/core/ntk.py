@@ -47,6 +47,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jvp, vjp, vmap
 
+from lalr_lightning.choices import unknown
+
 from .layers import Layer, clean_name, matrix_layers
 from .loss import call_model, forward_module, output_tensor
 from .taps import call_with_params
@@ -331,7 +333,7 @@ def _forward(
 
 def check_positions(positions: str) -> str:
     if positions not in POSITIONS:
-        raise ValueError(f"unknown positions {positions!r}; valid: {', '.join(map(repr, POSITIONS))}")
+        raise unknown("positions", positions, POSITIONS, show=repr)
     return positions
 
 
@@ -454,7 +456,7 @@ def ntk_cost(
     project. The choice is made once per fit and stated by the callbacks.
     """
     if mode not in MODES:
-        raise ValueError(f"unknown NTK mode {mode!r}; valid: {', '.join(map(repr, MODES))}")
+        raise unknown("NTK mode", mode, MODES, show=repr)
     check_positions(positions)
     outputs = check_outputs(outputs)
     budget = DEFAULT_ENTRIES if entries is None else int(entries)
@@ -589,7 +591,7 @@ def empirical_ntk(
             may raise to stop the computation (a SIGTERM or Ctrl-C seen by the caller).
     """
     if mode not in MODES:
-        raise ValueError(f"unknown NTK mode {mode!r}; valid: {', '.join(map(repr, MODES))}")
+        raise unknown("NTK mode", mode, MODES, show=repr)
     if max_jacobian_numel < 1:
         raise ValueError(f"max_jacobian_numel must be >= 1, got {max_jacobian_numel}")
     check_positions(positions)
@@ -1044,7 +1046,7 @@ def estimate_lambda_o(
     ``targets`` is then not used. ``check`` as in :func:`jacobian_spectral_norm`.
     """
     if reduction not in ("mean", "sum"):
-        raise ValueError(f"unknown reduction {reduction!r}; valid: 'mean', 'sum'")
+        raise unknown("reduction", reduction, ("mean", "sum"), show=repr)
     params = _check_params(model, params)
     inputs = _on(inputs, params)
     if loss is not None:

@@ -30,6 +30,8 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from lalr_lightning.choices import unknown
+
 __all__ = ["GRANULARITIES", "deltas", "distances", "inner_products", "pull_decisions", "proximal_step_"]
 
 GRANULARITIES = ("tensor", "layer", "global")
@@ -136,7 +138,7 @@ def pull_decisions(
     in :func:`inner_products` (each rank then decides from the same sums).
     """
     if granularity not in GRANULARITIES:
-        raise ValueError(f"unknown granularity {granularity!r}; valid: {', '.join(map(repr, GRANULARITIES))}")
+        raise unknown("granularity", granularity, GRANULARITIES, show=repr)
     names = list(deltas)
     if not selective:
         return dict.fromkeys(names, True)

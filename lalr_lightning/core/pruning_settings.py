@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from lalr_lightning.choices import unknown
 from lalr_lightning.core import spectral
 from lalr_lightning.core.errors import reject_stray
 from lalr_lightning.core.layers import check_kinds
@@ -40,11 +41,11 @@ def pruning_settings(
     """The settings of ``HTSRPruning(...)`` under their own names, the preset's and the defaults
     filled in (``docs`` of the callback); a ``ValueError`` naming the fix for a bad combination."""
     if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; valid: {', '.join(repr(p) for p in PRESETS)}")
+        raise unknown("preset", preset, PRESETS, show=repr)
     given_fit = {"fit": fit, "filter_zeros": filter_zeros}
     fill = PRESETS[preset]
     if criterion not in CRITERIA:
-        raise ValueError(f"unknown criterion {criterion!r}; valid: {', '.join(CRITERIA)}")
+        raise unknown("criterion", criterion, CRITERIA)
     n, m = check_nm(n, m)
     reject_stray(who, "criterion", criterion,
                  {"n_calibration": n_calibration, "calibration": calibration, "blocksize": blocksize,
@@ -77,13 +78,13 @@ def pruning_settings(
     min_numel = fill["min_numel"] if min_numel is None else min_numel
     min_evals = fill["min_evals"] if min_evals is None else min_evals
     if metric not in PRUNING_METRICS:
-        raise ValueError(f"unknown metric {metric!r}; valid: {', '.join(PRUNING_METRICS)}")
+        raise unknown("metric", metric, PRUNING_METRICS)
     if direction not in DIRECTIONS:
-        raise ValueError(f"unknown direction {direction!r}; valid: {', '.join(DIRECTIONS)}")
+        raise unknown("direction", direction, DIRECTIONS)
     if overflow not in OVERFLOW:
-        raise ValueError(f"unknown overflow {overflow!r}; valid: {', '.join(OVERFLOW)}")
+        raise unknown("overflow", overflow, OVERFLOW)
     if fit is not None and fit not in spectral.FITS:
-        raise ValueError(f"unknown fit {fit!r}; valid: {', '.join(spectral.FITS)}")
+        raise unknown("fit", fit, spectral.FITS)
     reject_stray(who, "metric", metric, given_fit,
                 {m: ("fit", "filter_zeros") if m in FITTED else () for m in PRUNING_METRICS})
     reject_stray(who, "structured", structured, {"channel_step": channel_step}, {True: ("channel_step",), False: ()})

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from lalr_lightning.choices import unknown
 from lalr_lightning.core.layers import Layer, clean_name
 
 __all__ = [
@@ -172,7 +173,7 @@ def lift_block(order: str, switch: int, n_blocks: int, seed: int = 0) -> int:
     if order == "random":
         perm = np.random.default_rng([seed, switch // n_blocks]).permutation(n_blocks)
         return int(perm[pos])
-    raise ValueError(f"unknown LIFT order {order!r}; valid: {', '.join(LIFT_ORDERS)}")
+    raise unknown("LIFT order", order, LIFT_ORDERS)
 
 
 def lisa_sample(n_middle: int, gamma: int, switch: int, seed: int = 0) -> list[int]:

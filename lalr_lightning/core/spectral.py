@@ -55,6 +55,8 @@ import pandas as pd
 import torch
 from torch import Tensor, nn
 
+from lalr_lightning.choices import unknown
+
 from .checkpoints import is_checkpoint_path, load_matrix, stored_matrices
 from .layers import Layer, matrix_layers
 
@@ -663,7 +665,7 @@ def _fit_many(xs: Sequence[Tensor], fit: str, xmin_pos: float | None, small_n: i
 
 def _check_fit(fit: str) -> None:
     if fit not in FITS:
-        raise ValueError(f"unknown fit {fit!r}; valid fits: {', '.join(FITS)}")
+        raise unknown("fit", fit, FITS)
 
 
 def fit_power_law(

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lalr_lightning.choices import unknown
 from lalr_lightning.core import llm_pruning
 from lalr_lightning.core.calibration import (
     capture_block_inputs,
@@ -91,7 +92,7 @@ def _check_prune_args(sparsity: float | None, criterion: str, n: int, m: int, pr
 
     n, m = llm_pruning.check_nm(n, m)
     if criterion not in llm_pruning.CRITERIA:
-        raise ValueError(f"unknown criterion {criterion!r}; valid: {', '.join(llm_pruning.CRITERIA)}")
+        raise unknown("criterion", criterion, llm_pruning.CRITERIA)
     if m and (preset is not None or metric is not None):
         raise ValueError(f"N:M sparsity prunes every layer to n/m = {n}/{m}; per-layer ratios (--preset / --metric) "
                          "do not apply (AlphaPruning's ratios are for unstructured sparsity)")
@@ -103,7 +104,7 @@ def _check_prune_args(sparsity: float | None, criterion: str, n: int, m: int, pr
         raise ValueError(f"--sparsity must be in [0, 1) (the fraction of the blocks' linear weights set to zero), "
                          f"got {sparsity}")
     if metric is not None and metric not in PRUNING_METRICS:
-        raise ValueError(f"unknown --metric {metric!r}; valid: {', '.join(PRUNING_METRICS)}")
+        raise unknown("--metric", metric, PRUNING_METRICS)
     if epsilon is not None:
         if preset is None and metric is None:
             raise ValueError("--epsilon spreads per-layer ratios (--preset or --metric); uniform pruning has none: "
@@ -132,7 +133,7 @@ def _ratio_settings(preset, metric, epsilon):
     from lalr_lightning.callbacks.pruning import PRESETS
 
     if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; valid: {', '.join(repr(p) for p in PRESETS if p)}")
+        raise unknown("preset", preset, [p for p in PRESETS if p], show=repr)
     fill = PRESETS[preset]
     eps = fill["epsilon"] if epsilon is None else float(epsilon)
     return (fill["metric"] if metric is None else metric, eps, fill["fit"], fill["filter_zeros"],
