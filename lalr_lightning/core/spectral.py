@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 import warnings
 import zlib
 from collections import defaultdict
@@ -55,6 +54,7 @@ import pandas as pd
 import torch
 from torch import Tensor, nn
 
+from lalr_lightning import progress
 from lalr_lightning.choices import unknown
 
 from .checkpoints import is_checkpoint_path, load_matrix, stored_matrices
@@ -856,11 +856,8 @@ def _check_device(device) -> torch.device | None:
 
 
 def _progress(enabled: bool, total: int):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="spectral analysis", unit="matrix", file=sys.stderr)
+    # drawn only on a terminal (lalr_lightning.progress): no bar in CI logs or redirected output
+    return progress.bar(total=total, desc="spectral analysis", unit="matrix") if enabled else None
 
 
 def _entries(source, layer_types, device) -> list[_Entry]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from lalr_lightning import progress
 from lalr_lightning.core import llm_pruning
 from lalr_lightning.oneshot.checkpoint import DTYPES, _first_line, _load_config, _load_tokenizer, _resolve_device
 from lalr_lightning.oneshot.evaluate import _load_evaluated, perplexity
@@ -116,6 +117,7 @@ def prune_main(argv: Sequence[str] | None = None, prog: str = "python -m lalr_li
     p.add_argument("--percdamp", type=float, default=None, help="SparseGPT's dampening, >= 0 (default 0.01); "
                                                                "sparsegpt only")
     p.add_argument("--in-memory", action="store_true", help="load the whole model instead of streaming blocks")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (none is drawn when stderr is not a terminal)")
     args = p.parse_args(argv)
     _quiet_transformers()
     out = Path(args.out).absolute()
@@ -125,13 +127,14 @@ def prune_main(argv: Sequence[str] | None = None, prog: str = "python -m lalr_li
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    progress.set_quiet(args.quiet)
     try:
         report = prune_checkpoint(
             args.model, args.out, sparsity=args.sparsity, criterion=args.criterion, n=args.n, m=args.m,
             preset=args.preset, metric=args.metric, epsilon=args.epsilon, calibration=args.calibration,
             n_samples=args.n_samples, seq_len=args.seq_len, seed=args.seed, text_field=args.text_field,
             device=args.device, dtype=args.dtype, batch_size=args.batch_size, blocksize=args.blocksize,
-            percdamp=args.percdamp, in_memory=args.in_memory, log=lambda s: print(s, file=sys.stderr),
+            percdamp=args.percdamp, in_memory=args.in_memory, log=progress.write,
         )
     except KeyboardInterrupt as e:
         what = "terminated" if isinstance(e, _Terminated) else "interrupted"
@@ -166,8 +169,10 @@ def perplexity_main(argv: Sequence[str] | None = None, prog: str = "python -m la
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 (default cpu)")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="compute dtype (auto: the checkpoint's on CUDA, float32 on CPU)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (none is drawn when stderr is not a terminal)")
     args = p.parse_args(argv)
     _quiet_transformers()
+    progress.set_quiet(args.quiet)
     try:
         if args.batch_size < 1 or args.seq_len < 2 or (args.max_windows is not None and args.max_windows < 1):
             raise ValueError(f"--batch-size and --max-windows must be >= 1 and --seq-len >= 2, got {args.batch_size}, "

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lalr_lightning import progress
 from lalr_lightning.choices import unknown
 from lalr_lightning.core import llm_pruning
 from lalr_lightning.core.calibration import (
@@ -434,7 +435,7 @@ def _prune_streamed(sm: _Streamed, tmp: Path, samples, settings, sparsity, crite
         groups.append([f"{sm.path}.{i}.{k}" for k in mods])
         report.numels.update({f"{sm.path}.{i}.{k}": weight_matrix(mod).numel() for k, mod in mods.items()})
     if settings is not None:
-        for i in range(nb):
+        for i in progress.bar(range(nb), desc="HT-SR metrics", unit="block"):
             report.metric.update(_block_metric(sm.block(i), f"{sm.path}.{i}", settings[0], settings[2], settings[3]))
             sm.free(i)
     report.ratios = _ratios(settings, report.metric, groups, report.numels, sparsity)
