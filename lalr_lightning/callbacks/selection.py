@@ -37,6 +37,7 @@ from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
 from lalr_lightning.callbacks.distributed import replaces_parameters, sharded
+from lalr_lightning.callbacks.summary import selection_counts, selection_summary
 from lalr_lightning.choices import unknown
 from lalr_lightning.core.control import LayerControl
 from lalr_lightning.core.forward_blocks import Trace, trace_modules
@@ -103,6 +104,9 @@ class LayerSelection(LayerwiseCallback):
         self._early: Decision | None = None  # decided in setup, committed at fit start
         self._restored_late = False  # the checkpoint came after on_fit_start (FSDP): applied at train start
         self._handsync: HandSync | None = None  # DDP: the switching units' gradients averaged by hand
+        self.summary: str | None = None  # the last decision's trainable / total parameters (callbacks/summary.py)
+        self.summary_counts: dict[str, int | str] = {}  # the numbers of that line
+        self._summarized = False  # this fit's summary was shown
 
     # ------------------------------------------------------------------ views
 
@@ -155,7 +159,7 @@ class LayerSelection(LayerwiseCallback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
-            self._module, self._wrapped, self._early = pl_module, False, None
+            self._module, self._wrapped, self._early, self._summarized = pl_module, False, None, False
             if self._handsync is not None:  # a fit that ended without teardown
                 self._handsync.stop()
             self._handsync = None
@@ -271,6 +275,18 @@ class LayerSelection(LayerwiseCallback):
             self.follow_requires_grad()
         self.release_state(trainer, off)
         self.apply_norm_modes()
+        self._summarize()
+
+    def _summarize(self) -> None:
+        """After each decision, what trains as :func:`selection_summary` says it (``summary``);
+        shown once per fit, at the first, since Lightning's model summary came before it."""
+        if self._module is None:
+            return
+        self.summary_counts = selection_counts(self)
+        self.summary = selection_summary(type(self).__name__, self.summary_counts)
+        if not self._summarized:
+            self._summarized = True
+            rank_zero_info(self.summary)
 
     def release_state(self, trainer: pl.Trainer, units: Sequence[Layer]) -> None:
         """With ``optimizer_state="release"``: free the optimizer state of these (frozen) units."""
