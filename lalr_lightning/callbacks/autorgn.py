@@ -1,12 +1,12 @@
 """Auto-RGN and the eb-criterion: per-tensor learning rates from gradients measured at every
 epoch start (the surgical fine-tuning authors' ``auto_tune``; baselines of
-``../shared/seeds/004_*.txt``).
+"L-MSA: Layer-wise Fine-tuning using the Method of Successive Approximations" (https://openreview.net/forum?id=xi3sDtf8A0)).
 
 * ``criterion="rgn"`` -- Auto-RGN: per *tensor* the relative gradient norm
   ``RGN = ||g||_2 / ||theta||_2`` of the training loss, averaged over the first ``n_batches``
   (5) batches of the train loader, divided by its maximum over tensors, is that tensor's
   learning-rate multiplier.
-* ``criterion="eb"`` -- the eb-criterion of the authors' code (004 only names it): per tensor
+* ``criterion="eb"`` -- the eb-criterion of the authors' code (L-MSA only names it): per tensor
   ``score = mean_k g_k^2 / (Var_0(g)_k + 1e-8)``, where ``Var_0`` is the (unbiased) variance of
   the gradient along the tensor's first dimension, broadcast back over it: a signal-to-noise
   ratio of the gradient entries, averaged over the same batches. Tensors with

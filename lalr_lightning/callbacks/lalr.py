@@ -1,6 +1,6 @@
 """LALR: layer-adaptive learning rates from sequential SVD / CE / CS weight metrics.
 
-``../shared/seeds/000_*.txt``. At the start of every epoch the layers' SVD, CE and CS metrics
+"LALR: Layer-Adaptive Learning Rate Fine-Tuning Using Sequential Scaling Metrics". At the start of every epoch the layers' SVD, CE and CS metrics
 are measured on the current weights (``core/lalr_metrics.py``); the epoch's phase picks one
 of them (``svd -> ce -> cs -> svd ...``) and it becomes each layer's multiplier of whatever
 learning rate the optimizer and scheduler set: ``lr_{l,e} = lr_e x scale_{l,e}`` (paper 3.2).

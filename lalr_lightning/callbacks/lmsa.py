@@ -1,5 +1,5 @@
 """L-MSA: select blocks by the MSA metric and fine-tune them by maximizing their augmented
-Hamiltonian (``../shared/seeds/004_*.txt``; derivation for non-linear blocks: ``docs/lmsa.md``).
+Hamiltonian ("L-MSA: Layer-wise Fine-tuning using the Method of Successive Approximations" (https://openreview.net/forum?id=xi3sDtf8A0); derivation for non-linear blocks: ``docs/lmsa.md``).
 
 The measurements are pure functions in :mod:`lalr_lightning.core.msa`, the block taps in
 :mod:`lalr_lightning.core.taps`; this callback decides when to measure, which blocks train and

@@ -1,4 +1,4 @@
-"""NTK diagnostics of fine-tuning (``../shared/seeds/001_*.txt``): on a fixed probe batch, the
+"""NTK diagnostics of fine-tuning ("Linearization Explains Fine-Tuning in Large Language Models" (https://arxiv.org/abs/2602.08239)): on a fixed probe batch, the
 condition number of the empirical NTK (Theorem 5's predictor of the fine-tuning risk), each
 layer's ``eta_l`` (Theorem 6) and how far the model has left its linearization around the
 weights it started from (the gap and the KL divergence of the paper's Table 1). The formulas

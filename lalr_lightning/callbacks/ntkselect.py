@@ -1,4 +1,4 @@
-"""NTK layer selection (``../shared/seeds/001_*.txt``, Theorems 6-7): before the first step,
+"""NTK layer selection ("Linearization Explains Fine-Tuning in Large Language Models" (https://arxiv.org/abs/2602.08239), Theorems 6-7): before the first step,
 choose the layers to fine-tune greedily by their kernel's effect on the NTK spectrum
 (largest ``eta_l`` first) while the condition number of the chosen layers' kernel stays under a
 bound; the others are frozen for the whole fit. The greedy rule is

@@ -1,4 +1,4 @@
-"""Selective proximal regularization (``../shared/seeds/001_*.txt``, "linearization explains
+"""Selective proximal regularization ("Linearization Explains Fine-Tuning in Large Language Models" (https://arxiv.org/abs/2602.08239), "linearization explains
 fine-tuning"): after every optimizer step, pull the trained parameters toward their values at
 the start of fine-tuning, ``theta <- theta - lam * lr * (theta - theta_0)``, only where the pull
 cannot raise the training loss, ``<g, theta - theta_0> >= 0`` for the gradient ``g`` of the step

@@ -1,4 +1,4 @@
-"""Block schedules: LIFT and LISA (baselines of ``../shared/seeds/004_*.txt``) -- which blocks
+"""Block schedules: LIFT and LISA (baselines of "L-MSA: Layer-wise Fine-tuning using the Method of Successive Approximations" (https://openreview.net/forum?id=xi3sDtf8A0)) -- which blocks
 train changes every ``every_n_steps`` optimizer steps.
 
 * ``lift`` -- LIFT (Zhu et al. 2023): one block trains at a time, the others are frozen; the
@@ -46,7 +46,7 @@ class BlockSchedule(LayerSelection):
 
     Args:
         schedule: ``lift`` or ``lisa`` (module docstring).
-        every_n_steps: optimizer steps between switches (K). 004 describes LIFT as one block
+        every_n_steps: optimizer steps between switches (K). the L-MSA paper describes LIFT as one block
             per iteration (``every_n_steps=1``); LMFlow's LISA uses 20.
         order: ``lift`` only: ``front_to_end`` (default), ``end_to_front`` or ``random``.
         gamma: ``lisa`` only: middle blocks trained at a time (default 2).

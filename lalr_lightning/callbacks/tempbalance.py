@@ -1,6 +1,6 @@
 """TempBalance: per-layer learning rates from heavy-tailed self-regularization (HT-SR) alpha.
 
-``../shared/seeds/002_*.txt`` ch. 2. Every epoch (or every N optimizer steps) the power-law
+"Layerwise Training of Deep Neural Networks" (https://www2.eecs.berkeley.edu/Pubs/TechRpts/2023/EECS-2023-126.html) ch. 2. Every epoch (or every N optimizer steps) the power-law
 exponent ``alpha`` of each layer's ESD is measured on the current weights and mapped to a
 learning-rate multiplier on top of whatever the scheduler sets: layers whose spectra look
 less trained (larger alpha) get larger learning rates. The assignment functions and the layer

@@ -1,6 +1,6 @@
 """LALR's per-layer weight metrics and the learning-rate multipliers made from them.
 
-``../shared/seeds/000_*.txt`` sections 2.1-2.4 and B.1.4 (metrics), 3.0 and Appendix A
+"LALR: Layer-Adaptive Learning Rate Fine-Tuning Using Sequential Scaling Metrics" sections 2.1-2.4 and B.1.4 (metrics), 3.0 and Appendix A
 (sequential phases), B.4.4 (weighted sum) and B.4.5.3 (Hessian proxy). Pure torch / numpy /
 pandas: no Lightning here. The callback (``callbacks/lalr.py``) only decides when to call
 these and logs what they return.

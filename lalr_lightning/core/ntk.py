@@ -1,4 +1,4 @@
-"""Empirical NTK, its spectral quantities and the linearized model (``seeds/001_*.txt``).
+"""Empirical NTK, its spectral quantities and the linearized model ("Linearization Explains Fine-Tuning in Large Language Models" (https://arxiv.org/abs/2602.08239)).
 
 Pure ``torch.func``; no Lightning. Every function takes the model, a probe batch and the
 parameters to differentiate as an ordered ``{name: tensor}`` mapping (raw

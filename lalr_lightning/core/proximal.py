@@ -1,4 +1,4 @@
-"""The selective proximal step of ``seeds/001_*.txt`` as pure tensor functions.
+"""The selective proximal step of "Linearization Explains Fine-Tuning in Large Language Models" (https://arxiv.org/abs/2602.08239) as pure tensor functions.
 
 The paper splits regularized fine-tuning ``min R~(theta) + lambda/2 ||theta - theta_0||^2`` into a
 gradient step on ``R~`` followed by a gradient step on the regularizer (section 2):

@@ -1,4 +1,4 @@
-"""HT-SR pruning, the pure part (AlphaPruning, ``002_*.txt`` ch. 3): per-layer pruning ratios
+"""HT-SR pruning, the pure part (AlphaPruning, "Layerwise Training of Deep Neural Networks" (https://www2.eecs.berkeley.edu/Pubs/TechRpts/2023/EECS-2023-126.html) ch. 3): per-layer pruning ratios
 from a metric, magnitude and channel masks, the thesis' incremental channel budget, the gradual
 schedule, and which layers are pruned. Numpy / torch only; ``callbacks/pruning.py`` decides when.
 

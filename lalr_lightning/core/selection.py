@@ -1,6 +1,6 @@
 """Which layers train, the pure part: the surgical fine-tuning authors' per-tensor criteria
 (Auto-RGN's relative gradient norm, the eb-criterion), fixed block choices, LIFT's block
-orders and LISA's draws (baselines of ``004_*.txt``). Numpy / torch only; the selection
+orders and LISA's draws (baselines of "L-MSA: Layer-wise Fine-tuning using the Method of Successive Approximations" (https://openreview.net/forum?id=xi3sDtf8A0)). Numpy / torch only; the selection
 callbacks decide when.
 """
 

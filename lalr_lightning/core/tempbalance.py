@@ -1,4 +1,4 @@
-"""TempBalance's assignment of learning-rate multipliers from HT-SR alpha (``002_*.txt`` ch. 2),
+"""TempBalance's assignment of learning-rate multipliers from HT-SR alpha ("Layerwise Training of Deep Neural Networks" (https://www2.eecs.berkeley.edu/Pubs/TechRpts/2023/EECS-2023-126.html) ch. 2),
 and which layers it balances. Pure numpy / torch; the callback (``callbacks/tempbalance.py``)
 decides when.
 """
