@@ -19,6 +19,7 @@ import lalr_lightning.callbacks as cbs
 EXAMPLES = sorted(n for n in cbs.__all__ if inspect.isclass(getattr(cbs, n)) and ">>>" in (getattr(cbs, n).__doc__ or ""))
 
 
+@pytest.mark.smoke
 def test_every_callback_has_an_example():
     callbacks = {n for n in cbs.__all__ if inspect.isclass(getattr(cbs, n))
                  and issubclass(getattr(cbs, n), cbs.LayerwiseCallback)
@@ -26,6 +27,7 @@ def test_every_callback_has_an_example():
     assert callbacks <= set(EXAMPLES)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_docstring_example_runs(name):
     torch.manual_seed(0)
@@ -45,7 +47,7 @@ DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
 
 def _measured_results() -> list[str]:
     """The paragraphs of docs/results.md's first section that open with a bold title."""
-    section = RESULTS.read_text().split("\n# Measured results\n")[1].split("\n## ")[0]
+    section = ("\n" + RESULTS.read_text()).split("\n# Measured results\n")[1].split("\n## ")[0]
     return [p for p in re.split(r"\n\s*\n", section) if p.startswith("**")]
 
 

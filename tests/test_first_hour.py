@@ -61,6 +61,7 @@ def readme_offline_commands(text: str) -> list[str]:
     return [c for kind, commands in readme_blocks(text) if kind == "offline" for c in commands]
 
 
+@pytest.mark.smoke
 def test_the_readme_chooses_torch_before_anything_installs_it():
     """A newcomer without a GPU runs the README top to bottom: the first install command of the
     page is the CPU build of torch, in the first block, which is marked for the test below."""

@@ -64,6 +64,7 @@ def _command(main, argv, monkeypatch, stream) -> str:
     return stream.getvalue()
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("quiet", [False, True])
 def test_perplexity_and_wanda_show_rate_and_eta_on_a_terminal(lm, tmp_path, monkeypatch, redraw_every_update, quiet):
     from lalr_lightning.oneshot.commands import perplexity_main, prune_main
