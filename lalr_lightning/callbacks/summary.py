@@ -2,7 +2,7 @@
 fit starts, before a switching selection (LISA, LIFT) has frozen anything, so after a selection
 decides it states what trains, in one line::
 
-    BlockSchedule: trainable 12.3 K of 156 K parameters (7.9%), 2 of 8 blocks
+    BlockSchedule: trainable 82.4 K of 156 K parameters (52.7%), 4 of 6 blocks
 
 Counted on this process's module: a parameter trains when an optimizer holds it and neither the
 selection nor anyone else froze it (``LayerSelection.trains``); under FSDP the counts are this
