@@ -37,9 +37,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from lalr_lightning.callbacks import NTKDiagnostics  # noqa: E402
-from lalr_lightning.core import ntk  # noqa: E402
-from lalr_lightning.core.loss import split_batch  # noqa: E402
-from lalr_lightning.core.probe import fixed_batch  # noqa: E402
+from lalr_lightning.core.linearization import ntk  # noqa: E402
+from lalr_lightning.core.model.batch_loss import split_batch  # noqa: E402
+from lalr_lightning.core.model.probe import fixed_batch  # noqa: E402
 from tests._anymodule import MODULES, HFCausalLM, callbacks  # noqa: E402
 from tests._toys import make_trainer  # noqa: E402
 

@@ -43,7 +43,7 @@ from lightning.pytorch.callbacks import Callback  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lalr_lightning.callbacks.lalr import LALRScheduleCallback  # noqa: E402
-from lalr_lightning.core.lalr_metrics import lalr_metrics, lalr_multipliers  # noqa: E402
+from lalr_lightning.core.spectral.lalr_metrics import lalr_metrics, lalr_multipliers  # noqa: E402
 
 
 class EpochClock(Callback):

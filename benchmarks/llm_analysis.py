@@ -4,7 +4,7 @@ It generates a LLaMA-shaped causal LM offline (random init from a ``LlamaConfig`
 2048, 8 layers, MLP 5632, vocabulary 32000, untied head: about 0.54 B parameters), saves it as
 sharded safetensors (bf16 on disk by default) in a temporary directory, and prints:
 
-* ``ours``: wall time of ``spectral.analyze(DIR, fit="ks")``, which streams the checkpoint one
+* ``ours``: wall time of ``htsr.analyze(DIR, fit="ks")``, which streams the checkpoint one
   tensor at a time and never builds the model, and its peak resident memory (``VmHWM``),
   next to the checkpoint's size on disk and to the memory of a bare ``import torch`` process;
 * ``WW``: wall time of ``weightwatcher.WeightWatcher(model).analyze(plot=False,
@@ -52,10 +52,10 @@ def hwm_kb():  # this process's peak resident memory (ru_maxrss would include th
 _CHILD_OURS = _HWM + r"""
 import json, sys, time
 import torch
-from lalr_lightning.core import spectral
+from lalr_lightning.core.spectral import htsr
 base = hwm_kb()
 t = time.perf_counter()
-df = spectral.analyze(sys.argv[1], fit="ks", device=sys.argv[2])
+df = htsr.analyze(sys.argv[1], fit="ks", device=sys.argv[2])
 wall = time.perf_counter() - t
 df[["name", "alpha"]].to_csv(sys.argv[3], index=False)
 print(json.dumps({"wall": wall, "rows": len(df), "base_kb": base, "peak_kb": hwm_kb()}))
@@ -194,7 +194,7 @@ def main(argv=None) -> None:
               + (f", {params / 1e9:.3f} B parameters" if params else "") + f"; {time.perf_counter() - t:.0f} s to make)",
               flush=True)
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, as in the children
-        from lalr_lightning.core.checkpoints import stored_matrices
+        from lalr_lightning.core.runtime.safetensors_checkpoints import stored_matrices
 
         largest = max(m.numel * (2 if m.dtype in ("BF16", "F16") else 4) for m in stored_matrices(ckpt))
         base = _run(_CHILD_BASE)

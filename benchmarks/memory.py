@@ -120,7 +120,7 @@ class MeteredAdam(torch.optim.Adam):
 
 def _meter_lmsa_directions() -> None:
     """Note each block direction ``r_n`` the L-MSA metric forms (in this process: every rank)."""
-    from lalr_lightning.core import msa
+    from lalr_lightning.core.selection import msa
 
     if getattr(msa.block_direction, "metered", False):
         return

@@ -38,8 +38,8 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 
 from lalr_lightning.callbacks import ProximalRegularizer  # noqa: E402
-from lalr_lightning.core import ntk  # noqa: E402
-from lalr_lightning.core.probe import probe_inputs  # noqa: E402
+from lalr_lightning.core.linearization import ntk  # noqa: E402
+from lalr_lightning.core.model.probe import probe_inputs  # noqa: E402
 from lalr_lightning.data.text import TextDataModule, sentiment_corpus  # noqa: E402
 from lalr_lightning.models.text import TextClassifier  # noqa: E402
 

@@ -1,8 +1,8 @@
 """What the proximal regularizer costs: its step per optimizer step, and the NTK on a 64-sample probe.
 
 NTK part (``--part ntk``). For each workload it times
-:func:`lalr_lightning.core.ntk.empirical_ntk` on a probe batch of ``--n`` samples, with the
-per-layer kernels ``S_l`` of :func:`~lalr_lightning.core.ntk.layer_groups` computed in the same
+:func:`lalr_lightning.core.linearization.ntk.empirical_ntk` on a probe batch of ``--n`` samples, with the
+per-layer kernels ``S_l`` of :func:`~lalr_lightning.core.linearization.ntk.layer_groups` computed in the same
 pass, and then ``kappa(K + sigma I)`` and every ``eta_l`` (Theorems 5-6) from the result. It
 reports wall-clock and process CPU seconds (on a shared machine CPU time is the steadier
 number), the Jacobian size ``rows x P`` and how many row blocks of it were computed under
@@ -49,7 +49,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from lalr_lightning.core import ntk as N  # noqa: E402
+from lalr_lightning.core.linearization import ntk as N  # noqa: E402
 
 
 def clock(fn):

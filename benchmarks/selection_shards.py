@@ -3,7 +3,7 @@
 * DDP (Lightning ``ddp_spawn``, the callbacks as a user runs them): per arm, the bytes of DDP's
   gradient buckets (allocated at the wrap for every parameter that requires grad then and that
   DDP does not ignore), the gradients averaged by hand instead (a switching selection's active
-  blocks, kept out of DDP: ``core/handsync.py``), the gradient entries on rank 0 at
+  blocks, kept out of DDP: ``core/runtime/handsync.py``), the gradient entries on rank 0 at
   ``on_before_optimizer_step`` and the AdamW state entries after the last step, against the
   parameters the arm trains (half its AdamW state entries: two moments each).
 * FSDP1 and FSDP2 (Lightning's ``FSDPStrategy`` -- through ``CPUFSDPStrategy``, Lightning runs

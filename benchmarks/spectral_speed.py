@@ -7,10 +7,10 @@ For each timm model (random init) it times, best of ``--repeats``:
 * ``Gram``: the cheapest accurate route to the same eigenvalues: each layer's smaller Gram
   matrix ``W^T W`` formed in float64 (one batched product over a conv's kernel slices) and
   ``torch.linalg.eigvalsh``: the floor any analysis pays (``analyze`` is measured against it);
-* ``analyze``: ``spectral.analyze(model, fit="ks")`` with the default metrics (every WW column
+* ``analyze``: ``htsr.analyze(model, fit="ks")`` with the default metrics (every WW column
   plus ``snr``; no ``rand_distance``), which includes the batched SVDs, the exact KS xmin search
   over all candidates, and the metrics;
-* ``alphas``: ``spectral.alphas(model, fit="median")``, the callbacks' fast path;
+* ``alphas``: ``htsr.alphas(model, fit="median")``, the callbacks' fast path;
 * ``WW``: ``weightwatcher.WeightWatcher(model).analyze(plot=False, randomize=False)``, its default
   KS power-law fit and norm metrics (no plots, no randomized ESD, no vectors/MP fits), which runs
   its SVDs in float64 with SciPy on CPU.
@@ -33,8 +33,8 @@ import warnings
 
 import torch
 
-from lalr_lightning.core import spectral
-from lalr_lightning.core.layers import matrix_layers
+from lalr_lightning.core.model.layers import matrix_layers
+from lalr_lightning.core.spectral import htsr
 
 
 def _timed(fns: dict, repeats: int) -> dict[str, tuple[float, float]]:
@@ -55,7 +55,7 @@ def _timed(fns: dict, repeats: int) -> dict[str, tuple[float, float]]:
 
 
 def _bare_svd(layers, dtype):
-    mats = [spectral._slices(layer.weight, layer.kind)[0] for layer in layers]
+    mats = [htsr._slices(layer.weight, layer.kind)[0] for layer in layers]
 
     def run():
         with torch.no_grad():
@@ -66,7 +66,7 @@ def _bare_svd(layers, dtype):
 
 
 def _bare_gram(layers):
-    mats = [spectral._slices(layer.weight, layer.kind)[0] for layer in layers]
+    mats = [htsr._slices(layer.weight, layer.kind)[0] for layer in layers]
 
     def run():
         with torch.no_grad():
@@ -128,12 +128,12 @@ def main(argv=None) -> None:
             fns = {
                 "bare32": _bare_svd(layers, torch.float32),
                 "gram": _bare_gram(layers),
-                "ours32": lambda: spectral.analyze(layers, fit="ks"),  # noqa: B023
-                "alphas": lambda: spectral.alphas(layers, fit="median"),  # noqa: B023
+                "ours32": lambda: htsr.analyze(layers, fit="ks"),  # noqa: B023
+                "alphas": lambda: htsr.alphas(layers, fit="median"),  # noqa: B023
             }
             if args.float64:
                 fns["bare64"] = _bare_svd(layers, torch.float64)
-                fns["ours64"] = lambda: spectral.analyze(layers, fit="ks", dtype=torch.float64)  # noqa: B023
+                fns["ours64"] = lambda: htsr.analyze(layers, fit="ks", dtype=torch.float64)  # noqa: B023
             ww_run = _ww_runner(model, ww)
             if ww_run is not None:
                 fns["ww"] = ww_run

@@ -23,7 +23,7 @@ import torch
 import torch.multiprocessing as mp
 
 from lalr_lightning.callbacks import LMSAStepper, NTKDiagnostics, ProximalRegularizer
-from lalr_lightning.core import shards
+from lalr_lightning.core.runtime import shards
 
 ARMS = {
     "NTKDiagnostics(probe_size=4)": lambda: NTKDiagnostics(probe_size=4),

@@ -1,7 +1,7 @@
 """Layer-wise fine-tuning callbacks for PyTorch Lightning.
 
-model -> layers (core.layers) -> measurements (core.spectral, ...) -> per-layer decisions
-(one callback per method) -> control (core.control: LR multipliers and freezing that compose).
+model -> layers (core.model.layers) -> measurements (core.spectral.htsr, ...) -> per-layer decisions
+(one callback per method) -> control (core.runtime.control: LR multipliers and freezing that compose).
 """
 
 from lalr_lightning.callbacks import (
@@ -18,11 +18,11 @@ from lalr_lightning.callbacks import (
     SurgicalLayerSelect,
     TempBalanceCallback,
 )
-from lalr_lightning.core.control import LayerControl
-from lalr_lightning.core.errors import DivergenceError
-from lalr_lightning.core.lalr_metrics import lalr_metrics
-from lalr_lightning.core.layers import Layer, block_layers, find_layers, matrix_layers
-from lalr_lightning.core.spectral import analyze
+from lalr_lightning.core.model.layers import Layer, block_layers, find_layers, matrix_layers
+from lalr_lightning.core.runtime.control import LayerControl
+from lalr_lightning.core.runtime.errors import DivergenceError
+from lalr_lightning.core.spectral.htsr import analyze
+from lalr_lightning.core.spectral.lalr_metrics import lalr_metrics
 
 __version__ = "0.1.0"
 

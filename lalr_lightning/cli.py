@@ -581,10 +581,10 @@ def _streamed(spec: str) -> bool:
 
 def _spectrum_yaml(df, kinds: dict[str, str], head: str | None, top_percent: float) -> tuple[str, int]:
     """Spectrum's YAML from an analyze table: the head and the embeddings always, then the top
-    ``top_percent`` % by SNR of each module type (:mod:`lalr_lightning.core.spectrum`)."""
+    ``top_percent`` % by SNR of each module type (:mod:`lalr_lightning.core.spectral.spectrum_snr`)."""
     import math
 
-    from lalr_lightning.core.spectrum import top_by_type, unfrozen_yaml
+    from lalr_lightning.core.spectral.spectrum_snr import top_by_type, unfrozen_yaml
 
     always = [n for n in df["name"] if n == head or kinds.get(n) == "embedding"]
     snr = {n: float(v) for n, v in zip(df["name"], df["snr"]) if n not in always and not math.isnan(float(v))}
@@ -605,7 +605,7 @@ _FIT_NOTES = {
 
 def analyze_main(argv: list[str] | None = None) -> int:
     from lalr_lightning import viz
-    from lalr_lightning.core import spectral
+    from lalr_lightning.core.spectral import htsr
 
     p = argparse.ArgumentParser(
         prog=f"{_prog()} analyze",
@@ -613,7 +613,7 @@ def analyze_main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("model", help="timm model name, Lightning .ckpt / state-dict file, .safetensors file, or Hugging "
                                  "Face model directory (safetensors: read one tensor at a time, never built)")
-    p.add_argument("--fit", default="ks", choices=spectral.FITS, help="power-law fit (default: ks, as WeightWatcher)")
+    p.add_argument("--fit", default="ks", choices=htsr.FITS, help="power-law fit (default: ks, as WeightWatcher)")
     p.add_argument("--out", default="spectral_report", help="output directory (default: ./spectral_report)")
     p.add_argument("--pretrained", action="store_true", help="timm names: load pretrained weights (needs the hub)")
     p.add_argument("--min-evals", type=int, default=10, help="skip layers with fewer eigenvalues (default 10)")
@@ -646,13 +646,13 @@ def analyze_main(argv: list[str] | None = None) -> int:
     try:
         if _streamed(args.model):  # every stored matrix, lm_head included, under the checkpoint's own names
             model = None
-            df, esds = spectral._analyze(args.model, device=args.device, progress=not args.quiet, **kw)
+            df, esds = htsr._analyze(args.model, device=args.device, progress=not args.quiet, **kw)
             kinds = dict(zip(df["name"], df["kind"]))
             head = "lm_head" if "lm_head" in kinds else next((n for n, k in kinds.items() if k == "embedding"), None)
         else:
             model = load_for_analysis(args.model, pretrained=args.pretrained, weights_only=not args.unsafe_load)
-            df, esds = spectral._analyze(model, device=args.device, progress=not args.quiet, **kw)
-            from lalr_lightning.core.layers import output_layer
+            df, esds = htsr._analyze(model, device=args.device, progress=not args.quiet, **kw)
+            from lalr_lightning.core.model.layers import output_layer
 
             kinds = dict(zip(df["name"], df["kind"]))
             out_layer = output_layer(model)

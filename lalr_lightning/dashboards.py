@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from lalr_lightning.choices import unknown
-from lalr_lightning.core.decision import Decision
+from lalr_lightning.core.runtime.decision import Decision
 
 __all__ = ["decision_table", "esd_figures", "markdown_table", "publish"]
 
@@ -43,6 +43,18 @@ class _FitLog:
     esd_epochs: set = field(default_factory=set)
     esd_at_entry: int = -1  # len(history) when ESDs were last plotted
     heatmap_at_entry: int = -1  # len(history) when the heatmap was last logged
+
+
+def _log_step(trainer) -> int:
+    # the step LearningRateMonitor uses, so the curves line up with its
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def _sharded(trainer) -> bool:
+    """Whether rank zero lacks the whole weights (FSDP1 or FSDP2)."""
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    return isinstance(getattr(trainer, "strategy", None), (FSDPStrategy, ModelParallelStrategy))
 
 
 def _log_of(cb, trainer) -> _FitLog:
@@ -135,17 +147,17 @@ def esd_figures(cb, names: Sequence[str], title: str) -> list[tuple[str, Any]]:
     from matplotlib.ticker import NullFormatter
 
     from lalr_lightning import viz
-    from lalr_lightning.core import spectral
+    from lalr_lightning.core.spectral import htsr
 
     fit = getattr(cb, "fit", "ks")
-    fit = fit if fit in spectral.FITS else "ks"
+    fit = fit if fit in htsr.FITS else "ks"
     out = []
     for la in _matrix_layers(cb, names):
-        ev = spectral.layer_esd(cb.weight_of(la).detach(), la.kind).cpu()
+        ev = htsr.layer_esd(cb.weight_of(la).detach(), la.kind).cpu()
         if getattr(cb, "filter_zeros", False):
-            ev = ev[ev > spectral.EVALS_THRESH]
+            ev = ev[ev > htsr.EVALS_THRESH]
         try:
-            res = spectral.fit_power_law(ev, fit)
+            res = htsr.fit_power_law(ev, fit)
             alpha, xmin = float(res["alpha"]), float(res["xmin"])
         except ValueError:  # degenerate spectrum: the histogram alone
             alpha = xmin = None
@@ -215,14 +227,14 @@ def _log_esds(trainer, cb, names, wb, tb, title: str) -> None:
     log = _log_of(cb, trainer)
     log.esd_epochs.add(trainer.current_epoch)
     log.esd_at_entry = len(cb.history)
-    if not cb.esd_plots or cb._sharded_weights(trainer):  # blocks or tensors; or rank zero lacks whole weights
+    if not cb.esd_plots or _sharded(trainer):  # blocks or tensors; or rank zero lacks whole weights
         return
     from lalr_lightning import viz
 
     figs = esd_figures(cb, names, title)
     if not figs:
         return
-    step = cb.log_step(trainer)
+    step = _log_step(trainer)
     images = [(name, viz.figure_to_array(fig)) for name, fig in figs]
     for _, fig in figs:
         viz._close(fig)
@@ -238,7 +250,7 @@ def _decision(trainer, cb, decision) -> None:
     wb, tb, _ = _kinds(trainer)
     if not (wb or tb):
         return  # the scalars are all the others take
-    step = cb.log_step(trainer)
+    step = _log_step(trainer)
     columns, rows = decision_table(cb, decision)
     for lg in wb:
         lg.log_table(key=f"{cb.prefix}/decisions", columns=columns, data=rows, step=step)
@@ -275,7 +287,7 @@ def _end(trainer, cb) -> None:
         lg.experiment.summary[f"{cb.prefix}/final"] = {r[0]: dict(zip(columns[1:], r[1:])) for r in rows}
         lg.experiment.summary[f"{cb.prefix}/decisions_made"] = len(cb.history)
     for lg in tb:
-        lg.experiment.add_text(f"{cb.prefix}/final", markdown_table(columns, rows), global_step=cb.log_step(trainer))
+        lg.experiment.add_text(f"{cb.prefix}/final", markdown_table(columns, rows), global_step=_log_step(trainer))
 
 
 def _final_table(cb) -> tuple[list[str], list[list]] | None:

@@ -19,7 +19,7 @@ def pruning_plan(model: nn.Module, target_sparsity: float, preset: str | None = 
     """(``HTSRPruning(target_sparsity=..., preset=...).plan(model)``, whose ``numel`` column
     weights the mean, the layers left dense and why). Raises ``ValueError`` for a target outside [0, 1)."""
     from lalr_lightning.callbacks.pruning import HTSRPruning
-    from lalr_lightning.core.pruning import prunable_layers
+    from lalr_lightning.core.pruning.alphapruning import prunable_layers
 
     pruner = HTSRPruning(target_sparsity=target_sparsity, preset=preset)
     with warnings.catch_warnings():

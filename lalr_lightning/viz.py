@@ -125,7 +125,7 @@ def plot_heatmap(
 
 
 def plot_alphas(df, *, metric: str = "alpha", title: str = "") -> Figure:
-    """Bar chart of one metric per layer (in the table's order) from :func:`~lalr_lightning.core.spectral.analyze`.
+    """Bar chart of one metric per layer (in the table's order) from :func:`~lalr_lightning.core.spectral.htsr.analyze`.
 
     Dashed lines at alpha = 2 and 6 mark HT-SR's well-trained range when ``metric == "alpha"``.
     """
@@ -220,7 +220,7 @@ def save_esd_plots(
     eigenvalues}``, with ``df``) skips that, e.g. for a streamed checkpoint (``model_or_layers``
     is then not read).
     """
-    from .core.spectral import _analyze, _resolve_layers, compute_esds
+    from .core.spectral.htsr import _analyze, _resolve_layers, compute_esds
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

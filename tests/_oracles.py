@@ -8,7 +8,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lalr_lightning.core.control import LayerControl
+from lalr_lightning.core.runtime.control import LayerControl
 
 
 class ShadowOracle(Callback):

@@ -3,8 +3,8 @@
 Every callback fits six steps, with its defaults and nothing added to the module, on the five
 modules of ``tests/_anymodule.py`` (a dict-batch Hugging Face causal LM, a Hugging Face sequence
 classifier, a timm ResNet, a CNN of attributes, a plain ``Sequential`` MLP), and does its work
-there. Around that: the loss the module already computes (``core.loss``), the logged metrics
-left as the training step logs them, blocks from the forward pass (``core.forward_blocks``), the
+there. Around that: the loss the module already computes (``core.model.batch_loss``), the logged metrics
+left as the training step logs them, blocks from the forward pass (``core.model.forward_blocks``), the
 NTK's bounded and stoppable cost, Auto-RGN's warning on zero-gradient multipliers, and error
 chains that end somewhere true.
 """
@@ -34,9 +34,9 @@ from lalr_lightning.callbacks import (
     ProximalRegularizer,
     SurgicalBlocks,
 )
-from lalr_lightning.core import ntk
-from lalr_lightning.core.criterion_pruning import criterion_prune
-from lalr_lightning.core.layers import Layer, block_layers, matrix_layers, suggest_blocks
+from lalr_lightning.core.linearization import ntk
+from lalr_lightning.core.model.layers import Layer, block_layers, matrix_layers, suggest_blocks
+from lalr_lightning.core.pruning.by_criterion import criterion_prune
 from tests._anymodule import MODULES, AttrCNN, HFCausalLM, HFClassifier, TimmClassifier, callbacks
 from tests._toys import MemLogger, make_trainer
 
@@ -175,7 +175,7 @@ def test_the_metrics_a_training_step_logs_are_its_own():
     assert metrics["train_loss_epoch"] == pytest.approx(sum(s[1] for s in last) / len(last), rel=1e-5)
 
 
-# ----------------------------------------------------------------------------- core.loss
+# ----------------------------------------------------------------------------- core.model.batch_loss
 
 
 class _StepOnly(pl.LightningModule):
@@ -196,7 +196,14 @@ class _StepOnly(pl.LightningModule):
 
 
 def test_the_loss_chain_loss_fn_then_loss_then_training_step():
-    from lalr_lightning.core.loss import batch_loss, call_model, forward_module, output_tensor, split_batch, step_loss
+    from lalr_lightning.core.model.batch_loss import (
+        batch_loss,
+        call_model,
+        forward_module,
+        output_tensor,
+        split_batch,
+        step_loss,
+    )
 
     m = _StepOnly()
     x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
@@ -276,7 +283,7 @@ class Registered(nn.Module):
 
 
 def test_blocks_from_the_forward_pass():
-    from lalr_lightning.core.forward_blocks import forward_units, trace_modules
+    from lalr_lightning.core.model.forward_blocks import forward_units, trace_modules
 
     cnn = AttrCNN()
     trace = trace_modules(cnn, lambda: cnn(torch.randn(2, 1, 8, 8)))
@@ -388,7 +395,7 @@ class _LastToken(nn.Module):
 
 
 def test_an_lm_is_measured_at_its_last_real_token():
-    from lalr_lightning.core.loss import split_batch
+    from lalr_lightning.core.model.batch_loss import split_batch
 
     module = HFCausalLM(layers=1, hidden=16)
     batch = next(iter(module.train_dataloader()))

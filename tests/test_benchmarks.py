@@ -97,3 +97,22 @@ def test_whole_copy_measures_every_arm_under_each_strategy(monkeypatch):
         assert r["seconds"] > 0, (arm, kind)
         assert r["own"] == 4 * n / (1 if kind == "DDP" else 2), (arm, kind)
         assert r["whole"] == (0 if kind == "DDP" else 4 * n), (arm, kind)
+
+
+def test_step_overhead_quick_prints_every_row(capsys):
+    """benchmarks/step_overhead.py's quick mode: a row per callback of issue 34's table, the
+    decision steps counted apart (never the timings)."""
+    bench = _load("step_overhead")
+    rows = {r["callback"]: r for r in bench.main(["--steps", "12", "--repeats", "1"])}
+    out = capsys.readouterr().out
+    assert set(rows) == set(bench.variants(12)) - {"none"}
+    for name, r in rows.items():
+        assert f"| {name}" in out and r["other"] > 0 and r["total"] > 0, name
+    assert rows["LALR (one decision)"]["n_decide"] == 1  # its epoch-start decision falls in the first step
+    assert rows["AutoRGN"]["n_decide"] == 1
+    assert rows["LayerLRMultiplier"]["n_decide"] == 0 and rows["LayerLRMultiplier"]["outside"] == 0
+    assert rows["TempBalance every epoch (one decision)"]["outside"] == 1  # at fit start
+    # at fit start (step 0), then steps 2, 4, ..., 10
+    assert rows["TempBalance every 2 steps"]["n_decide"] == 5 and rows["TempBalance every 2 steps"]["outside"] == 1
+    lmsa = rows['LMSAStepper (update="msa")']
+    assert lmsa["n_decide"] == 2 and lmsa["msa_ms"] > 0 and "other_without_msa" in lmsa  # its update apart

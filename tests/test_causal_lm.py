@@ -103,7 +103,7 @@ def test_loss_equals_hf_labels_loss_and_the_explicit_sum(tmp_path, family, tied)
 
 
 def test_callbacks_default_loss_uses_split_forward_loss(lm_dir):
-    from lalr_lightning.core.loss import batch_loss as default_loss
+    from lalr_lightning.core.model.batch_loss import batch_loss as default_loss
 
     module = CausalLMModule(model_name=lm_dir).eval()
     batch = _batch()

@@ -11,9 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from lalr_lightning.core import checkpoints, spectral
-from lalr_lightning.core.checkpoints import matrix_kind, safetensors_files, stored_matrices
-from lalr_lightning.core.spectral import analyze
+from lalr_lightning.core.runtime import safetensors_checkpoints
+from lalr_lightning.core.runtime.safetensors_checkpoints import matrix_kind, safetensors_files, stored_matrices
+from lalr_lightning.core.spectral import htsr
+from lalr_lightning.core.spectral.htsr import analyze
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -69,17 +70,17 @@ def test_single_file_and_unsharded_directory(tmp_path):
     assert [p.name for p in safetensors_files(tmp_path / "one")] == ["model.safetensors"]
     full = analyze(tmp_path / "one", metrics=["alpha", "stable_rank"])
     assert full.equals(analyze(str(tmp_path / "one" / "model.safetensors"), metrics=["alpha", "stable_rank"]))
-    assert set(full["name"]) == {layer.name for layer in spectral._resolve_layers(model, None)}
+    assert set(full["name"]) == {layer.name for layer in htsr._resolve_layers(model, None)}
     # names sort naturally: layers.2 before layers.10
     names = [m.name for m in stored_matrices(tmp_path / "one")]
-    assert names == sorted(names, key=checkpoints._natural_key)
-    assert checkpoints._natural_key("layers.2.q") < checkpoints._natural_key("layers.10.q")
+    assert names == sorted(names, key=safetensors_checkpoints._natural_key)
+    assert safetensors_checkpoints._natural_key("layers.2.q") < safetensors_checkpoints._natural_key("layers.10.q")
 
 
 def test_only_one_tensor_is_alive_at_a_time(tmp_path, monkeypatch):
     _saved(tmp_path, "llama", False, max_shard_size="20KB")
     alive: list[weakref.ref] = []
-    real = checkpoints.load_matrix
+    real = safetensors_checkpoints.load_matrix
 
     def tracking(matrix, device="cpu"):  # freed by reference counting, no gc needed
         assert all(r() is None for r in alive), "a previously loaded matrix is still referenced"
@@ -87,7 +88,7 @@ def test_only_one_tensor_is_alive_at_a_time(tmp_path, monkeypatch):
         alive.append(weakref.ref(t))
         return t
 
-    monkeypatch.setattr(spectral, "load_matrix", tracking)
+    monkeypatch.setattr(htsr, "load_matrix", tracking)
     df = analyze(tmp_path, metrics="all")
     assert len(alive) == len(df) == 16
 

@@ -68,7 +68,7 @@ def test_analyze_a_lightning_checkpoint(tmp_path, capsys):
     assert {"alpha", "xmin", "D", "num_evals", "spectral_norm", "stable_rank"} <= set(df.columns)
     assert len(list((tmp_path / "rep").glob("*.png"))) >= len(df)
     # the same alphas as analysing the live module
-    from lalr_lightning.core.spectral import analyze
+    from lalr_lightning.core.spectral.htsr import analyze
 
     live = analyze(module, fit="median").set_index("name")["alpha"]
     for name, a in df.set_index("name")["alpha"].items():
@@ -357,7 +357,7 @@ def test_an_error_that_is_not_the_librarys_keeps_its_traceback():
             fn()
         except (ValueError, KeyError) as e:
             assert _raised_by_library(e) is expected
-    from lalr_lightning.core.layers import block_layers
+    from lalr_lightning.core.model.layers import block_layers
 
     with pytest.raises(ValueError) as info:
         block_layers(torch.nn.Linear(2, 2), blocks=["nope"])

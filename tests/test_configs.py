@@ -84,7 +84,7 @@ def _configs_pair(rank, record, work, names):
 
     from lalr_lightning.callbacks import LayerwiseCallback
     from lalr_lightning.cli import LalrCLI
-    from lalr_lightning.core.shards import fsdp_units
+    from lalr_lightning.core.runtime.shards import fsdp_units
 
     warnings.filterwarnings("ignore")
     tiny = f"{work}/tiny.yaml"

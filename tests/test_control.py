@@ -1,4 +1,4 @@
-"""core/control.py: the update a parameter receives is scheduled LR x multiplier."""
+"""core/runtime/control.py: the update a parameter receives is scheduled LR x multiplier."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lalr_lightning.callbacks.fixed import LayerLRMultiplier
-from lalr_lightning.core.control import LayerControl
+from lalr_lightning.core.runtime.control import LayerControl
 from tests._oracles import ShadowOracle
 from tests._toys import ToyMLP, make_trainer
 

@@ -16,6 +16,7 @@ import math
 import re
 import warnings
 
+import _own_method
 import lightning.pytorch as pl
 import numpy as np
 import pytest
@@ -159,6 +160,8 @@ def _cases():
         "lmsa_mlp": (lambda: C.LMSAStepper(update="optimizer", every_n_epochs=1), MLP, 2),
         # two measurement batches fill the first epoch: its checkpoint holds no optimizer state yet
         "lmsa_mlp_2": (lambda: C.LMSAStepper(update="optimizer", every_n_epochs=2, n_batches=2), MLP, 2),
+        # docs/design.md's own method, as written there: nothing in it names a strategy
+        "alpha_freeze": (lambda: _own_method.AlphaFreeze(threshold=3.0), LM, 2),
     }
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from lalr_lightning.core.layers import block_layers, matrix_layers, output_layer
+from lalr_lightning.core.model.layers import block_layers, matrix_layers, output_layer
 from lalr_lightning.models.cnn import SmallCNN
 
 pytest.importorskip("transformers")

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from lalr_lightning.callbacks.lalr import LALRScheduleCallback
 from lalr_lightning.callbacks.tempbalance import TempBalanceCallback
-from lalr_lightning.core.lalr_metrics import lalr_layers, lalr_metrics, lalr_multipliers, minmax
+from lalr_lightning.core.spectral.lalr_metrics import lalr_layers, lalr_metrics, lalr_multipliers, minmax
 from tests._dist import ddp_spawn
 from tests._oracles import ShadowOracle
 from tests._toys import MemLogger, ToyMLP, make_trainer

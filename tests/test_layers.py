@@ -1,4 +1,4 @@
-"""core/layers.py: which layers a model has, what each owns, and what they are called."""
+"""core/model/layers.py: which layers a model has, what each owns, and what they are called."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torchvision
 from torch import nn
 
-from lalr_lightning.core.layers import block_layers, clean_name, find_layers, matrix_layers
+from lalr_lightning.core.model.layers import block_layers, clean_name, find_layers, matrix_layers
 
 
 def test_clean_name_drops_wrappers_only():

@@ -1,4 +1,4 @@
-"""Wanda and SparseGPT (core/llm_pruning.py) and the block-by-block driver (core/calibration.py),
+"""Wanda and SparseGPT (core/pruning/criteria.py) and the block-by-block driver (core/pruning/calibration.py),
 against hand computations and direct implementations of the papers' equations."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from lalr_lightning.core.calibration import (
+from lalr_lightning.core.pruning.calibration import (
     capture_block_inputs,
     decoder_blocks,
     linear_modules,
@@ -16,7 +16,7 @@ from lalr_lightning.core.calibration import (
     set_weight_matrix,
     weight_matrix,
 )
-from lalr_lightning.core.llm_pruning import (
+from lalr_lightning.core.pruning.criteria import (
     InputStats,
     keep_mask,
     prune_weight,

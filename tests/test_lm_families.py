@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from lalr_lightning.callbacks import HTSRPruning, TempBalanceCallback
-from lalr_lightning.core.layers import matrix_layers
-from lalr_lightning.core.pruning import prunable_layers
-from lalr_lightning.core.tempbalance import eligible_layers
+from lalr_lightning.core.model.layers import matrix_layers
+from lalr_lightning.core.pruning.alphapruning import prunable_layers
+from lalr_lightning.core.spectral.tempbalance import eligible_layers
 from tests._lm import FAMILIES, lm_module, tiny_lm
 
 pytest.importorskip("transformers")

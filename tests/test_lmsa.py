@@ -1,4 +1,4 @@
-"""LMSAStepper and core.msa: the L-MSA metric (eq. 8-9, Prop. 3.1-3.2), the Hamiltonian
+"""LMSAStepper and core.selection.msa: the L-MSA metric (eq. 8-9, Prop. 3.1-3.2), the Hamiltonian
 maximization (eq. 10, 13), and the callback's behaviour under Lightning (freezing, re-selection,
 resume, DDP, gradient accumulation, bad input)."""
 
@@ -17,9 +17,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lalr_lightning.callbacks.lmsa import LMSAStepper
-from lalr_lightning.core import msa
-from lalr_lightning.core.layers import block_layers
-from lalr_lightning.core.taps import BlockTaps
+from lalr_lightning.core.model.layers import block_layers
+from lalr_lightning.core.model.taps import BlockTaps
+from lalr_lightning.core.selection import msa
 from tests._dist import ddp_spawn
 from tests._toys import MemLogger, ToyMLP, make_data, make_trainer
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lalr_lightning.core.layers import block_layers, matrix_layers
+from lalr_lightning.core.model.layers import block_layers, matrix_layers
 from lalr_lightning.models import (
     ClassifierModule,
     ImageClassifier,

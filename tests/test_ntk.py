@@ -1,4 +1,4 @@
-"""lalr_lightning.core.ntk against explicit dense computations (seeds/001, Theorems 4-7)."""
+"""lalr_lightning.core.linearization.ntk against explicit dense computations (seeds/001, Theorems 4-7)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import scipy.linalg
 import torch
 from torch import nn
 
-from lalr_lightning.core import ntk as N
+from lalr_lightning.core.linearization import ntk as N
 
 
 def tiny_mlp(seed: int = 0) -> nn.Module:

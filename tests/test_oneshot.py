@@ -78,7 +78,7 @@ def test_calibration_too_short_is_clear(files):
 
 
 def _linear_weights(model):
-    from lalr_lightning.core.calibration import decoder_blocks, linear_modules, weight_matrix
+    from lalr_lightning.core.pruning.calibration import decoder_blocks, linear_modules, weight_matrix
 
     path, blocks = decoder_blocks(model)
     return {f"{path}.{i}.{k}": weight_matrix(m).detach() for i, b in enumerate(blocks) for k, m in linear_modules(b).items()}

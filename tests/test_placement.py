@@ -14,8 +14,8 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from lalr_lightning.callbacks import AutoRGN, HTSRPruning, NTKDiagnostics, NTKSelect, ProximalRegularizer
-from lalr_lightning.core.control import LayerControl
-from lalr_lightning.core.placement import follow, placed
+from lalr_lightning.core.runtime.control import LayerControl
+from lalr_lightning.core.runtime.placement import follow, placed
 from tests._toys import ToyMLP, make_trainer
 
 

@@ -18,9 +18,9 @@ from lalr_lightning.callbacks import (
     SurgicalLayerSelect,
     TempBalanceCallback,
 )
-from lalr_lightning.core import ntk
-from lalr_lightning.core.control import LayerControl, PostStep
-from lalr_lightning.core.probe import probe_inputs
+from lalr_lightning.core.linearization import ntk
+from lalr_lightning.core.model.probe import probe_inputs
+from lalr_lightning.core.runtime.control import LayerControl, PostStep
 from tests._dist import ddp_spawn
 from tests._toys import MemLogger, ToyMLP, make_trainer
 from tests.test_proximal_math import gd_with_proximal_step

@@ -1,4 +1,4 @@
-"""lalr_lightning.core.proximal: the selective decision, the decoupled step, Theorem 1 (seeds/001)."""
+"""lalr_lightning.core.linearization.proximal: the selective decision, the decoupled step, Theorem 1 (seeds/001)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lalr_lightning.core.proximal import (
+from lalr_lightning.core.linearization.proximal import (
     GRANULARITIES,
     deltas,
     distances,
@@ -148,3 +148,35 @@ def test_theorem1_selective_step_never_increases_the_training_loss():
     rises = plain.diff() > 0
     assert rises.sum() >= 10 and plain.diff().max() > 1e-3 * plain[1:].min()
     assert selective[-1] < plain[-1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("granularity", ["tensor", "layer", "global", "l2sp"])
+def test_grouped_step_is_the_per_tensor_step_bitwise(dtype, granularity):
+    """GroupedStep (the callback's foreach step, decisions on the device) gives pull_decisions +
+    proximal_step_'s numbers bitwise, with a different lam * lr per tensor and a missing gradient."""
+    from lalr_lightning.core.linearization.proximal import GroupedStep, deltas, proximal_step_, pull_decisions
+
+    g = torch.Generator().manual_seed(7)
+    shapes = [(6, 5), (6,), (4, 6), (4,), (3, 4), (3,)]
+    names = [f"t{i}" for i in range(len(shapes))]
+    params = {n: torch.randn(*s, generator=g).to(dtype) for n, s in zip(names, shapes)}
+    anchors = {n: torch.randn(*s, generator=g).to(dtype) for n, s in zip(names, shapes)}
+    grads = {n: torch.randn(*s, generator=g).to(dtype) for n, s in zip(names, shapes)}
+    grads["t3"] = None
+    layers = {"a": names[:2], "b": names[2:4], "c": names[4:]}
+    lrs = {n: 0.01 * (i + 1) for i, n in enumerate(names)}
+    selective = granularity != "l2sp"
+    gran = granularity if selective else "tensor"
+    want = {n: p.clone() for n, p in params.items()}
+    pull = pull_decisions(grads, deltas(want, anchors), gran, layers, selective=selective)
+    proximal_step_(want, anchors, 0.7, lrs, pull)
+    got = [p.clone() for p in params.values()]
+    step = GroupedStep(got, [0, 0, 1, 1, 2, 2])
+    coefs = [0.7 * lrs[n] for n in names]
+    decided = step.step_(got, list(anchors.values()), list(grads.values()), coefs, selective=selective,
+                         granularity=gran)
+    assert [bool(decided[step.order.index(i)]) for i in range(len(names))] == [pull[n] for n in names]
+    for n, t in zip(names, got):
+        assert torch.equal(t, want[n]), n
+    assert 0 < sum(pull.values()) < len(names) or granularity in ("global", "l2sp")

@@ -14,9 +14,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lalr_lightning.callbacks import HTSRPruning, TempBalanceCallback
-from lalr_lightning.core import spectral
-from lalr_lightning.core.control import LayerControl
-from lalr_lightning.core.pruning import (
+from lalr_lightning.core.pruning.alphapruning import (
     PRUNING_METRICS,
     block_average_values,
     cubic_sparsity,
@@ -24,6 +22,8 @@ from lalr_lightning.core.pruning import (
     magnitude_mask,
     pruning_ratios,
 )
+from lalr_lightning.core.runtime.control import LayerControl
+from lalr_lightning.core.spectral import htsr
 from lalr_lightning.models.cnn import SmallCNN
 from tests._dist import ddp_spawn
 from tests._oracles import ShadowOracle
@@ -160,8 +160,8 @@ def test_callback_ratios_and_achieved_sparsity(direction):
     pruner = HTSRPruning(target_sparsity=0.6, direction=direction)
     _trainer([pruner], max_epochs=1).fit(model)
     assert set(pruner.ratios) == {"net.0", "net.2", "net.4"} and "net.6" in pruner.excluded  # head stays dense
-    # the metric is spectral.analyze's alpha (KS fit) of the weights at fit start ...
-    df = spectral.analyze(initial, fit="ks", metrics=["alpha"])
+    # the metric is htsr.analyze's alpha (KS fit) of the weights at fit start ...
+    df = htsr.analyze(initial, fit="ks", metrics=["alpha"])
     for name, v in pruner.metric_values.items():
         assert v == pytest.approx(float(df.set_index("name").loc[name, "alpha"]), rel=1e-6)
     # ... the ratios are the mapping's, with weighted mean = target

@@ -12,9 +12,9 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 
 from lalr_lightning.callbacks import HTSRPruning
-from lalr_lightning.core.criterion_pruning import criterion_prune, take_samples
-from lalr_lightning.core.layers import matrix_layers
-from lalr_lightning.core.llm_pruning import InputStats, prune_weight
+from lalr_lightning.core.model.layers import matrix_layers
+from lalr_lightning.core.pruning.by_criterion import criterion_prune, take_samples
+from lalr_lightning.core.pruning.criteria import InputStats, prune_weight
 from tests._dist import ddp_spawn
 from tests._lm import tiny_lm
 from tests._toys import ToyMLP, make_trainer

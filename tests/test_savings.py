@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lalr_lightning.callbacks import BlockSchedule, LayerSelection, NTKSelect, SpectrumSelect
-from lalr_lightning.core.layers import block_layers, matrix_layers
-from lalr_lightning.core.selection import lift_block, lisa_sample
+from lalr_lightning.core.model.layers import block_layers, matrix_layers
+from lalr_lightning.core.selection.surgical import lift_block, lisa_sample
 from tests._dist import ddp_spawn
 from tests._lm import tiny_lm
 from tests._toys import ToyMLP, make_trainer
@@ -479,7 +479,7 @@ def test_hand_sync_leaves_every_alias_of_a_shared_parameter_out_of_ddp_and_gives
     group, registers neither alias; the user's own ignore list is kept and given back."""
     import torch.distributed as dist
 
-    from lalr_lightning.core.handsync import HandSync
+    from lalr_lightning.core.runtime.handsync import HandSync
 
     module = tiny_lm("llama", True, hidden=32, layers=2)
     emb, up = module.model.embed_tokens.weight, module.model.layers[0].mlp.up_proj.weight
@@ -507,7 +507,7 @@ def test_hand_sync_leaves_every_alias_of_a_shared_parameter_out_of_ddp_and_gives
 
 
 def test_hand_sync_buckets_split_by_dtype_and_size():
-    from lalr_lightning.core.handsync import _buckets
+    from lalr_lightning.core.runtime.handsync import _buckets
 
     ts = [torch.zeros(10), torch.zeros(10, dtype=torch.float64), torch.zeros(20), torch.zeros(30), torch.zeros(5)]
     # float32 runs of at most 100 bytes (25 entries), in order; a tensor larger than that alone

@@ -1,4 +1,4 @@
-"""core/shards.py: sharing the measurement of weights out among ranks, gathering only a rank's
+"""core/runtime/shards.py: sharing the measurement of weights out among ranks, gathering only a rank's
 share of whole weights under FSDP1 and FSDP2, and cutting other tensors like the weights (torch
 FSDP on CPU with gloo, one pair of processes)."""
 
@@ -10,9 +10,9 @@ import torch
 from _dist import run_pair
 from torch import nn
 
-from lalr_lightning.core import spectral
-from lalr_lightning.core.layers import matrix_layers
-from lalr_lightning.core.shards import ShardLayout, assign_shares, gather_objects, whole_weights
+from lalr_lightning.core.model.layers import matrix_layers
+from lalr_lightning.core.runtime.shards import ShardLayout, assign_shares, gather_objects, whole_weights
+from lalr_lightning.core.spectral import htsr
 
 
 def test_shares_balance_the_work_and_are_deterministic():
@@ -69,7 +69,7 @@ def _pair(rank, record):
         mine = {la.name for la, o in zip(layers, owner) if o == rank}
         whole = whole_weights(root, layers, mine)  # the head is in the root unit: gathered through it
         assert {la.name for la in whole} == mine and all(la.weight.ndim == 2 for la in whole)
-        parts = gather_objects(spectral.alphas(whole, fit="median"))
+        parts = gather_objects(htsr.alphas(whole, fit="median"))
         # a mask cut like each weight and put back together is the mask again; the pieces are where
         # the rank's own piece of the weight is
         layout = ShardLayout(root)
@@ -90,7 +90,7 @@ def test_fsdp_ranks_gather_their_share_through_the_root_and_cut_tensors_like_the
 
     runs = run_pair(_pair, tmp_path)
     model = _net()
-    expected = spectral.alphas(matrix_layers(model), fit="median")
+    expected = htsr.alphas(matrix_layers(model), fit="median")
     params = dict(model.named_parameters())
     for kind in ("fsdp1", "fsdp2"):
         seen = {}
@@ -112,7 +112,7 @@ def test_fsdp_ranks_gather_their_share_through_the_root_and_cut_tensors_like_the
 def test_skeleton_holds_no_weights_and_materializes_the_same_model(family, tied):
     from _lm import tiny_lm
 
-    from lalr_lightning.core.shards import materialize, skeleton
+    from lalr_lightning.core.runtime.shards import materialize, skeleton
 
     model = tiny_lm(family, tied, hidden=32, layers=2)
     skel = skeleton(model)

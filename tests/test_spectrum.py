@@ -12,7 +12,7 @@ import torch
 
 from lalr_lightning.callbacks import SpectrumSelect, SurgicalLayerSelect
 from lalr_lightning.cli import analyze_main
-from lalr_lightning.core.spectrum import module_type, read_unfrozen_yaml, top_by_type, unfrozen_yaml
+from lalr_lightning.core.spectral.spectrum_snr import module_type, read_unfrozen_yaml, top_by_type, unfrozen_yaml
 from tests._lm import lm_module, save_tiny_lm, tiny_lm
 from tests._toys import make_trainer
 

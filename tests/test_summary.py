@@ -29,7 +29,7 @@ def test_the_selection_summary_counts_what_one_step_moved(make, caplog):
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
     total = sum(p.numel() for p in before.values())
     cb = make()
-    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+    with caplog.at_level(logging.INFO, logger="lalr_lightning"):
         make_trainer([cb], max_steps=1, enable_model_summary=True).fit(module)
     moved = sum(p.numel() for n, p in module.named_parameters() if not torch.equal(p.detach(), before[n]))
     counts = cb.summary_counts  # at the decision: after the fit nothing is frozen any more

@@ -18,9 +18,15 @@ from torch.utils.data import DataLoader, TensorDataset
 from lalr_lightning import viz
 from lalr_lightning.callbacks import LayerSelection, SurgicalLayerSelect
 from lalr_lightning.callbacks.selection import MODES
-from lalr_lightning.core.control import LayerControl
-from lalr_lightning.core.layers import block_layers
-from lalr_lightning.core.selection import eb_scores, lift_block, lisa_sample, relative_grad_norms, select_blocks
+from lalr_lightning.core.model.layers import block_layers
+from lalr_lightning.core.runtime.control import LayerControl
+from lalr_lightning.core.selection.surgical import (
+    eb_scores,
+    lift_block,
+    lisa_sample,
+    relative_grad_norms,
+    select_blocks,
+)
 from lalr_lightning.models.cnn import SmallResNet
 from tests._dist import ddp_spawn
 from tests._oracles import ShadowOracle
@@ -34,7 +40,7 @@ def _model(seed=0, lr=1e-2, wd=1e-4, classes=4):
 
 
 # SmallResNet(blocks_per_group=1) blocks: conv1+bn1+layer1 | layer2 | layer3 | fc (join_stem=True),
-# conv1+bn1 | layer1 | layer2 | layer3 | fc (LISA); names as core.layers gives them
+# conv1+bn1 | layer1 | layer2 | layer3 | fc (LISA); names as core.model.layers gives them
 BLOCKS = [b.name for b in block_layers(_model())]
 B0, B1, B2, HEAD = BLOCKS
 LISA_BLOCKS = [b.name for b in block_layers(_model(), join_stem=False)]

@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lalr_lightning.callbacks import TempBalanceCallback
-from lalr_lightning.core.control import LayerControl
-from lalr_lightning.core.tempbalance import ASSIGN, assign_multipliers
+from lalr_lightning.core.runtime.control import LayerControl
+from lalr_lightning.core.spectral.tempbalance import ASSIGN, assign_multipliers
 from lalr_lightning.models.cnn import SmallCNN
 from tests._dist import ddp_spawn
 from tests._oracles import ShadowOracle
@@ -214,10 +214,10 @@ def test_two_instances_keep_separate_state(tmp_path):
 class SameOnEveryRank(Callback):
     def on_train_epoch_start(self, trainer, pl_module):  # after TempBalance measured (it is listed first)
         # each rank fitted its share of the layers: the merged alphas equal a fit of all of them here
-        from lalr_lightning.core import spectral
+        from lalr_lightning.core.spectral import htsr
 
         tb = next(c for c in trainer.callbacks if isinstance(c, TempBalanceCallback))
-        whole = spectral.alphas(tb.layers, fit="median")
+        whole = htsr.alphas(tb.layers, fit="median")
         assert tb.scores == pytest.approx(whole, rel=1e-6) and trainer.world_size == 2
 
     def on_train_epoch_end(self, trainer, pl_module):
@@ -317,8 +317,8 @@ def test_first_leaves_out_what_the_docs_say(family):
     import re
     from pathlib import Path
 
-    from lalr_lightning.core.layers import DEFAULT_KINDS
-    from lalr_lightning.core.tempbalance import eligible_layers
+    from lalr_lightning.core.model.layers import DEFAULT_KINDS
+    from lalr_lightning.core.spectral.tempbalance import eligible_layers
 
     name, _, tie = family.partition("-")
     tied = {"tied": True, "untied": False}.get(tie, name in ("gpt2", "opt"))  # the family's default

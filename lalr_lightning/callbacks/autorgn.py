@@ -30,11 +30,11 @@ Decided here (the paper and the reference are explicit about the rest):
 * a tensor with ``||theta|| = 0`` has no relative gradient norm; it gets multiplier 1 and does
   not enter the maximum;
 * the reference rebuilds Adam every epoch (its moments restart); here the optimizer and its
-  state are the user's, only the per-tensor LR changes (through :mod:`core.control`);
+  state are the user's, only the per-tensor LR changes (through :mod:`core.runtime.control`);
 * under DDP each rank measures on its own shard and the per-tensor values are averaged over
   ranks (mean) before the decision, which is made on rank zero and broadcast. Under FSDP the
   same: each rank's own gradient of each tensor is read whole in the backward before FSDP
-  reduce-scatters it (:func:`~lalr_lightning.core.taps.gradient_taps`), with no more gradient
+  reduce-scatters it (:func:`~lalr_lightning.core.model.taps.gradient_taps`), with no more gradient
   memory than a training step; each measured batch costs a forward and backward of the
   strategy's, whose reduced gradients are dropped.
 """
@@ -45,17 +45,19 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
 from lalr_lightning.callbacks.distributed import backward_discarded, loss_through_root, sharded
+from lalr_lightning.callbacks.host import Cadence, Host, warn
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.choices import unknown
-from lalr_lightning.core.layers import matrix_layers
-from lalr_lightning.core.loss import batch_loss
-from lalr_lightning.core.selection import (
+from lalr_lightning.core.model.batch_loss import batch_loss
+from lalr_lightning.core.model.layers import matrix_layers
+from lalr_lightning.core.model.taps import gradient_taps, preserve_buffers
+from lalr_lightning.core.runtime.shards import all_sum, local_tensor
+from lalr_lightning.core.selection.surgical import (
     eb_multipliers,
     eb_scores,
     relative_grad_norms,
@@ -63,8 +65,6 @@ from lalr_lightning.core.selection import (
     tensor_layers,
     zero_gradient_warning,
 )
-from lalr_lightning.core.shards import all_sum, local_tensor
-from lalr_lightning.core.taps import gradient_taps, preserve_buffers
 
 __all__ = ["AutoRGN", "CRITERIA"]
 
@@ -91,11 +91,11 @@ class AutoRGN(LayerSelection):
             (reference: ``"bn"``).
         excluded_multiplier: the multiplier of excluded tensors (reference: 0).
         eb_threshold: ``eb`` only: minimum score to train (reference: 0.95).
-        loss_fn: ``(module, batch) -> loss``; default :func:`~lalr_lightning.core.loss.batch_loss`:
+        loss_fn: ``(module, batch) -> loss``; default :func:`~lalr_lightning.core.model.batch_loss.batch_loss`:
             the module's ``loss(module(x), y)``, else the loss its own ``training_step`` returns
             (its logging silenced).
         blocks, join_stem: how blocks are found; they only label the per-block log.
-        norm_eval: ``frozen``, ``all`` or ``none`` (:mod:`lalr_lightning.core.norms`).
+        norm_eval: ``frozen``, ``all`` or ``none`` (:mod:`lalr_lightning.core.model.norm_modes`).
         name, strict_resume: as every callback of the package.
 
     Readable: ``multipliers`` (tensor -> multiplier), ``scores`` (tensor -> RGN or eb score),
@@ -122,7 +122,7 @@ class AutoRGN(LayerSelection):
         exclude: Sequence[str] = ("bn",),
         excluded_multiplier: float = 0.0,
         eb_threshold: float | None = None,
-        loss_fn: Callable[[pl.LightningModule, Any], torch.Tensor] | None = None,
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
         blocks: Sequence[str | Sequence[str]] | None = None,
         join_stem: bool = True,
         norm_eval: str = "frozen",
@@ -171,39 +171,35 @@ class AutoRGN(LayerSelection):
 
     # ------------------------------------------------------------------ when
 
-    def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def configure(self, host: Host, module: nn.Module) -> None:
         try:
-            self.find_blocks(pl_module, min_blocks=0, trainer=trainer)
+            self.find_blocks(module, min_blocks=0, host=host)
         except ValueError:
             self.block_list = []  # tensors are the units; blocks only label the logs
-        self.layers = tensor_layers(pl_module)
-        self._sharded = sharded(trainer)
+        self.layers = tensor_layers(module)
+        self._sharded = sharded(host)
         self._block_of = {n: b.name for b in self.block_list for n in b.params}
         units = {u.name for u in self.layers}
-        self._weights = [n for la in matrix_layers(pl_module) for n, p in la.params.items()
+        self._weights = [n for la in matrix_layers(module) for n, p in la.params.items()
                          if p is la.weight and n in units and not self._excluded(n)]
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_fit_start(trainer, pl_module)
-        if not self.restored:
-            # until the first measurement (before any step): excluded tensors at their fixed
-            # multiplier, so that norm layers are in the same mode for every measurement
-            self.multipliers = {u.name: (self.excluded_multiplier if self._excluded(u.name) else 1.0)
-                                for u in self.layers}
-            self.selected = [k for k, v in self.multipliers.items() if v > 0]
-            self.apply(trainer)
+    @property
+    def cadence(self) -> Cadence:
+        return Cadence(every_n_epochs=self.every_n_epochs)
 
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        epoch = trainer.current_epoch
-        if epoch % self.every_n_epochs == 0 and self._measured_epoch != epoch:
-            self.update(trainer, pl_module)
-        super().on_train_epoch_start(trainer, pl_module)
+    def first_decision(self, host: Host) -> None:
+        # until the first measurement (before any step): excluded tensors at their fixed
+        # multiplier, so that norm layers are in the same mode for every measurement
+        self.multipliers = {u.name: (self.excluded_multiplier if self._excluded(u.name) else 1.0)
+                            for u in self.layers}
+        self.selected = [k for k, v in self.multipliers.items() if v > 0]
+        self.apply(host)
 
     # ------------------------------------------------------------------ what
 
-    def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
+    def measure(self, host: Host, module: nn.Module) -> dict[str, float]:
         """The mean score per measured tensor over ``n_batches`` batches, averaged over ranks."""
-        loader = trainer.train_dataloader
+        loader = host.batches()
         if loader is None or isinstance(loader, (Mapping, list, tuple)):
             raise ValueError(f"{self.criterion} measures gradients on the training dataloader and needs exactly one; "
                              f"got {type(loader).__name__}")
@@ -218,23 +214,23 @@ class AutoRGN(LayerSelection):
         n = 0
         frozen = [u for u in units if u.name not in set(self.selected)] if self._sharded else []
         self.set_requires_grad(frozen, True)  # FSDP: the tensors frozen now are measured too (see apply)
-        check = stop_on_sigterm(trainer)
-        device = pl_module.device
+        check = stop_on_sigterm(host)
+        device = module.device
         rng = [device.index or 0] if device.type == "cuda" else []
         # buffers and the random state (the loader's shuffle, dropout) are put back: the epoch that
         # follows trains as it would without the measurement
-        with torch.enable_grad(), preserve_buffers(pl_module), torch.random.fork_rng(devices=rng):
+        with torch.enable_grad(), preserve_buffers(module), torch.random.fork_rng(devices=rng):
             for batch in loader:
                 if n >= self.n_batches:
                     break
                 check()
-                batch = self.device_batch(trainer, batch)
-                if sharded(trainer):
-                    total += self._sharded_scores(trainer, pl_module, batch, n, units, params)
+                batch = self.device_batch(host, batch)
+                if sharded(host):
+                    total += self._sharded_scores(host, module, batch, n, units, params)
                 else:
-                    loss = batch_loss(pl_module, batch, self.loss_fn, batch_idx=n)
+                    loss = batch_loss(module, batch, self.loss_fn, batch_idx=n)
                     grads = torch.autograd.grad(loss, params, allow_unused=True)
-                    self.check_finite(trainer, {u.name: g for u, g in zip(units, grads) if g is not None},
+                    self.check_finite(host, {u.name: g for u, g in zip(units, grads) if g is not None},
                                       f"the gradients measured for {self.criterion}")
                     total += relative_grad_norms(grads, params) if self.criterion == "rgn" else eb_scores(grads)
                 n += 1
@@ -242,11 +238,11 @@ class AutoRGN(LayerSelection):
         if n == 0:
             raise ValueError(f"{self.criterion}: the training dataloader yielded no batch to measure on")
         # each rank measured its own shard: average over ranks (inf, from zero-norm tensors, stays inf)
-        mean = trainer.strategy.reduce((total / n).to(pl_module.device), reduce_op="mean").cpu()
-        self._measured_epoch = trainer.current_epoch
+        mean = host.mean((total / n).to(module.device)).cpu()
+        self._measured_epoch = host.current_epoch
         return {u.name: float(v) for u, v in zip(units, mean.tolist())}
 
-    def _sharded_scores(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
+    def _sharded_scores(self, host: Host, module: nn.Module, batch: Any, batch_idx: int,
                         units: list, params: list) -> torch.Tensor:
         """One batch's scores under FSDP, equal to DDP's: this rank's own gradient of each tensor is
         read whole in the backward, as FSDP computes it and before it reduce-scatters it
@@ -259,11 +255,11 @@ class AutoRGN(LayerSelection):
             score = float(eb_scores([g])[0]) if self.criterion == "eb" else 0.0
             return torch.linalg.vector_norm(g.detach().double()).item(), score
 
-        with gradient_taps(pl_module, keys, stat) as got:
-            loss = loss_through_root(trainer, pl_module,
-                                     lambda b: batch_loss(pl_module, b, self.loss_fn, batch_idx=batch_idx), batch)
-            backward_discarded(pl_module, loss)
-        self.check_finite(trainer, {k: v[0] for k, v in got.items()}, f"the gradients measured for {self.criterion}")
+        with gradient_taps(module, keys, stat) as got:
+            loss = loss_through_root(host, module,
+                                     lambda b: batch_loss(module, b, self.loss_fn, batch_idx=batch_idx), batch)
+            backward_discarded(module, loss)
+        self.check_finite(host, {k: v[0] for k, v in got.items()}, f"the gradients measured for {self.criterion}")
         if self.criterion == "eb":
             return torch.tensor([got[u.name][1] if u.name in got else 0.0 for u in units], dtype=torch.float64)
         # ||theta|| from the squared norms of the ranks' pieces; as relative_grad_norms: inf where it is 0
@@ -277,21 +273,21 @@ class AutoRGN(LayerSelection):
         else:
             mults = eb_multipliers(scores, self.eb_threshold)
             if not any(mults.values()):
-                rank_zero_warn(f"eb_criterion: no tensor reaches eb_threshold={self.eb_threshold} (max score "
+                warn(f"eb_criterion: no tensor reaches eb_threshold={self.eb_threshold} (max score "
                                f"{max(scores.values()):.3g}); all measured tensors are frozen this epoch")
         values = {u.name: mults.get(u.name, self.excluded_multiplier) for u in self.layers}
         note = zero_gradient_warning(values, scores, self._weights, self._zero_scales, self.exclude)
         if note is not None:
-            rank_zero_warn(note)
+            warn(note)
         return Decision(values=values, scores=dict(scores))
 
     def receive(self, decision: Decision) -> None:
         super().receive(decision)
         self.multipliers = dict(decision.values)
 
-    def apply(self, trainer: pl.Trainer) -> None:
-        self.apply_multipliers(trainer, self.multipliers)
-        self.apply_frozen(trainer, [k for k, v in self.multipliers.items() if v == 0])
+    def apply(self, host: Host) -> None:
+        self.apply_multipliers(host, self.multipliers)
+        self.apply_frozen(host, [k for k, v in self.multipliers.items() if v == 0])
         if self._sharded:
             # FSDP1 saves optimizer state per unit and wants it for every tensor there that requires
             # grad: a frozen tensor that never stepped has none, so it stops requiring grad (FSDP
@@ -299,9 +295,9 @@ class AutoRGN(LayerSelection):
             self.follow_requires_grad()
         self.apply_norm_modes()
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
-        if self._sharded and self._wrapped:  # FSDP restores after fit start: before the optimizer state
+    def resumed(self, late: bool) -> None:
+        super().resumed(late)
+        if self._sharded and late:  # FSDP restores after fit start: before the optimizer state
             self.follow_requires_grad()
 
     # ------------------------------------------------------------------ state

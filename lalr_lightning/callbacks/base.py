@@ -2,7 +2,7 @@
 
 A callback says *when* it decides (its Lightning hooks and cadence) and *what*: ``measure()``
 (per-layer numbers from the weights or the data) and ``decide()`` (per-layer decisions from
-them), then ``apply()`` (hand the decision to :class:`~lalr_lightning.core.control.LayerControl`).
+them), then ``apply()`` (hand the decision to :class:`~lalr_lightning.core.runtime.control.LayerControl`).
 This class does the rest, the same way for all of them:
 
 1. measure -- from the weights, each rank a share of the layers, the results all-gathered;
@@ -31,21 +31,22 @@ import math
 import os
 import sys
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
-import lightning.pytorch as pl
 import numpy as np
 import torch
-from lightning.pytorch.callbacks import Callback
+from torch import nn
 
 from lalr_lightning.callbacks import distributed
-from lalr_lightning.callbacks.distributed import SpawnHandoff, check_strategy
+from lalr_lightning.callbacks.distributed import SpawnHandoff
+from lalr_lightning.callbacks.host import Cadence, Host
+from lalr_lightning.callbacks.lightning_host import LightningHooks, check_strategy
 from lalr_lightning.callbacks.planning import Planner, _NoFit
-from lalr_lightning.core.control import LayerControl
-from lalr_lightning.core.decision import Decision
-from lalr_lightning.core.errors import DivergenceError, reject_stray
-from lalr_lightning.core.layers import Layer
+from lalr_lightning.core.model.layers import Layer
+from lalr_lightning.core.runtime.control import LayerControl
+from lalr_lightning.core.runtime.decision import Decision
+from lalr_lightning.core.runtime.errors import DivergenceError, reject_stray
 
 __all__ = ["DEFAULT_FIGURES", "FIGURES", "Decision", "LayerwiseCallback", "SettingsMismatchError", "check_figures",
            "check_strategy", "renamed", "stop_on_sigterm", "warn_deprecated"]
@@ -77,18 +78,11 @@ class SettingsMismatchError(ValueError):
     """A checkpoint's callback state was written with other settings than this callback's."""
 
 
-def stop_on_sigterm(trainer: pl.Trainer):
-    """A check for long measurements to call between chunks of work: it raises Lightning's
-    ``SIGTERMException`` once the trainer received SIGTERM (Lightning's handler only sets a flag,
-    which its loops read between batches; a measurement in a hook would otherwise run to its end).
-    Ctrl-C needs nothing: ``KeyboardInterrupt`` is raised between the chunks."""
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
-
-    def check() -> None:
-        if getattr(trainer, "received_sigterm", False):
-            raise SIGTERMException()
-
-    return check
+def stop_on_sigterm(host: Host) -> Callable[[], None]:
+    """A check for long measurements to call between chunks of work (:meth:`Host.stop_check`):
+    it raises once the loop was asked to stop (Lightning: SIGTERM, whose handler only sets a flag
+    read between batches). Ctrl-C needs nothing: ``KeyboardInterrupt`` is raised between chunks."""
+    return host.stop_check()
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -138,7 +132,7 @@ def _plain(value: Any) -> Any:
     return repr(value)
 
 
-class LayerwiseCallback(Planner, SpawnHandoff, Callback):
+class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
     """Base of every callback of this package (module docstring: the cycle it owns).
 
     Subclasses set the class attributes below, call ``super().__init__(name=..., strict_resume=...)``
@@ -187,6 +181,9 @@ class LayerwiseCallback(Planner, SpawnHandoff, Callback):
         self.restored = False
         self._sizes: dict[str, int] | None = None
         self._names_before_wrap: dict[int, str] | None = None  # FSDP2: the parameters setup saw, by name
+        self.early: Decision | None = None  # decided in ``prepare``, committed at the start
+        self._wrapped = self._started = False  # the timeline's own: the model is wrapped; the start ran
+        self._whole_copy: distributed.WholeCopy | None = None
         self._handoff: str | None = None
         self._handoff_pending = False
 
@@ -229,7 +226,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, Callback):
 
     # ------------------------------------------------------------------ the cycle
 
-    def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
+    def measure(self, host: Host, module: nn.Module) -> Any:
         """Per-layer numbers for ``decide`` (see ``measures`` for where it runs)."""
         return None
 
@@ -237,7 +234,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, Callback):
         """The decision from what ``measure`` returned (rank zero only; keep it pure)."""
         raise NotImplementedError
 
-    def apply(self, trainer: pl.Trainer) -> dict | None:
+    def apply(self, host: Host) -> dict | None:
         """Hand the current decision to the layer control; may return fields for the history
         entry (what the decision achieved, e.g. the sparsity)."""
         raise NotImplementedError
@@ -249,49 +246,46 @@ class LayerwiseCallback(Planner, SpawnHandoff, Callback):
         self.measurements = {k: dict(v) for k, v in decision.measurements.items()}
         setattr(self, self.decision_attr, dict(decision.values))
 
-    def update(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Decision:
+    def update(self, host: Host, module: nn.Module) -> Decision:
         """Measure (every rank: a share of the weights each, or its data), decide on rank zero,
         broadcast, record, apply, log: one decision."""
-        return self.conclude(trainer, self.measure(trainer, pl_module))
+        return self.conclude(host, self.measure(host, module))
 
     def weight_of(self, layer: Layer) -> torch.Tensor:
         """The weight ``measure_shards`` hands to the measurement (LALR: LoRA's merged weight)."""
         return layer.weight.detach()
 
-    def measure_shards(self, trainer: pl.Trainer, pl_module: pl.LightningModule, units: list[list[Layer]],
+    def measure_shards(self, host: Host, module: nn.Module, units: list[list[Layer]],
                        fn) -> dict:
         """``fn(layers) -> {name: value}`` over every unit of layers, shared out among the ranks
         (:func:`~lalr_lightning.callbacks.distributed.measure_shards`): the same dict on every rank."""
-        return distributed.measure_shards(trainer, pl_module, units, fn, self._sizes, self.weight_of)
+        return distributed.measure_shards(host, module, units, fn, self._sizes, self.weight_of)
 
-    @staticmethod
-    def _sharded_weights(trainer: pl.Trainer) -> bool:
-        return distributed.sharded(trainer)
-
-    def conclude(self, trainer: pl.Trainer, measured: Any) -> Decision:
+    def conclude(self, host: Host, measured: Any) -> Decision:
         """Decide on rank zero from ``measured``, broadcast, record, apply and log. An error on
         rank zero is raised on every rank."""
-        decision = self.decide_everywhere(trainer, measured)
-        self.commit(trainer, decision)
+        decision = self.decide_everywhere(host, measured)
+        self.commit(host, decision)
         return decision
 
-    def decide_everywhere(self, trainer: pl.Trainer, measured: Any) -> Decision:
-        """Decide on rank zero from ``measured`` and broadcast: the same decision on every rank
-        (not yet stored or applied). An error on rank zero is raised on every rank."""
-        return distributed.decide_on_zero(trainer, self.decide, measured)
+    def decide_everywhere(self, host: Host, measured: Any, decide: Callable[[Any], Decision] | None = None) -> Decision:
+        """Decide on rank zero from ``measured`` (with ``decide``, else :meth:`decide`) and broadcast:
+        the same decision on every rank (not yet stored or applied). An error on rank zero is
+        raised on every rank."""
+        return distributed.decide_on_zero(host, decide or self.decide, measured)
 
-    def commit(self, trainer: pl.Trainer, decision: Decision) -> None:
+    def commit(self, host: Host, decision: Decision) -> None:
         self.receive(decision)
-        achieved = self.apply(trainer) or {}
-        entry = {"epoch": trainer.current_epoch, "step": trainer.global_step,
+        achieved = self.apply(host) or {}
+        entry = {"epoch": host.current_epoch, "step": host.global_step,
                  self.decision_attr: dict(decision.values)}
         if decision.scores:
             entry["scores"] = dict(decision.scores)
         entry.update(decision.record)
         entry.update(achieved)
         self.record(entry)
-        self.log_decision(trainer, decision, achieved)
-        self._publish(trainer, "decision", decision)
+        self.log_decision(host, decision, achieved)
+        host.publish(self, "decision", decision)
 
     def record(self, entry: dict) -> None:
         self.history.append(entry)
@@ -300,7 +294,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, Callback):
 
     # ------------------------------------------------------------------ divergence
 
-    def check_finite(self, trainer: pl.Trainer | None, named: Mapping[str, Any], what: str) -> None:
+    def check_finite(self, host: Host | None, named: Mapping[str, Any], what: str) -> None:
         """Raise :class:`DivergenceError` naming the entries of ``named`` (a tensor, a list of
         tensors or a number each) that hold NaN or Inf."""
 
@@ -312,28 +306,28 @@ class LayerwiseCallback(Planner, SpawnHandoff, Callback):
             return math.isfinite(float(v))
 
         bad = [k for k, v in named.items() if not finite(v)]
-        if bad and isinstance(trainer, _NoFit):  # plan(): nothing was trained, the model came this way
+        if bad and isinstance(host, _NoFit):  # plan(): nothing was trained, the model came this way
             shown = ", ".join(bad[:5]) + (", ..." if len(bad) > 5 else "")
             raise ValueError(f"{type(self).__name__}.plan(): {what} of {shown} hold NaN or Inf in the model as given "
                              "(nothing has been trained); check the checkpoint or the code that built the model")
         if bad:
             raise DivergenceError(type(self).__name__, what, bad,
-                                  epoch=None if trainer is None else trainer.current_epoch,
-                                  step=None if trainer is None else trainer.global_step)
+                                  epoch=None if host is None else host.current_epoch,
+                                  step=None if host is None else host.global_step)
 
     # ------------------------------------------------------------------ control
 
-    def controls(self, trainer: pl.Trainer) -> list[LayerControl]:
-        if not trainer.optimizers:
+    def controls(self, host: Host) -> list[LayerControl]:
+        if not host.optimizers:
             raise RuntimeError(f"{type(self).__name__}: the LightningModule configured no optimizer")
-        return [LayerControl.of(opt) for opt in trainer.optimizers]
+        return [LayerControl.of(opt) for opt in host.optimizers]
 
     @staticmethod
-    def device_batch(trainer: pl.Trainer, batch: Any) -> Any:
+    def device_batch(host: Host, batch: Any) -> Any:
         """A batch the callback drew from a loader itself, as Lightning hands batches to
         ``training_step``: on the strategy's device, its floating tensors in the precision's input
         dtype (bf16-true: a bfloat16 conv refuses a float32 input)."""
-        return trainer.precision_plugin.convert_input(trainer.strategy.batch_to_device(batch))
+        return host.to_device(batch)
 
     def _per_param(self, per_layer: Mapping[str, Any]) -> tuple[dict, dict]:
         values, names = {}, {}
@@ -344,96 +338,183 @@ class LayerwiseCallback(Planner, SpawnHandoff, Callback):
                     names[p] = layer.name
         return values, names
 
-    def apply_multipliers(self, trainer: pl.Trainer, per_layer: Mapping[str, float]) -> None:
+    def apply_multipliers(self, host: Host, per_layer: Mapping[str, float]) -> None:
         mults, names = self._per_param(per_layer)
-        for ctl in self.controls(trainer):
+        for ctl in self.controls(host):
             ctl.set_multipliers(self.state_key, mults, names)
 
-    def apply_frozen(self, trainer: pl.Trainer, frozen_layers: Iterable[str]) -> None:
+    def apply_frozen(self, host: Host, frozen_layers: Iterable[str]) -> None:
         frozen = set(frozen_layers)
         params, _ = self._per_param({n: True for n in frozen})
         _, names = self._per_param({layer.name: True for layer in self.layers})  # trained ones are reported too
-        for ctl in self.controls(trainer):
+        for ctl in self.controls(host):
             ctl.name_params(names)
             ctl.set_frozen(self.state_key, list(params), names)
 
-    # ------------------------------------------------------------------ Lightning hooks
+    # ------------------------------------------------------------------ the timeline
 
     #: why the callback cannot work where the strategy shards the weights (FSDP), and what to use
     #: instead (``check_strategy`` raises it); None: it can
     fsdp_refusal: ClassVar[str | None] = None
+    #: when it decides (the owner calls ``update`` at each point due, once per point)
+    cadence: ClassVar[Cadence] = Cadence()
+    #: whether a measurement runs the whole model (``with_whole_model``): under FSDP a skeleton of
+    #: it is kept from before the wrap, filled on rank zero for each measurement
+    needs_whole_model: ClassVar[bool] = False
 
-    def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def configure(self, host: Host, module: nn.Module) -> None:
         """Find ``self.layers`` (and anything else that depends on the model) at the start of a
         fit, before the model is wrapped: a function of the architecture and the settings only,
         so it is the same on every rank and after resume."""
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._handoff_pending = False  # this instance runs the fit itself
-        if stage == "fit":
-            check_strategy(trainer, type(self).__name__, refusal=self.fsdp_refusal)
-            self.configure(trainer, pl_module)
-            # sizes while the weights are whole (before any FSDP wrap), to share work out evenly
-            self._sizes = {la.name: la.weight.numel() for la in self.layers if la.module is not None
-                           and isinstance(getattr(la.module, "weight", None), torch.Tensor)}
-            replaced = distributed.replaces_parameters(trainer)
-            self._names_before_wrap = distributed.parameter_names(pl_module) if replaced else None
-            self._publish(trainer, "start")  # settings into the run config, W&B's step axis
+    # The method's steps on the timeline; each a no-op unless a method needs it. The owner calls
+    # them at the right point for every host and strategy (docs/design.md, "The timeline").
 
-    def follow_the_wrap(self, pl_module: pl.LightningModule) -> None:
-        """First thing at ``on_fit_start``: where the strategy put new parameters in place of
-        those ``setup`` found (FSDP2), everything this callback holds points to the new ones."""
+    def prepare(self, host: Host) -> None:
+        """Right after ``configure``, before the strategy wraps the model (static decisions)."""
+
+    def after_wrap(self, host: Host) -> None:
+        """The model is wrapped and the optimizers exist; the checkpoint's state may come later."""
+
+    def resumed(self, late: bool) -> None:
+        """The checkpoint's state is back (``late``: after the wrap, before the optimizer state)."""
+
+    def first_decision(self, host: Host) -> None:
+        """A fresh fit's first decision (the model wrapped, nothing restored): the one made in
+        ``prepare`` (``self.early``), or a measurement where the cadence starts at the fit's start."""
+        early, self.early = self.early, None
+        if early is not None:
+            self.commit(host, early)
+        elif self.cadence.start:
+            self.update(host, host.module)
+
+    def after_start(self, host: Host) -> None:
+        """After the first decision, or the checkpoint's applied."""
+
+    def each_epoch(self, host: Host) -> None:
+        """At every epoch's start, after any decision due there."""
+
+    def each_batch(self, host: Host, batch: Any) -> None:
+        """At every batch's start, after any decision due there."""
+
+    def after_backward(self, host: Host) -> None:
+        """After every backward."""
+
+    def before_step(self, host: Host, optimizer: Any) -> None:
+        """Before every optimizer step (gradients final; masked entries already dropped)."""
+
+    def after_batch(self, host: Host, outputs: Any, batch: Any) -> None:
+        """After every training batch."""
+
+    def after_epoch(self, host: Host) -> None:
+        """At every training epoch's end."""
+
+    def finish(self, host: Host) -> None:
+        """At the end of a fit that ran to its end."""
+
+    def release(self, host: Host) -> None:
+        """At teardown, after the layer control was given back: drop what the fit held."""
+
+    # The owner's events (LightningHooks maps Lightning's hooks to these; another host maps its own).
+
+    @property
+    def is_wrapped(self) -> bool:
+        """Whether the strategy has wrapped the model (``requires_grad`` changes then reach DDP's
+        buckets no more)."""
+        return self._wrapped
+
+    def _begin(self, host: Host) -> None:
+        self._wrapped = self._started = False
+        self.early = None
+        self.configure(host, host.module)
+        # sizes while the weights are whole (before any FSDP wrap), to share work out evenly
+        self._sizes = {la.name: la.weight.numel() for la in self.layers if la.module is not None
+                       and isinstance(getattr(la.module, "weight", None), torch.Tensor)}
+        # FSDP2 puts new parameters in place of these: everything held follows them after the wrap
+        self._names_before_wrap = distributed.parameter_names(host.module) if host.sharding == "fsdp2" else None
+        self._whole_copy = distributed.WholeCopy(host.module, type(self).__name__) \
+            if self.needs_whole_model and host.sharded else None
+        self.prepare(host)
+        host.publish(self, "start")  # settings into the run config, W&B's step axis
+
+    def _wrapped_now(self, host: Host, final: bool) -> None:
+        """The model is wrapped; ``final``: the checkpoint's state (if any) is already back."""
         names, self._names_before_wrap = self._names_before_wrap, None
         if names:
-            distributed.rebind(self.__dict__, names, pl_module)
+            distributed.rebind(self.__dict__, names, host.module)
+        self._wrapped = True
+        self.after_wrap(host)
+        if final:
+            self._start(host)
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.follow_the_wrap(pl_module)
-        distributed.OptimizerResume.prepare(trainer)  # FSDP2 loads the optimizer state right after this
+    def _train_start(self, host: Host) -> None:
+        if not self._started:  # the checkpoint's state came after the wrap, or never came
+            self._start(host)
+
+    def _start(self, host: Host) -> None:
+        self._started = True
         if self.restored:  # continue with the checkpoint's decision
-            self.apply(trainer)
+            self.early = None
+            self.apply(host)
+        else:
+            self.first_decision(host)
+        self.after_start(host)
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def _due(self, host: Host, where: str) -> bool:
+        now = host.current_epoch if where == "epoch" else host.global_step
+        return self.cadence.due(where, now, self.history[-1] if self.history else None)
+
+    def _epoch_start(self, host: Host) -> None:
+        if self._due(host, "epoch"):
+            self.update(host, host.module)
+        self.each_epoch(host)
+
+    def _batch_start(self, host: Host, batch: Any) -> None:
+        if self._due(host, "step"):
+            self.update(host, host.module)
+        self.each_batch(host, batch)
         if self.logs_lr:
-            self.log_effective_lrs(trainer)
+            self.log_effective_lrs(host)
 
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
+    def _before_step(self, host: Host, optimizer: Any) -> None:
         # gradients are final (unscaled, all-reduced) and not yet clipped: masked entries go now
         ctl = LayerControl.existing(optimizer)
         if ctl is not None:
             ctl.mask_gradients()
+        self.before_step(host, optimizer)
 
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._publish(trainer, "end")  # the heatmap (unless the last decision logged it), last ESDs, summary
+    def _end(self, host: Host) -> None:
+        self.finish(host)
+        host.publish(self, "end")  # the heatmap (unless the last decision logged it), last ESDs, summary
 
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        for opt in trainer.optimizers or []:
+    def _teardown(self, host: Host) -> None:
+        for opt in host.optimizers or []:
             ctl = LayerControl.existing(opt)
             if ctl is not None:
                 ctl.clear(self.state_key)
         LayerControl.restore_requires_grad(self.state_key)
-        distributed.OptimizerResume.forget(trainer)
-        if stage == "fit":
-            self._hand_over(trainer)
+        self.release(host)
+        self._whole_copy = None
+
+    @property
+    def whole(self) -> distributed.WholeCopy | None:
+        """Under FSDP, the whole copy the owner keeps for ``needs_whole_model`` (None elsewhere)."""
+        return self._whole_copy
+
+    def with_whole_model(self, host: Host, fn: Callable[[nn.Module], Any], frozen: bool = False) -> Any:
+        """``fn(module)`` on the whole model: the live one, or under FSDP a whole copy on rank zero,
+        the result broadcast (``needs_whole_model``; ``frozen``: the copy does not require grad)."""
+        if self._whole_copy is None:
+            return fn(host.module)
+        return self._whole_copy.run(host, host.module, fn, frozen)
 
     # ------------------------------------------------------------------ logging
 
-    @staticmethod
-    def log_step(trainer: pl.Trainer) -> int:
-        # the step LearningRateMonitor uses, so our curves line up with its
-        return trainer.fit_loop.epoch_loop._batches_that_stepped
 
-    def log_values(self, trainer: pl.Trainer, metrics: Mapping[str, float], step: int | None = None) -> None:
+    def log_values(self, host: Host, metrics: Mapping[str, float], step: int | None = None) -> None:
         """Send per-layer values straight to every logger (rank zero only, as loggers are);
         non-finite values are left out."""
-        metrics = {k: float(v) for k, v in metrics.items() if math.isfinite(float(v))}
-        if not metrics or not trainer.loggers:
-            return
-        metrics.setdefault("epoch", float(trainer.current_epoch))  # as Lightning's own rows carry it
-        step = self.log_step(trainer) if step is None else step
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
+        host.log({k: float(v) for k, v in metrics.items() if math.isfinite(float(v))}, step)
 
     def decision_metrics(self, decision: Decision, achieved: Mapping[str, Any] | None = None) -> dict[str, float]:
         """``<prefix>/<quantity>/<layer>`` for the scores, the measurements and the decision, and
@@ -446,16 +527,8 @@ class LayerwiseCallback(Planner, SpawnHandoff, Callback):
         out.update({f"{p}/{k}": v for k, v in decision.summary.items()})
         return out
 
-    def log_decision(self, trainer: pl.Trainer, decision: Decision, achieved: Mapping[str, Any]) -> None:
-        self.log_values(trainer, self.decision_metrics(decision, achieved))
-
-    def _publish(self, trainer: pl.Trainer, event: str, decision: Decision | None = None) -> None:
-        """Tables, heatmaps, ESD plots, settings and summary for the loggers that show them
-        (:mod:`lalr_lightning.dashboards`); ``event``: ``start``, ``decision`` or ``end``."""
-        if trainer.loggers and trainer.is_global_zero:
-            from lalr_lightning import dashboards
-
-            dashboards.publish(trainer, self, event, decision)
+    def log_decision(self, host: Host, decision: Decision, achieved: Mapping[str, Any]) -> None:
+        self.log_values(host, self.decision_metrics(decision, achieved))
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # Every callback takes ``figures`` (when the dashboards draw its ESD plots and heatmap)
@@ -493,17 +566,17 @@ class LayerwiseCallback(Planner, SpawnHandoff, Callback):
         __init__.__signature__ = sig.replace(parameters=params)
         cls.__init__ = __init__
 
-    def log_effective_lrs(self, trainer: pl.Trainer) -> None:
+    def log_effective_lrs(self, host: Host) -> None:
         """``lr_eff/<layer>`` for every controlled layer, once per logging step even when
         several callbacks share an optimizer."""
-        if not trainer.loggers or not trainer._logger_connector.should_update_logs:
+        if not host.should_log():
             return
-        step = self.log_step(trainer)
+        step = host.log_step
         out: dict[str, float] = {}
-        for ctl in self.controls(trainer):
+        for ctl in self.controls(host):
             if ctl.take_report(step):
                 out.update({f"lr_eff/{k}": v for k, v in ctl.effective_lrs().items()})
-        self.log_values(trainer, out, step)
+        self.log_values(host, out, step)
 
     def heatmap_columns(self) -> list[str]:
         """Column labels of the heatmap, one per history entry."""
@@ -521,7 +594,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, Callback):
         values = np.array([[h[self.decision_attr].get(n, np.nan) for h in self.history] for n in names], dtype=float)
         return names, values
 
-    def log_heatmap(self, trainer: pl.Trainer) -> None:
+    def log_heatmap(self, trainer: Any) -> None:
         if (self.heatmap is None or len(self.history) < self.heatmap_min_entries or not trainer.is_global_zero
                 or not trainer.loggers):
             return
@@ -552,7 +625,9 @@ class LayerwiseCallback(Planner, SpawnHandoff, Callback):
                 "scores": dict(self.scores), "measurements": {k: dict(v) for k, v in self.measurements.items()},
                 self.decision_attr: list(decision) if isinstance(decision, list) else dict(decision), **self._state()}
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def _restore(self, state_dict: dict) -> None:
+        """The checkpoint's state, restored once, where the strategy brings it (before the wrap
+        under one device and DDP, after it under FSDP: ``resumed(late=True)``)."""
         version = state_dict.get("version")
         if version is not None and version > self.state_version:
             raise SettingsMismatchError(
@@ -577,3 +652,4 @@ class LayerwiseCallback(Planner, SpawnHandoff, Callback):
             setattr(self, self.decision_attr, list(saved) if isinstance(saved, list) else dict(saved))
         self._load_state(state_dict)
         self.restored = True
+        self.resumed(late=self._wrapped)

@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
 
-import lightning.pytorch as pl
+from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback
+from lalr_lightning.callbacks.host import Host
 from lalr_lightning.choices import unknown
-from lalr_lightning.core.layers import find_layers
+from lalr_lightning.core.model.layers import find_layers
 
 __all__ = ["LayerLRMultiplier"]
 
@@ -50,9 +51,13 @@ class LayerLRMultiplier(LayerwiseCallback):
         self.granularity = granularity
         self.multipliers: dict[str, float] = {}
 
-    def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.layers = find_layers(pl_module, self.granularity)
-        self._configured = self.decide([layer.name for layer in self.layers])  # a typo fails here, not silently
+    def configure(self, host: Host, module: nn.Module) -> None:
+        self.layers = find_layers(module, self.granularity)
+        self.early = self.decide([layer.name for layer in self.layers])  # a typo fails here, not silently
+
+    def resumed(self, late: bool) -> None:
+        if self.early is not None:  # configured
+            self.multipliers = dict(self.early.values)  # the settings check made sure they are the saved ones
 
     def decide(self, names: list[str]) -> Decision:
         values: dict[str, float] = {}
@@ -62,12 +67,5 @@ class LayerLRMultiplier(LayerwiseCallback):
             values.update({n: m for n in names if fnmatchcase(n, pat) and n not in values})
         return Decision(values=values)
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.restored:  # the configured factors (the settings check made sure they are the saved ones)
-            self.multipliers = dict(self._configured.values)
-        super().on_fit_start(trainer, pl_module)
-        if not self.restored:
-            self.commit(trainer, self._configured)
-
-    def apply(self, trainer: pl.Trainer) -> None:
-        self.apply_multipliers(trainer, self.multipliers)
+    def apply(self, host: Host) -> None:
+        self.apply_multipliers(host, self.multipliers)

@@ -1,7 +1,7 @@
 """LALR: layer-adaptive learning rates from sequential SVD / CE / CS weight metrics.
 
 "LALR: Layer-Adaptive Learning Rate Fine-Tuning Using Sequential Scaling Metrics". At the start of every epoch the layers' SVD, CE and CS metrics
-are measured on the current weights (``core/lalr_metrics.py``); the epoch's phase picks one
+are measured on the current weights (``core/spectral/lalr_metrics.py``); the epoch's phase picks one
 of them (``svd -> ce -> cs -> svd ...``) and it becomes each layer's multiplier of whatever
 learning rate the optimizer and scheduler set: ``lr_{l,e} = lr_e x scale_{l,e}`` (paper 3.2).
 
@@ -15,14 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import lightning.pytorch as pl
 import pandas as pd
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback
+from lalr_lightning.callbacks.host import Cadence, Host, warn
 from lalr_lightning.choices import unknown
-from lalr_lightning.core.lalr_metrics import (
+from lalr_lightning.core.model.layers import check_kinds
+from lalr_lightning.core.spectral.lalr_metrics import (
     DEFAULT_LAYER_TYPES,
     GROUPS,
     METRICS,
@@ -36,7 +37,6 @@ from lalr_lightning.core.lalr_metrics import (
     layer_weight,
     weight_shape,
 )
-from lalr_lightning.core.layers import check_kinds
 
 __all__ = ["LALRScheduleCallback"]
 
@@ -67,7 +67,7 @@ class LALRScheduleCallback(LayerwiseCallback):
         mode: ``"sequential"`` (the paper: one metric per epoch), ``"weighted"`` (B.4.4: the
             weighted sum of the three metrics every epoch) or ``"hessian"`` (B.4.5.3:
             ``eta_l ~ k / ((1 - M_SVD) e^{M_CE} M_CS)``). See
-            :func:`~lalr_lightning.core.lalr_metrics.lalr_multipliers` for the formulas.
+            :func:`~lalr_lightning.core.spectral.lalr_metrics.lalr_multipliers` for the formulas.
         floor: the multiplier is ``floor + (1 - floor) * metric``, so it spans ``[floor, 1]``.
             Min-max normalization gives exactly 0 to one layer in every phase, which would
             freeze that layer for the epoch; the default 0.1 keeps every layer learning at
@@ -83,7 +83,7 @@ class LALRScheduleCallback(LayerwiseCallback):
             for CNNs, whose layer shapes are mostly unique).
         bins, hist_range: ``groups="histogram"`` only (default 64, 8.0); singleton_value:
             ``groups="shape"`` only (default 0.5); eps: see
-            :func:`~lalr_lightning.core.lalr_metrics.lalr_metrics`.
+            :func:`~lalr_lightning.core.spectral.lalr_metrics.lalr_metrics`.
         layer_types: matrix kinds scaled (``linear``, ``conv1d``, ``conv2d``, ``hf_conv1d``,
             ``embedding``); all by default -- the paper scales every weight of the LM.
         trainable_only: leave out layers with no trainable parameter (frozen base weights
@@ -178,13 +178,13 @@ class LALRScheduleCallback(LayerwiseCallback):
 
     # ------------------------------------------------------------------ when
 
-    def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.layers = lalr_layers(pl_module, layer_types=self.layer_types, trainable_only=self.trainable_only)
+    def configure(self, host: Host, module: nn.Module) -> None:
+        self.layers = lalr_layers(module, layer_types=self.layer_types, trainable_only=self.trainable_only)
         if len(self.layers) < 2:
             found = f"only {self.layers[0].name!r}" if self.layers else "none"
             raise ValueError(
                 f"LALRScheduleCallback compares layers with each other and needs at least 2 weight matrices"
-                f"{' that train' if self.trainable_only else ''}; {type(pl_module).__name__} has {found} of types "
+                f"{' that train' if self.trainable_only else ''}; {type(module).__name__} has {found} of types "
                 f"{self.layer_types}. Widen layer_types{', set trainable_only=False' if self.trainable_only else ''}, "
                 "or use a model with more layers."
             )
@@ -193,17 +193,15 @@ class LALRScheduleCallback(LayerwiseCallback):
             shapes = [weight_shape(la) for la in self.layers]
             alone = [la.name for la, s in zip(self.layers, shapes) if shapes.count(s) == 1]
             if len(alone) * 2 > len(self.layers):
-                rank_zero_warn(
+                warn(
                     f"LALRScheduleCallback(groups='shape'): {len(alone)} of {len(self.layers)} layers have no "
                     f"same-shaped peer and get ce = cs = {self.singleton_value} ({', '.join(alone[:5])}"
                     f"{' ...' if len(alone) > 5 else ''}); groups='histogram' compares every layer with every other"
                 )
 
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # resumed inside an epoch already measured: keep its decision (applied at fit start; the
-        # paper measures once per epoch, from the weights at its start)
-        if not (self.restored and trainer.current_epoch == self._last_epoch):
-            self.update(trainer, pl_module)
+    # every epoch, from the weights at its start; resumed inside an epoch already measured, the
+    # checkpoint's decision stays (the cadence decides once per epoch)
+    cadence = Cadence(every_n_epochs=1)
 
     # ------------------------------------------------------------------ what
 
@@ -212,15 +210,15 @@ class LALRScheduleCallback(LayerwiseCallback):
         """The phase the next update will use (``mode`` itself outside sequential mode)."""
         return self.phases[self._position % len(self.phases)] if self.mode == "sequential" else self.mode
 
-    def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> pd.DataFrame:
+    def measure(self, host: Host, module: nn.Module) -> pd.DataFrame:
         """:func:`lalr_metrics` of the layers on the current weights, each rank measuring a
         share (whole shape groups, or single layers in histogram mode)."""
 
         def raw(layers):
-            self.check_finite(trainer, {la.name: la.weight for la in layers}, "the weights")
+            self.check_finite(host, {la.name: la.weight for la in layers}, "the weights")
             return lalr_raw(layers, groups=self.groups, bins=self.bins, hist_range=self.hist_range, eps=self.eps)
 
-        measured = self.measure_shards(trainer, pl_module, self._units, raw)
+        measured = self.measure_shards(host, module, self._units, raw)
         return lalr_table(self.layers, measured, groups=self.groups, bins=self.bins, eps=self.eps,
                           singleton_value=self.singleton_value)
 
@@ -243,13 +241,13 @@ class LALRScheduleCallback(LayerwiseCallback):
         self.metrics = decision.payload
         self.phase = decision.record["phase"]
 
-    def apply(self, trainer: pl.Trainer) -> None:
-        self.apply_multipliers(trainer, self.multipliers)
+    def apply(self, host: Host) -> None:
+        self.apply_multipliers(host, self.multipliers)
 
-    def commit(self, trainer: pl.Trainer, decision: Decision) -> None:
+    def commit(self, host: Host, decision: Decision) -> None:
         self._position += 1
-        self._last_epoch = trainer.current_epoch
-        super().commit(trainer, decision)
+        self._last_epoch = host.current_epoch
+        super().commit(host, decision)
 
     def heatmap_xlabel(self) -> str:
         return "epoch:phase"

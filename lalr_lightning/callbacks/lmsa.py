@@ -1,10 +1,10 @@
 """L-MSA: select blocks by the MSA metric and fine-tune them by maximizing their augmented
 Hamiltonian ("L-MSA: Layer-wise Fine-tuning using the Method of Successive Approximations" (https://openreview.net/forum?id=xi3sDtf8A0); derivation for non-linear blocks: ``docs/lmsa.md``).
 
-The measurements are pure functions in :mod:`lalr_lightning.core.msa`, the block taps in
-:mod:`lalr_lightning.core.taps`; this callback decides when to measure, which blocks train and
+The measurements are pure functions in :mod:`lalr_lightning.core.selection.msa`, the block taps in
+:mod:`lalr_lightning.core.model.taps`; this callback decides when to measure, which blocks train and
 how, and logs what it decided. The Hamiltonian maximization of the selected blocks runs as a
-post-step transform of :class:`~lalr_lightning.core.control.LayerControl`, right after each
+post-step transform of :class:`~lalr_lightning.core.runtime.control.LayerControl`, right after each
 optimizer step (before any mask of another callback is re-applied).
 """
 
@@ -15,24 +15,23 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import lightning.pytorch as pl
 import numpy as np
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
+from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
-from lalr_lightning.callbacks.distributed import WholeCopy, sharded
+from lalr_lightning.callbacks.host import Host, say, warn
 from lalr_lightning.callbacks.selection import LayerSelection
 from lalr_lightning.choices import unknown
-from lalr_lightning.core import msa
-from lalr_lightning.core.control import LayerControl
-from lalr_lightning.core.errors import DivergenceError
-from lalr_lightning.core.layers import describe_blocks
-from lalr_lightning.core.loss import batch_loss
-from lalr_lightning.core.msa_settings import INNER_OPTIMIZERS, SELECT, UPDATE, lmsa_settings
-from lalr_lightning.core.shards import gather_objects, layer_paths, layers_in
-from lalr_lightning.core.taps import BlockTaps
+from lalr_lightning.core.model.batch_loss import batch_loss
+from lalr_lightning.core.model.layers import describe_blocks
+from lalr_lightning.core.model.taps import BlockTaps
+from lalr_lightning.core.runtime.control import LayerControl
+from lalr_lightning.core.runtime.errors import DivergenceError
+from lalr_lightning.core.runtime.shards import gather_objects, layer_paths, layers_in
+from lalr_lightning.core.selection import msa
+from lalr_lightning.core.selection.msa_settings import INNER_OPTIMIZERS, SELECT, UPDATE, lmsa_settings
 
 __all__ = ["LMSAStepper", "SELECT", "UPDATE", "INNER_OPTIMIZERS"]
 
@@ -70,7 +69,7 @@ class LMSAStepper(LayerSelection):
     Update:
 
     * ``update="msa"`` (L-MSA): the module's optimizer moves nothing of the blocks (all frozen
-      through :mod:`core.control`); after each optimizer step the callback maximizes the
+      through :mod:`core.runtime.control`); after each optimizer step the callback maximizes the
       selected blocks' augmented Hamiltonian ``H = p_{m+1} . g_m(x_m, theta) - rho/2
       ||theta - theta_m||^2`` (plus E-MSA's feasibility terms with ``feasibility > 0``) with
       ``x_m``, ``p_{m+1}`` of that step held fixed, by ``inner_steps`` iterations of its own
@@ -103,15 +102,15 @@ class LMSAStepper(LayerSelection):
             (the logits when the last block is the head).
         n_batches: batches the metric is averaged over (default 1).
         every_n_epochs: re-select at every epoch divisible by this (None: select once).
-        blocks, join_stem, head: how to find the blocks (:func:`core.layers.block_layers`).
+        blocks, join_stem, head: how to find the blocks (:func:`core.model.layers.block_layers`).
             With ``head=False`` the head's parameters are left to the module's optimizer.
-        loss_fn: ``f(pl_module, batch) -> loss``, the training objective, used to run the
+        loss_fn: ``f(module, batch) -> loss``, the training objective, used to run the
             rest of the network on an updated block. Default
-            (:func:`~lalr_lightning.core.loss.batch_loss`): the module's ``loss(output, target)``,
+            (:func:`~lalr_lightning.core.model.batch_loss.batch_loss`): the module's ``loss(output, target)``,
             else the loss its own ``training_step`` returns (its logging silenced).
         norm_eval: ``"frozen"`` (default): norm layers of blocks that do not train keep their
             running statistics; ``"all"``: every such norm layer in eval; ``"none"``: modes as
-            Lightning sets them (:mod:`lalr_lightning.core.norms`).
+            Lightning sets them (:mod:`lalr_lightning.core.model.norm_modes`).
         seed: seeds the probes' random state (dropout masks); the training's random stream is
             not touched.
         save_compute: ``True`` (default): the backward computes weight gradients only for the
@@ -120,7 +119,7 @@ class LMSAStepper(LayerSelection):
             states and co-states, which reach every captured block output with its weights frozen,
             and it forms each block's direction ``r_n`` one block at a time. Under DDP the blocks
             are kept out of DDP's buckets and the gradients they get are averaged by hand once per
-            optimizer step (:mod:`lalr_lightning.core.handsync`; ``setup`` also sets
+            optimizer step (:mod:`lalr_lightning.core.runtime.handsync`; ``setup`` also sets
             ``find_unused_parameters=True``). Not with ``feasibility > 0`` (E-MSA needs the input
             co-state of the selected block, which flows through the blocks before it).
         optimizer_state: ``"release"`` (default): the module optimizer's state of blocks that
@@ -184,7 +183,7 @@ class LMSAStepper(LayerSelection):
         blocks: Sequence[str | Sequence[str]] | None = None,
         join_stem: bool = True,
         head: bool = True,
-        loss_fn: Callable[[pl.LightningModule, Any], torch.Tensor] | None = None,
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
         norm_eval: str = "frozen",
         seed: int = 0,
         save_compute: bool = True,
@@ -225,10 +224,10 @@ class LMSAStepper(LayerSelection):
         self.taps: BlockTaps | None = None
         self._batch: Any = None
         self._stepping = False
-        self._last_h: list[float] = []
+        self._last_h: list = []
+        self._costates: list[tuple[str, torch.Tensor]] = []  # (block, all finite) of updates not yet checked
         self._block_params: set[int] = set()
         self._selected_params: set[int] = set()
-        self._whole: WholeCopy | None = None
         self._paths: dict[str, tuple] = {}
         self._held_back = False  # FSDP: a new choice frozen for the step of the batch that chose it
 
@@ -248,16 +247,16 @@ class LMSAStepper(LayerSelection):
     def rgn(self) -> dict[str, float]:
         return self.measurements.get("rgn", {})
 
-    def _loss(self, pl_module: pl.LightningModule, batch: Any) -> torch.Tensor:
-        return batch_loss(pl_module, batch, self.loss_fn)
+    def _loss(self, module: nn.Module, batch: Any) -> torch.Tensor:
+        return batch_loss(module, batch, self.loss_fn)
 
     # ------------------------------------------------------------------ setup
 
-    def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not pl_module.automatic_optimization:
+    def configure(self, host: Host, module: nn.Module) -> None:
+        if not module.automatic_optimization:
             raise RuntimeError("LMSAStepper needs automatic optimization (it acts around Lightning's optimizer step)")
         try:
-            self.layers = self.find_blocks(pl_module, head=self.head, min_blocks=1, trainer=trainer)
+            self.layers = self.find_blocks(module, head=self.head, min_blocks=1, host=host)
         except ValueError as err:
             raise ValueError(f"LMSAStepper: {err}") from err
         for layer in self.layers:
@@ -270,45 +269,54 @@ class LMSAStepper(LayerSelection):
         if self.select == "min" and self.num_blocks > len(self.layers):
             raise ValueError(f"num_blocks={self.num_blocks} but the model has {len(self.layers)} blocks: "
                              f"{self.block_names}")
-        rank_zero_info(f"L-MSA blocks of {type(pl_module).__name__}: {describe_blocks(self.layers)}")
+        say(f"L-MSA blocks of {type(module).__name__}: {describe_blocks(self.layers)}")
         if self.select == "min" and self.num_blocks == len(self.layers):
-            rank_zero_warn(f"LMSAStepper cannot choose: num_blocks={self.num_blocks} selects every block "
+            warn(f"LMSAStepper cannot choose: num_blocks={self.num_blocks} selects every block "
                            f"({self.block_names}) at every selection; lower num_blocks, or split the model into more "
                            "blocks with blocks=[...]")
         self._block_params = {id(p) for b in self.layers for p in b.params.values()}
-        self.taps = BlockTaps(pl_module, self.layers, want_input_costate=self.feasibility > 0, seed=self.seed)
-        # FSDP: the metric on a whole copy of the model on rank zero (the live taps capture nothing)
-        self._whole = WholeCopy(pl_module, type(self).__name__) if sharded(trainer) else None
-        self._paths = layer_paths(pl_module, self.layers) if self._whole is not None else {}
+        self.taps = BlockTaps(module, self.layers, want_input_costate=self.feasibility > 0, seed=self.seed)
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        unknown = [n for n in self.selected if n not in self.block_names]
+    # FSDP: the metric on a whole copy of the model on rank zero (the live taps capture nothing)
+    needs_whole_model = True
+
+    def prepare(self, host: Host) -> None:
+        super().prepare(host)
+        self._paths = layer_paths(host.module, self.layers) if self.whole is not None else {}
+
+    def resumed(self, late: bool) -> None:
+        super().resumed(late)
+        unknown = [n for n in self.selected if self.layers and n not in self.block_names]
         if unknown:
             raise ValueError(f"LMSAStepper: the checkpoint selected blocks {unknown} that this model does not have "
                              f"(blocks: {self.block_names})")
-        super().on_fit_start(trainer, pl_module)
-        if not self.restored:
-            self.apply(trainer)
+
+    def first_decision(self, host: Host) -> None:
+        super().first_decision(host)
+        self.apply(host)
+
+    def after_wrap(self, host: Host) -> None:
+        super().after_wrap(host)
         if self.update == "msa":
-            def msa_step(step, trainer=trainer, pl_module=pl_module) -> None:
-                with trainer.precision_plugin.forward_context():
-                    self._msa_update(trainer, pl_module)
+            def msa_step(step, host=host) -> None:
+                with host.forward_context():
+                    self._msa_update(host, host.module)
 
-            LayerControl.of(trainer.optimizers[0]).set_transform(self.state_key, msa_step)
+            LayerControl.of(host.optimizers[0]).set_transform(self.state_key, msa_step)
 
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        super().teardown(trainer, pl_module, stage)
+    def release(self, host: Host) -> None:
+        super().release(host)
         if self.taps is not None:
             self.taps.detach()
 
     # ------------------------------------------------------------------ control
 
-    def apply(self, trainer: pl.Trainer) -> None:
+    def apply(self, host: Host) -> None:
         """msa: every block frozen in the module's optimizer (the Hamiltonian step moves the
         selected ones); optimizer: the others frozen. Nothing trains before a selection."""
         on = set() if self.update == "msa" else set(self.selected)
-        self.apply_frozen(trainer, [n for n in self.block_names if n not in on])
-        self.release_state(trainer, [b for b in self.layers if b.name not in on])
+        self.apply_frozen(host, [n for n in self.block_names if n not in on])
+        self.release_state(host, [b for b in self.layers if b.name not in on])
         self._selected_params = {id(p) for b in self.layers if b.name in self.selected for p in b.params.values()}
         self._grads_for(self._weight_grads())
         if self.update == "msa" and self.selected and (self._inner is None or self._inner_for != self.selected):
@@ -326,7 +334,7 @@ class LMSAStepper(LayerSelection):
         lets it change): the backward then skips the other blocks' weight gradients."""
         if not (self.save_compute and self._toggle and self.feasibility == 0):
             return
-        if self._whole is not None and not self.selected:
+        if self.whole is not None and not self.selected:
             return  # FSDP: the first backward needs something that requires grad (the live taps anchor none)
         on = set(names)
         self.set_requires_grad([b for b in self.layers if b.name in on], True)
@@ -354,7 +362,7 @@ class LMSAStepper(LayerSelection):
     # ------------------------------------------------------------------ hooks
 
     def _capture_names(self) -> list[str]:
-        if self._whole is not None:
+        if self.whole is not None:
             return []
         if self._measuring:
             return self.block_names
@@ -362,29 +370,30 @@ class LMSAStepper(LayerSelection):
             return list(self.selected)
         return []
 
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_train_epoch_start(trainer, pl_module)
+    def each_epoch(self, host: Host) -> None:
+        super().each_epoch(host)
+        self._check_costates(host)
         if self._measuring:
             return  # a measurement still running (resumed, or longer than an epoch)
-        epoch, k = trainer.current_epoch, self.every_n_epochs
+        epoch, k = host.current_epoch, self.every_n_epochs
         if not self.selected or (k is not None and epoch % k == 0 and self._last_selection_epoch != epoch):
             self._measuring, self._measured, self._acc = True, 0, {}
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def each_batch(self, host: Host, batch: Any) -> None:
+        module = host.module
         self._batch = batch
         self.taps.context = batch
-        self.taps.seed = self.seed * 1_000_003 + trainer.global_step
-        if not self.taps.discovered and self._whole is None:
-            self.taps.discover(lambda: self._loss(pl_module, batch))
-            self._report_cost(pl_module)
+        self.taps.seed = self.seed * 1_000_003 + host.global_step
+        if not self.taps.discovered and self.whole is None:
+            self.taps.discover(lambda: self._loss(module, batch))
+            self._report_cost(module)
         self.taps.set_capture(self._capture_names())
-        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        super().each_batch(host, batch)
 
     #: a measurement holding more than this many bytes of states and co-states warns (with its size)
     warn_bytes: int = 2 * 2**30
 
-    def _report_cost(self, pl_module: pl.LightningModule) -> None:
+    def _report_cost(self, module: nn.Module) -> None:
         """State, before the first measurement, what it holds and runs: every block's states and
         co-states of a batch, and one forward pass of the model per block and batch; warn when
         the states exceed :attr:`warn_bytes`, naming the largest (a language model's logits)."""
@@ -396,41 +405,40 @@ class LMSAStepper(LayerSelection):
                 f"batch ({len(sizes)} x n_batches={self.n_batches} forward passes per selection)")
         if total > self.warn_bytes:
             head = self.layers[-1].role == "head" and big == self.layers[-1].name
-            rank_zero_warn(text + ("; head=False leaves the head to the module's optimizer and its outputs (the logits) "
+            warn(text + ("; head=False leaves the head to the module's optimizer and its outputs (the logits) "
                                    "out of the measurement" if head else "; a smaller batch holds less"))
         else:
-            rank_zero_info(text)
+            say(text)
 
-    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._whole is not None:
+    def after_backward(self, host: Host) -> None:
+        module = host.module
+        if self.whole is not None:
             if self._measuring:
-                self._measure_on_copy(trainer)
+                self._measure_on_copy(host)
             return
         names = self._capture_names()
         if not names:
             return
-        self._normalize(trainer, names)
+        self._normalize(host, names)
         if self._measuring:
-            with trainer.precision_plugin.forward_context():
-                self._measure_batch(trainer, pl_module)
+            with host.forward_context():
+                self._measure_batch(host, module)
         keep = set(self.selected) if self.update == "msa" else set()
         self.taps.clear([n for n in self.block_names if n not in keep])
 
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
-        super().on_before_optimizer_step(trainer, pl_module, optimizer)
+    def before_step(self, host: Host, optimizer: Any) -> None:
         self._stepping = True
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch: Any,
-                           batch_idx: int) -> None:
+    def after_batch(self, host: Host, outputs: Any, batch: Any) -> None:
         if self._held_back:  # FSDP: the new choice steps from the next batch on, as under DDP
             self._held_back = False
-            self.apply_frozen(trainer, [n for n in self.block_names if n not in self.selected])
+            self.apply_frozen(host, [n for n in self.block_names if n not in self.selected])
         self.taps.set_capture([])  # nothing outside training steps (validation) is captured
         if self._stepping:  # the window's optimizer step is done (or was skipped): its captures go
             self._stepping = False
             self.taps.clear()
 
-    def log_heatmap(self, trainer: pl.Trainer) -> None:
+    def log_heatmap(self, trainer: Any) -> None:
         super().log_heatmap(trainer)
         if not self.history or not trainer.is_global_zero or not trainer.loggers:
             return
@@ -444,31 +452,31 @@ class LMSAStepper(LayerSelection):
 
     # ------------------------------------------------------------------ co-states
 
-    def _normalize(self, trainer: pl.Trainer, names: Sequence[str]) -> None:
+    def _normalize(self, host: Host, names: Sequence[str]) -> None:
         """Bring new co-states to ``-dL/dx`` of the batch loss: Lightning divides the loss by
         ``accumulate_grad_batches`` before backward, and AMP scales it."""
-        factor = float(trainer.accumulate_grad_batches)
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        factor = float(host.accumulate)
+        scaler = host.grad_scaler
         if scaler is not None:
             factor /= float(scaler.get_scale())
         self.taps.scale_costates(names, factor, "LMSAStepper")
 
     # ------------------------------------------------------------------ selection
 
-    def _measure_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._add(trainer, self._scores(trainer, self.taps, lambda: self._loss(pl_module, self._batch)))
+    def _measure_batch(self, host: Host, module: nn.Module) -> None:
+        self._add(host, self._scores(host, self.taps, lambda: self._loss(module, self._batch)))
 
-    def _scores(self, trainer: pl.Trainer, taps: BlockTaps, run: Callable[[], torch.Tensor]) -> dict[str, list]:
+    def _scores(self, host: Host, taps: BlockTaps, run: Callable[[], torch.Tensor]) -> dict[str, list]:
         """``[J_hat, rho_hat, rgn]`` of every block on the batch ``taps`` captured (``run``: its loss)."""
         loss = float(taps.loss_with(run))
         if not math.isfinite(loss):
-            raise DivergenceError("LMSAStepper", "the training loss", value=loss, epoch=trainer.current_epoch,
-                                  step=trainer.global_step, hint="L-MSA cannot rank blocks on it; lower the "
+            raise DivergenceError("LMSAStepper", "the training loss", value=loss, epoch=host.current_epoch,
+                                  step=host.global_step, hint="L-MSA cannot rank blocks on it; lower the "
                                   "learning rate or check the data and loss_fn")
         return msa.block_scores(taps, self.block_names, run, loss, output_dim=self.output_dim, rho=self.metric_rho,
-                                rho_scale=self.rho_scale, check=stop_on_sigterm(trainer))
+                                rho_scale=self.rho_scale, check=stop_on_sigterm(host))
 
-    def _add(self, trainer: pl.Trainer, scores: dict[str, list]) -> None:
+    def _add(self, host: Host, scores: dict[str, list]) -> None:
         for name, values in scores.items():
             acc = self._acc.setdefault(name, [0.0, 0.0, 0.0, 0])
             for i, v in enumerate(values):
@@ -476,9 +484,9 @@ class LMSAStepper(LayerSelection):
             acc[3] += 1
         self._measured += 1
         if self._measured >= self.n_batches:
-            self.conclude(trainer, self._reduce(trainer))
+            self.conclude(host, self._reduce(host))
 
-    def _measure_on_copy(self, trainer: pl.Trainer) -> None:
+    def _measure_on_copy(self, host: Host) -> None:
         """FSDP: this measurement batch of every rank, scored on rank zero's whole copy of the
         model (states and co-states from its own forward and backward) and averaged over the
         ranks, as DDP's ranks average their own batches' metric."""
@@ -489,15 +497,15 @@ class LMSAStepper(LayerSelection):
             total: dict[str, list] = {}
             try:
                 for batch in batches:
-                    batch = self.device_batch(trainer, batch)
+                    batch = self.device_batch(host, batch)
                     run = functools.partial(self._loss, whole, batch)
-                    taps.context, taps.seed = batch, self.seed * 1_000_003 + trainer.global_step
+                    taps.context, taps.seed = batch, self.seed * 1_000_003 + host.global_step
                     if not taps.discovered:
                         taps.discover(run)
                     taps.set_capture(self.block_names)
-                    with trainer.precision_plugin.forward_context():
+                    with host.forward_context():
                         run().backward()  # the co-states (the copy is frozen: no weight gradient)
-                        for name, values in self._scores(trainer, taps, run).items():
+                        for name, values in self._scores(host, taps, run).items():
                             total[name] = [a + v / len(batches) for a, v in zip(total.get(name, [0.0] * 3), values)]
                     taps.set_capture([])
                     taps.clear()
@@ -506,20 +514,20 @@ class LMSAStepper(LayerSelection):
             return total
 
         before = set(self.selected)
-        self._add(trainer, self._whole.run(trainer, trainer.lightning_module, on_copy, frozen=True))
+        self._add(host, self.whole.run(host, host.module, on_copy, frozen=True))
         if self._measuring or set(self.selected) <= before:
             return
         # a new choice: this batch's backward computed its gradients (under DDP it computed none)
         self._held_back = True
-        self.apply_frozen(trainer, [n for n in self.block_names if n not in before & set(self.selected)])
+        self.apply_frozen(host, [n for n in self.block_names if n not in before & set(self.selected)])
 
-    def _reduce(self, trainer: pl.Trainer) -> dict[str, dict[str, float]]:
+    def _reduce(self, host: Host) -> dict[str, dict[str, float]]:
         """The batch means of the metric, averaged over ranks."""
         names = self.block_names
         local = torch.tensor([[self._acc[n][i] / self._acc[n][3] for n in names] for i in range(3)],
                              dtype=torch.float64)
         device = next(iter(self.layers[0].params.values())).device
-        mean = trainer.strategy.reduce(local.to(device), reduce_op="mean").cpu()
+        mean = host.mean(local.to(device)).cpu()
         return {k: dict(zip(names, mean[i].tolist())) for i, k in enumerate(("j_hat", "rho_hat", "rgn"))}
 
     def decide(self, measured: dict[str, dict[str, float]]) -> Decision:
@@ -532,14 +540,14 @@ class LMSAStepper(LayerSelection):
         return Decision(values={n: float(n in chosen) for n in self.block_names}, scores=scores,
                         measurements=extra, record={k: dict(v) for k, v in extra.items()})
 
-    def commit(self, trainer: pl.Trainer, decision: Decision) -> None:
+    def commit(self, host: Host, decision: Decision) -> None:
         self._measuring, self._acc = False, {}
-        self._last_selection_epoch = trainer.current_epoch
-        super().commit(trainer, decision)
+        self._last_selection_epoch = host.current_epoch
+        super().commit(host, decision)
 
     # ------------------------------------------------------------------ MSA update
 
-    def _msa_update(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _msa_update(self, host: Host, module: nn.Module) -> None:
         if not self.selected:
             return
         taps = self.taps
@@ -553,31 +561,45 @@ class LMSAStepper(LayerSelection):
             index = list(range(len(params), len(params) + len(theta)))
             params.extend(theta)
             for cap in caps:
-                self.check_finite(trainer, {name: cap.p}, "the co-states (-dL/dx of the block outputs)")
+                # read on the host only at a logging step or the next epoch (_check_costates)
+                self._costates.append((name, torch.isfinite(cap.p).all()))
                 batch = cap.context
 
                 def run(batch=batch) -> torch.Tensor:
-                    return self._loss(pl_module, batch)
+                    return self._loss(module, batch)
 
                 terms.append(msa.HamiltonianTerm(
                     taps.block_fn(name, cap, run), index, cap.p, x_next=cap.out, x_in=cap.x_in, p_in=cap.p_in,
                     weight=1.0 / len(caps),
                 ))
         reduce = None
-        if trainer.world_size > 1:
+        if host.world_size > 1:
             def reduce(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-                flat = trainer.strategy.reduce(torch.cat([g.reshape(-1) for g in grads]), reduce_op="mean")
+                flat = host.mean(torch.cat([g.reshape(-1) for g in grads]))
                 out, i = [], 0
                 for g in grads:
                     out.append(flat[i:i + g.numel()].view_as(g))
                     i += g.numel()
                 return out
-        self._last_h = msa.maximize_hamiltonian(terms, params, self._inner, steps=self.inner_steps, rho=self.rho,
-                                                feasibility=self.feasibility, reduce_grads=reduce,
-                                                check=stop_on_sigterm(trainer))
-        if trainer.loggers and trainer._logger_connector.should_update_logs and self._last_h:
-            self.log_values(trainer, {f"{self.prefix}/hamiltonian_first": self._last_h[0],
-                                      f"{self.prefix}/hamiltonian_last": self._last_h[-1]})
+        values = msa.maximize_hamiltonian(terms, params, self._inner, steps=self.inner_steps, rho=self.rho,
+                                          feasibility=self.feasibility, reduce_grads=reduce,
+                                          check=stop_on_sigterm(host), host=False)
+        self._last_h = [values[0], values[-1]] if values else []
+        if host.should_log():
+            self._check_costates(host)
+            if self._last_h:
+                self.log_values(host, {f"{self.prefix}/hamiltonian_first": float(self._last_h[0]),
+                                       f"{self.prefix}/hamiltonian_last": float(self._last_h[-1])})
+
+    def _check_costates(self, host: Host) -> None:
+        """Raise :class:`DivergenceError` for the blocks whose co-states held NaN or Inf in a
+        Hamiltonian update since the last check (one device-to-host read for all of them)."""
+        pending, self._costates = self._costates, []
+        if not pending:
+            return
+        ok = torch.stack([flag.to(pending[0][1].device) for _, flag in pending]).tolist()
+        bad = sorted({name for (name, _), good in zip(pending, ok) if not good})
+        self.check_finite(host, {name: math.nan for name in bad}, "the co-states (-dL/dx of the block outputs)")
 
     # ------------------------------------------------------------------ state
 

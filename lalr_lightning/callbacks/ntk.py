@@ -2,7 +2,7 @@
 condition number of the empirical NTK (Theorem 5's predictor of the fine-tuning risk), each
 layer's ``eta_l`` (Theorem 6) and how far the model has left its linearization around the
 weights it started from (the gap and the KL divergence of the paper's Table 1). The formulas
-are :mod:`lalr_lightning.core.ntk`; nothing here changes training.
+are :mod:`lalr_lightning.core.linearization.ntk`; nothing here changes training.
 """
 
 from __future__ import annotations
@@ -10,17 +10,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, stop_on_sigterm
-from lalr_lightning.callbacks.distributed import WholeCopy, sharded
+from lalr_lightning.callbacks.host import Host, say
 from lalr_lightning.choices import unknown
-from lalr_lightning.core import ntk
-from lalr_lightning.core.anchor import check_anchor, snapshot, trainable
-from lalr_lightning.core.placement import follow
-from lalr_lightning.core.probe import probe_inputs
+from lalr_lightning.core.linearization import ntk
+from lalr_lightning.core.linearization.anchor import check_anchor, snapshot, trainable
+from lalr_lightning.core.model.probe import probe_inputs
+from lalr_lightning.core.runtime.placement import follow
 
 __all__ = ["NTKDiagnostics"]
 
@@ -50,7 +49,7 @@ class NTKDiagnostics(LayerwiseCallback):
             so every rank and every measurement sees the same ones).
         sigma: the ridge of ``kappa(K + sigma I)`` and ``eta_l``, as a fraction of the kernel's
             mean eigenvalue ``trace(K) / M`` (0: Theorem 5-6 verbatim; needs an invertible ``K``).
-        kernel: the kernel of a C-class output (:func:`~lalr_lightning.core.ntk.empirical_ntk`):
+        kernel: the kernel of a C-class output (:func:`~lalr_lightning.core.linearization.ntk.empirical_ntk`):
             ``"trace"`` (N x N, classes traced out), ``"full"`` (NC x NC) or ``"sum"``.
         max_jacobian_numel: memory bound of the Jacobian blocks (see ``empirical_ntk``).
         positions: token outputs ``[N, T, V]`` (a language model on dict batches with
@@ -63,7 +62,7 @@ class NTKDiagnostics(LayerwiseCallback):
             that many directions -- beyond the budget with a warning that gives the size and the
             time estimated by timing a few rows of the real computation. The choice depends on
             sizes only (the same on every machine and rerun); it is logged, made once and kept in
-            the checkpoint (``core.ntk.ntk_cost``).
+            the checkpoint (``core.linearization.ntk.ntk_cost``).
         name, strict_resume: as every callback of the package.
 
     The cost is estimated before the first measurement and stated in the log; a SIGTERM or
@@ -115,80 +114,81 @@ class NTKDiagnostics(LayerwiseCallback):
         self._params: dict[str, torch.nn.Parameter] = {}
         self._groups: dict[str, list[str]] = {}
         self._anchor: dict[str, torch.Tensor] | None = None
-        self._whole: WholeCopy | None = None  # under FSDP: the model whole on rank zero, to measure
 
-    def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._params = trainable(pl_module, type(self).__name__)
-        self._groups = ntk.layer_groups(pl_module, self._params)
+    needs_whole_model = True  # under FSDP: measured on the model whole on rank zero
+
+    def configure(self, host: Host, module: nn.Module) -> None:
+        self._params = trainable(module, type(self).__name__)
+        self._groups = ntk.layer_groups(module, self._params)
         self._chosen = "unset"  # chosen at the first measurement (a checkpoint loaded after this restores it)
-        self._whole = WholeCopy(pl_module, type(self).__name__) if sharded(trainer) else None
 
     def _whole_params(self) -> dict[str, torch.Tensor]:
         """The parameters the kernel is taken over, whole (under FSDP: the skeleton's, meta)."""
-        if self._whole is None:
+        if self.whole is None:
             return self._params
-        live = dict(self._whole.skeleton.named_parameters())
+        live = dict(self.whole.skeleton.named_parameters())
         return {n: live[n] for n in self._params}
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_fit_start(trainer, pl_module)
-        if self.restored and self._anchor is not None:
+    def after_start(self, host: Host) -> None:
+        if self.restored and self._anchor is not None:  # where the strategy's restore is done
             self._restore_anchor()
-        elif self._whole is not None:  # theta_0 whole, on rank zero's CPU (the state gather is collective)
-            state = self._whole.state(trainer)
-            self._anchor = {n: state[n].clone() for n in self._params} if trainer.is_global_zero else None
+        elif self.restored:
+            self._take_anchor(host)
+
+    def first_decision(self, host: Host) -> None:
+        self._take_anchor(host)
+        self.update(host, host.module)
+
+    def _take_anchor(self, host: Host) -> None:
+        if self.whole is not None:  # theta_0 whole, on rank zero's CPU (the state gather is collective)
+            state = self.whole.state(host)
+            self._anchor = {n: state[n].clone() for n in self._params} if host.is_global_zero else None
         else:
             self._anchor = snapshot(self._params)
 
     def _restore_anchor(self) -> None:
         check_anchor(self._anchor, self._whole_params(), "the checkpoint")
-        if self._whole is None:
+        if self.whole is None:
             self._anchor = follow({n: self._anchor[n] for n in self._params}, self._params)
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.restored and self._anchor is not None and self._whole is not None:
-            self._restore_anchor()  # FSDP restores the checkpoint after on_fit_start
-        if not self.restored:
-            self.update(trainer, pl_module)
+    def after_epoch(self, host: Host) -> None:
+        if (host.current_epoch + 1) % self.every_n_epochs == 0:
+            self.update(host, host.module)
 
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if (trainer.current_epoch + 1) % self.every_n_epochs == 0:
-            self.update(trainer, pl_module)
-
-    def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+    def measure(self, host: Host, module: nn.Module) -> dict[str, Any]:
         """Every rank computes the same numbers (same probe, same weights); rank zero's are used.
         Under FSDP rank zero computes them on a whole copy of the model and broadcasts them."""
-        if self._whole is not None:
-            measured = self._whole.run(trainer, pl_module, lambda whole: self._measure_on(
-                trainer, whole, {n: p for n, p in whole.named_parameters() if n in self._params}))
+        if self.whole is not None:
+            measured = self.whole.run(host, module, lambda whole: self._measure_on(
+                host, whole, {n: p for n, p in whole.named_parameters() if n in self._params}))
             self._chosen = measured.pop("outputs")  # chosen on rank zero: every rank keeps it
             return measured
-        measured = self._measure_on(trainer, pl_module, self._params)
+        measured = self._measure_on(host, module, self._params)
         measured.pop("outputs")
         return measured
 
-    def _measure_on(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+    def _measure_on(self, host: Host, module: nn.Module,
                     live: dict[str, torch.Tensor]) -> dict[str, Any]:
-        x, _ = probe_inputs(pl_module, trainer.train_dataloader, self.probe_size,
-                            to_device=lambda b: self.device_batch(trainer, b))
+        x, _ = probe_inputs(module, host.batches(), self.probe_size,
+                            to_device=lambda b: self.device_batch(host, b))
         params = {n: p.detach() for n, p in live.items()}
         if self._chosen == "unset":  # once: the size and time of J, stated before computing it
-            cost = ntk.ntk_cost(pl_module, x, params, mode=self.kernel, positions=self.positions,
+            cost = ntk.ntk_cost(module, x, params, mode=self.kernel, positions=self.positions,
                                 outputs=self.outputs, max_jacobian_numel=self.max_jacobian_numel,
-                                check=stop_on_sigterm(trainer))
+                                check=stop_on_sigterm(host))
             text, warn = cost.report(type(self).__name__, self.outputs)
-            (rank_zero_warn if warn else rank_zero_info)(text)
+            (warn if warn else say)(text)
             self._chosen = cost.outputs
-        k = ntk.empirical_ntk(pl_module, x, params, self._groups, mode=self.kernel,
+        k = ntk.empirical_ntk(module, x, params, self._groups, mode=self.kernel,
                               max_jacobian_numel=self.max_jacobian_numel, positions=self.positions,
-                              outputs=self._chosen, check=stop_on_sigterm(trainer))
-        self.check_finite(trainer, {"K": k.K}, "the NTK on the probe batch")
+                              outputs=self._chosen, check=stop_on_sigterm(host))
+        self.check_finite(host, {"K": k.K}, "the NTK on the probe batch")
         sigma = self.sigma * float(torch.trace(k.K)) / k.K.shape[0]
         eig = torch.linalg.eigvalsh(k.K)
         # theta_0 where the weights are now (Lightning moves the model after the snapshot); under FSDP
         # a placed copy, the kept one stays on rank zero's CPU
-        anchor = follow(dict(self._anchor) if self._whole is not None else self._anchor, live)
-        gap = ntk.linearization_gap(*ntk.linearize(pl_module, x, anchor, params, positions=self.positions))
+        anchor = follow(dict(self._anchor) if self.whole is not None else self._anchor, live)
+        gap = ntk.linearization_gap(*ntk.linearize(module, x, anchor, params, positions=self.positions))
         return {"etas": ntk.layer_etas(k.K, k.S, sigma), "kappa": ntk.condition_number(k.K, sigma),
                 "gap": gap.gap, "kl": gap.kl, "lambda_max": float(eig[-1]), "lambda_min": float(eig[0]),
                 "sigma": sigma, "outputs": self._chosen}
@@ -201,7 +201,7 @@ class NTKDiagnostics(LayerwiseCallback):
         super().receive(decision)
         self.kappa, self.gap, self.kl = (decision.summary[k] for k in ("kappa", "gap", "kl"))
 
-    def apply(self, trainer: pl.Trainer) -> None:
+    def apply(self, host: Host) -> None:
         """Diagnostics only: nothing to hand to the layer control."""
 
     def _state(self) -> dict:

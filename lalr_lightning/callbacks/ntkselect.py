@@ -2,7 +2,7 @@
 choose the layers to fine-tune greedily by their kernel's effect on the NTK spectrum
 (largest ``eta_l`` first) while the condition number of the chosen layers' kernel stays under a
 bound; the others are frozen for the whole fit. The greedy rule is
-:func:`lalr_lightning.core.ntk.greedy_ntk_selection` (``docs/proximal.md``).
+:func:`lalr_lightning.core.linearization.ntk.greedy_ntk_selection` (``docs/proximal.md``).
 """
 
 from __future__ import annotations
@@ -10,18 +10,18 @@ from __future__ import annotations
 import math
 import warnings
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
 from lalr_lightning.callbacks.distributed import sharded
+from lalr_lightning.callbacks.host import Host, say
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.choices import unknown
-from lalr_lightning.core import ntk
-from lalr_lightning.core.anchor import trainable
-from lalr_lightning.core.layers import Layer, output_layer
-from lalr_lightning.core.probe import fixed_batch, probe_inputs
+from lalr_lightning.core.linearization import ntk
+from lalr_lightning.core.linearization.anchor import trainable
+from lalr_lightning.core.model.layers import Layer, output_layer
+from lalr_lightning.core.model.probe import fixed_batch, probe_inputs
 
 __all__ = ["NTKSelect"]
 
@@ -61,13 +61,13 @@ class NTKSelect(LayerSelection):
             (Theorem 7's bound then holds for the head plus the chosen layers). ``False`` (the
             default): the head is a candidate like any other layer.
         probe_size: samples of the fixed probe batch (the same on every rank).
-        kernel: ``"trace"``, ``"full"`` or ``"sum"`` (:func:`~lalr_lightning.core.ntk.empirical_ntk`).
+        kernel: ``"trace"``, ``"full"`` or ``"sum"`` (:func:`~lalr_lightning.core.linearization.ntk.empirical_ntk`).
         positions, outputs: which outputs the kernel is taken over, as for
             :class:`~lalr_lightning.callbacks.ntk.NTKDiagnostics` (a language model: its last real
             token by default; when the Jacobian exceeds ``ntk.DEFAULT_ENTRIES`` gradient entries,
             the outputs projected onto random directions, stated in the log). A SIGTERM or Ctrl-C
             stops the measurement.
-        norm_eval: ``frozen``, ``all`` or ``none`` (:mod:`lalr_lightning.core.norms`).
+        norm_eval: ``frozen``, ``all`` or ``none`` (:mod:`lalr_lightning.core.model.norm_modes`).
         save_compute: turn ``requires_grad`` off for the frozen layers: before the model is
             wrapped when the probe can be drawn in ``setup`` (then under DDP they get no
             gradient and no all-reduce), else at train start on a single device only.
@@ -117,74 +117,74 @@ class NTKSelect(LayerSelection):
         self._groups: dict[str, list[str]] = {}
         self._loader = None  # the training loader drawn in setup
 
-    def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._params = trainable(pl_module, type(self).__name__)
-        self._groups = ntk.layer_groups(pl_module, self._params)
+    def configure(self, host: Host, module: nn.Module) -> None:
+        self._params = trainable(module, type(self).__name__)
+        self._groups = ntk.layer_groups(module, self._params)
         if len(self._groups) < 2:
-            raise ValueError(f"{type(pl_module).__name__} has one trainable layer ({list(self._groups)}); there is "
+            raise ValueError(f"{type(module).__name__} has one trainable layer ({list(self._groups)}); there is "
                              "nothing to select between")
-        self.head_layer = self._head_group(pl_module) if self.head else None
+        self.head_layer = self._head_group(module) if self.head else None
         if self.head and self.head_layer is None:
-            raise ValueError(f"NTKSelect(head=True): no trainable output layer found in {type(pl_module).__name__} "
+            raise ValueError(f"NTKSelect(head=True): no trainable output layer found in {type(module).__name__} "
                              "(its classifier is frozen or not recognised); use head=False to rank every layer")
         if self.head and len(self._groups) < 3:
-            raise ValueError(f"{type(pl_module).__name__} has one trainable layer besides the head; there is nothing "
+            raise ValueError(f"{type(module).__name__} has one trainable layer besides the head; there is nothing "
                              "to select between (head=False ranks the head too)")
         self.layers = [Layer(name=g, kind="layer", module=None, params={n: self._params[n] for n in members})
                        for g, members in self._groups.items()]
         self.block_list = self.layers  # the units label the per-step log and own their norm layers
 
-    def _head_group(self, pl_module: pl.LightningModule) -> str | None:
+    def _head_group(self, module: nn.Module) -> str | None:
         """The group holding the trainable output weight (peft's ``modules_to_save`` copy included)."""
-        out = output_layer(pl_module)
+        out = output_layer(module)
         if out is None:
             return None
         ids = {id(p) for p in out.params.values()}
-        names = {n for n, p in pl_module.named_parameters(remove_duplicate=False) if id(p) in ids}
+        names = {n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in ids}
         return next((g for g, members in self._groups.items() if names & set(members)), None)
 
-    def decide_in_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Decision | None:
+    def decide_in_setup(self, host: Host, module: nn.Module) -> Decision | None:
         """Decide before the model is wrapped when the training loader can be built already
         (a datamodule, a loader passed to ``fit``, or a module whose ``train_dataloader`` needs
         no ``setup`` of its own); else at train start, where under DDP the frozen layers' weight
         gradients are still computed and all-reduced (then dropped before the step)."""
         try:
-            loader = trainer.fit_loop._data_source.dataloader()
+            loader = host.batches()
             fixed_batch(loader, 1)  # the probe can be drawn from it
         except Exception as err:  # noqa: BLE001 -- any failure: decide at train start instead
-            if sharded(trainer):
-                raise RuntimeError(f"NTKSelect under {type(trainer.strategy).__name__} chooses in setup, before the "
+            if sharded(host):
+                raise RuntimeError(f"NTKSelect under {host.sharding.upper()} chooses in setup, before the "
                                    f"model is sharded, but setup could not draw the probe ({type(err).__name__}: "
                                    f"{err}); pass the data as a datamodule or a loader to fit()") from err
-            if trainer.world_size > 1:
-                rank_zero_info(f"{type(self).__name__}: no training loader in setup, so the layers are chosen at train "
+            if host.world_size > 1:
+                say(f"{type(self).__name__}: no training loader in setup, so the layers are chosen at train "
                                "start, after DDP wrapped the model: frozen layers still get (dropped) gradients")
             return None
-        pl_module.to(trainer.strategy.root_device)  # where the strategy puts it next, before the wrap
+        module.to(host.device)  # where the strategy puts it next, before the wrap
         self._loader = loader
-        return self.decide_everywhere(trainer, self.measure(trainer, pl_module))
+        return self.decide_everywhere(host, self.measure(host, module))
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_train_start(trainer, pl_module)
-        if not self.restored and not self.history:
-            self.update(trainer, pl_module)
+    def first_decision(self, host: Host) -> None:
+        super().first_decision(host)
+        if not self.history:  # no probe in setup: decided now, after the wrap
+            self.update(host, host.module)
 
-    def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict:
+    def measure(self, host: Host, module: nn.Module) -> dict:
         """The per-layer kernels on the probe batch (every rank computes the same ones)."""
         in_setup = self._loader is not None
-        loader = self._loader if in_setup else trainer.train_dataloader
+        loader = self._loader if in_setup else host.batches()
         self._loader = None
         # in setup the precision plugin has not converted the module yet (bf16-true): nor the batch
-        to_device = trainer.strategy.batch_to_device if in_setup else (lambda b: self.device_batch(trainer, b))
-        x, _ = probe_inputs(pl_module, loader, self.probe_size, to_device=to_device)
+        to_device = lambda b: host.to_device(b, precision=not in_setup)  # noqa: E731
+        x, _ = probe_inputs(module, loader, self.probe_size, to_device=to_device)
         params = {n: p.detach() for n, p in self._params.items()}
-        cost = ntk.ntk_cost(pl_module, x, params, mode=self.kernel, positions=self.positions, outputs=self.outputs,
-                            check=stop_on_sigterm(trainer))
+        cost = ntk.ntk_cost(module, x, params, mode=self.kernel, positions=self.positions, outputs=self.outputs,
+                            check=stop_on_sigterm(host))
         text, warn = cost.report(type(self).__name__, self.outputs)  # stated before computing J
-        (rank_zero_warn if warn else rank_zero_info)(text)
-        k = ntk.empirical_ntk(pl_module, x, params, self._groups, mode=self.kernel, positions=self.positions,
-                              outputs=cost.outputs, check=stop_on_sigterm(trainer))
-        self.check_finite(trainer, k.S, "the per-layer NTK on the probe batch")
+        (warn if warn else say)(text)
+        k = ntk.empirical_ntk(module, x, params, self._groups, mode=self.kernel, positions=self.positions,
+                              outputs=cost.outputs, check=stop_on_sigterm(host))
+        self.check_finite(host, k.S, "the per-layer NTK on the probe batch")
         return {"S": {g: s.cpu() for g, s in k.S.items()}, "sigma": self.sigma * float(torch.trace(k.K)) / k.K.shape[0]}
 
     def decide(self, measured: dict) -> Decision:

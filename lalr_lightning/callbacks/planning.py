@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import pandas as pd
 import torch
 
-from lalr_lightning.core.decision import Decision
+from lalr_lightning.core.runtime.decision import Decision
 
 __all__ = ["Planner"]
 
@@ -37,9 +37,9 @@ class _Missing:
 class _NoFit(_Missing):
     """What :meth:`Planner.plan` hands to ``configure`` and ``measure`` in place of a
     Trainer: one process, at the start of training, and nothing else (no optimizer, no data, no
-    logger). Its strategy's type name tells ``measure_shards`` the weights are whole."""
+    logger). Its ``sharding`` tells ``measure_shards`` the weights are whole."""
 
-    world_size, global_rank, is_global_zero = 1, 0, True
+    world_size, global_rank, is_global_zero, sharding, sharded = 1, 0, True, "none", False
     current_epoch, global_step = 0, 0
 
     def __init__(self, who: str):

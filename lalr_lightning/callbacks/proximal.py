@@ -2,12 +2,12 @@
 fine-tuning"): after every optimizer step, pull the trained parameters toward their values at
 the start of fine-tuning, ``theta <- theta - lam * lr * (theta - theta_0)``, only where the pull
 cannot raise the training loss, ``<g, theta - theta_0> >= 0`` for the gradient ``g`` of the step
-just taken (Theorem 1). The formulas are :mod:`lalr_lightning.core.proximal`; Theorem 4's
-``lambda_o`` is :func:`lalr_lightning.core.ntk.estimate_lambda_o`; this file decides when and
+just taken (Theorem 1). The formulas are :mod:`lalr_lightning.core.linearization.proximal`; Theorem 4's
+``lambda_o`` is :func:`lalr_lightning.core.linearization.ntk.estimate_lambda_o`; this file decides when and
 on what they run (``docs/proximal.md``).
 
 Where the gradient comes from: the step runs as a post-step transform of
-:class:`~lalr_lightning.core.control.LayerControl`, right after ``optimizer.step``, and reads
+:class:`~lalr_lightning.core.runtime.control.LayerControl`, right after ``optimizer.step``, and reads
 each parameter's ``.grad`` -- the gradient the step used: accumulated over the micro-batches
 under gradient accumulation, all-reduced under DDP (so every rank decides the same), unscaled
 under 16-bit AMP (Lightning's precision plugin unscales before ``on_before_optimizer_step``; a
@@ -24,22 +24,22 @@ from collections.abc import Callable, Sequence
 from fnmatch import fnmatchcase
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, stop_on_sigterm
-from lalr_lightning.callbacks.distributed import WholeCopy, shard_layout, sharded
+from lalr_lightning.callbacks.distributed import shard_layout, sharded
+from lalr_lightning.callbacks.host import Host, say
 from lalr_lightning.choices import unknown
-from lalr_lightning.core import proximal
-from lalr_lightning.core.anchor import check_anchor, load_anchor, snapshot, trainable
-from lalr_lightning.core.control import PostStep
-from lalr_lightning.core.layers import Layer
-from lalr_lightning.core.loss import batch_loss, loss_source, split_batch
-from lalr_lightning.core.ntk import estimate_lambda_o, layer_groups
-from lalr_lightning.core.placement import follow, placed
-from lalr_lightning.core.probe import fixed_batch
-from lalr_lightning.core.shards import ShardLayout, all_sum, local_tensor
+from lalr_lightning.core.linearization import proximal
+from lalr_lightning.core.linearization.anchor import check_anchor, load_anchor, snapshot, trainable
+from lalr_lightning.core.linearization.ntk import estimate_lambda_o, layer_groups
+from lalr_lightning.core.model.batch_loss import batch_loss, loss_source, split_batch
+from lalr_lightning.core.model.layers import Layer
+from lalr_lightning.core.model.probe import fixed_batch
+from lalr_lightning.core.runtime.control import PostStep
+from lalr_lightning.core.runtime.placement import follow, placed
+from lalr_lightning.core.runtime.shards import ShardLayout, all_sum, local_tensor
 
 __all__ = ["ProximalRegularizer", "GRANULARITIES"]
 
@@ -94,7 +94,7 @@ class ProximalRegularizer(LayerwiseCallback):
     of the outputs' shape) and no ``loss_fn``, the paper's squared loss on one-hot targets; for
     anything else (a language model's token labels, a dict batch without class labels, a given
     ``loss_fn``) the gradient of the module's own loss with respect to its outputs,
-    ``N ||dL/df||`` (:func:`~lalr_lightning.core.ntk.output_gradient_norm`), which is
+    ``N ||dL/df||`` (:func:`~lalr_lightning.core.linearization.ntk.output_gradient_norm`), which is
     ``||f - y||`` again for ``L = ||f - y||^2 / (2N)``. Which one is used is logged once.
 
     Readable: ``distances`` (layer -> ``||theta - theta_0||``, refreshed at every logging step,
@@ -127,7 +127,7 @@ class ProximalRegularizer(LayerwiseCallback):
         radius: float | None = None,
         probe_size: int = 16,
         every_n_epochs: int | None = 1,
-        loss_fn: Callable[[pl.LightningModule, Any], torch.Tensor] | None = None,
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
         name: str | None = None,
         strict_resume: bool = True,
     ):
@@ -163,39 +163,48 @@ class ProximalRegularizer(LayerwiseCallback):
         self.lambda_o = math.nan
         self._params: dict[str, torch.nn.Parameter] = {}
         self._groups: dict[str, list[str]] = {}
+        self._layer_of: dict[str, int] = {}
         self._anchor: dict[str, torch.Tensor] | None = None
-        self._steps: dict[str, int] = {}
-        self._pulled: dict[str, int] = {}
+        # per set of stepped tensors: its grouped step, and the step and pull counts not yet read
+        # (kept on the device, so a step makes no device-to-host transfer)
+        self._plans: dict[tuple[str, ...], proximal.GroupedStep] = {}
+        self._pending: dict[tuple[str, ...], list] = {}
+        self._coefs: tuple[object, tuple[str, ...], list[float]] | None = None
+        self._steps = {}
+        self._pulled = {}
         self._unit_lambda_o: float | None = None  # lambda_o at r = 1 (it scales as 1 / r)
         self._installed: set[int] = set()
         self._sharded = False  # the strategy shards the weights (FSDP): sums over the ranks' pieces
-        self._whole: WholeCopy | None = None
         self._layout = ShardLayout(torch.nn.Module())
-        self._late = False
 
     # ------------------------------------------------------------------ setup
 
-    def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._sharded = sharded(trainer)
+    @property
+    def needs_whole_model(self) -> bool:  # lambda_o through torch.func: under FSDP on rank zero's whole copy
+        return self.every_n_epochs is not None
+
+    def configure(self, host: Host, module: nn.Module) -> None:
+        self._sharded = sharded(host)
         # lambda_o runs the whole model through torch.func: under FSDP on a whole copy on rank zero
-        lambda_o = self._sharded and self.every_n_epochs is not None
-        self._whole = WholeCopy(pl_module, type(self).__name__) if lambda_o else None
-        params = trainable(pl_module, type(self).__name__)
-        groups = layer_groups(pl_module, params)
+        params = trainable(module, type(self).__name__)
+        groups = layer_groups(module, params)
         if self.include is not None:
             for pat in self.include:
                 if not any(fnmatchcase(g, pat) for g in groups):
                     raise ValueError(f"include pattern {pat!r} matches no trainable layer; layers are: {list(groups)}")
             groups = {g: m for g, m in groups.items() if any(fnmatchcase(g, pat) for pat in self.include)}
         self._groups = groups
+        self._layer_of = {n: i for i, members in enumerate(groups.values()) for n in members}
+        self._plans, self._coefs = {}, None
         self._params = {n: params[n] for members in groups.values() for n in members}
         self.layers = [Layer(name=g, kind="layer", module=None, params={n: params[n] for n in m})
                        for g, m in groups.items()]
         self._installed = set()
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.follow_the_wrap(pl_module)
-        self._layout = shard_layout(trainer, pl_module)  # under FSDP the anchor is cut like the weights
+    def after_wrap(self, host: Host) -> None:
+        self._layout = shard_layout(host, host.module)  # under FSDP the anchor is cut like the weights
+
+    def after_start(self, host: Host) -> None:
         if self.restored and self._anchor is not None:  # the checkpoint's theta_0, bitwise
             self._cut_anchor()
         elif self.anchor == "fit_start":
@@ -211,7 +220,7 @@ class ProximalRegularizer(LayerwiseCallback):
         if missing:
             raise ValueError(f"{self.state_key}: the checkpoint has no step counts for {missing[0]!r}; resume with the "
                              "same parameters trainable")
-        self.apply(trainer)
+        self.apply(host)
 
     def _cut_anchor(self) -> None:
         """A whole ``theta_0`` (a checkpoint's, a file's) put where each parameter is: on its device
@@ -224,18 +233,8 @@ class ProximalRegularizer(LayerwiseCallback):
             self._anchor = {n: a.cpu() for n, a in self._anchor.items()}
         self._placed_anchor()  # in each parameter's dtype
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
-        if self._installed and self._anchor is not None:  # FSDP restores after fit start: cut at train start
-            self._late = True
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._late:
-            self._late = False
-            self._cut_anchor()
-
-    def apply(self, trainer: pl.Trainer) -> None:
-        for ctl in self.controls(trainer):
+    def apply(self, host: Host) -> None:
+        for ctl in self.controls(host):
             if id(ctl) not in self._installed:
                 ctl.set_transform(self.state_key, self._step)
                 self._installed.add(id(ctl))
@@ -243,7 +242,64 @@ class ProximalRegularizer(LayerwiseCallback):
     # ------------------------------------------------------------------ the step
 
     def _step(self, step: PostStep) -> None:
-        """The proximal step after one optimizer step (LayerControl calls it)."""
+        """The proximal step after one optimizer step (LayerControl calls it): grouped tensor
+        operations and no device-to-host transfer (:class:`~lalr_lightning.core.proximal.GroupedStep`);
+        under FSDP the ranks' sums go through collectives (:meth:`_sharded_step`)."""
+        if self._sharded:
+            self._sharded_step(step)
+            return
+        key = tuple(n for n, p in self._params.items() if p.grad is not None and step.stepped(p))
+        if not key:
+            return
+        params = [self._params[n] for n in key]
+        plan = self._plans.get(key)
+        if plan is None or not plan.placed(params):
+            self._flush()  # counts held on the device the model left
+            plan = self._plans[key] = proximal.GroupedStep(params, [self._layer_of[n] for n in key])
+        anchor = self._placed_anchor()
+        if self._coefs is None or self._coefs[0] is not step._lrs or self._coefs[1] != key:
+            # lam * lr per tensor, checked; the same while the step's LRs are (LayerControl keeps them)
+            coef = proximal.coefficients(self.lam, {n: step.lr(self._params[n]) for n in key}, key)
+            self._coefs = (step._lrs, key, [coef[n] for n in key])
+        pull = plan.step_(params, [anchor[n] for n in key], [p.grad for p in params], self._coefs[2],
+                          selective=self.selective, granularity=self.granularity)
+        pending = self._pending.get(key)
+        if pending is None:
+            pending = self._pending[key] = [0, torch.zeros(plan.size, dtype=torch.long, device=plan.device), plan.order]
+        pending[0] += 1
+        pending[1] += pull
+
+    def _flush(self) -> None:
+        """Add the counts held on the device to :attr:`_steps` and :attr:`_pulled` (one transfer)."""
+        pending, self._pending = self._pending, {}
+        for key, (count, pulled, order) in pending.items():
+            for i, k in zip(order, pulled.tolist()):
+                self._steps_d[key[i]] = self._steps_d.get(key[i], 0) + count
+                self._pulled_d[key[i]] = self._pulled_d.get(key[i], 0) + k
+
+    @property
+    def _steps(self) -> dict[str, int]:
+        """Optimizer steps per tensor that it took part in."""
+        self._flush()
+        return self._steps_d
+
+    @_steps.setter
+    def _steps(self, value: dict[str, int]) -> None:
+        self._pending = {}
+        self._steps_d = value
+
+    @property
+    def _pulled(self) -> dict[str, int]:
+        """Of those, the steps that pulled it toward the anchor."""
+        self._flush()
+        return self._pulled_d
+
+    @_pulled.setter
+    def _pulled(self, value: dict[str, int]) -> None:
+        self._pending = {}
+        self._pulled_d = value
+
+    def _sharded_step(self, step: PostStep) -> None:
         held = {id(p) for p in step.params}
         names = [n for n, p in self._params.items() if id(p) in held and p.grad is not None]
         reduce = None
@@ -266,8 +322,8 @@ class ProximalRegularizer(LayerwiseCallback):
             pull = dict.fromkeys(names, True)
         proximal.proximal_step_(params, anchors, self.lam, {n: step.lr(self._params[n]) for n in names}, pull)
         for n in names:
-            self._steps[n] += 1
-            self._pulled[n] += int(pull[n])
+            self._steps_d[n] += 1
+            self._pulled_d[n] += int(pull[n])
 
     def _placed_anchor(self) -> dict[str, torch.Tensor]:
         """``theta_0`` in each parameter's dtype and (unless offloaded) on its device: Lightning
@@ -290,42 +346,42 @@ class ProximalRegularizer(LayerwiseCallback):
             out[g] = sum(self._pulled[n] for n in members) / steps if steps else 0.0
         return out
 
-    def estimate_lambda_o(self, trainer: pl.Trainer, pl_module: pl.LightningModule, r: float) -> float:
+    def estimate_lambda_o(self, host: Host, module: nn.Module, r: float) -> float:
         """Theorem 4's ``lambda_o`` for radius ``r``, with the residual and ``Lip(f)`` at
         ``theta_0`` on the probe batch (computed once per fit: they do not change). Under FSDP
         rank zero computes it on a whole copy of the model, from the whole ``theta_0``."""
         if self._unit_lambda_o is None:
             anchor = self._placed_anchor()
-            if self._whole is None:
-                self._unit_lambda_o = self._unit_lambda_o_on(trainer, pl_module, anchor)
+            if self.whole is None:
+                self._unit_lambda_o = self._unit_lambda_o_on(host, module, anchor)
             else:  # the anchor's pieces put together (collective, the same order on every rank)
                 theta0 = {n: self._layout.whole(p, anchor[n]) for n, p in self._params.items()}
-                self._unit_lambda_o = self._whole.run(
-                    trainer, pl_module, lambda whole: self._unit_lambda_o_on(trainer, whole, theta0))
+                self._unit_lambda_o = self.whole.run(
+                    host, module, lambda whole: self._unit_lambda_o_on(host, whole, theta0))
         return self._unit_lambda_o / r if r > 0 else math.nan
 
-    def _unit_lambda_o_on(self, trainer: pl.Trainer, module: pl.LightningModule,
+    def _unit_lambda_o_on(self, host: Host, module: nn.Module,
                           anchor: dict[str, torch.Tensor]) -> float:
-        batch = self.device_batch(trainer, fixed_batch(trainer.train_dataloader, self.probe_size))
+        batch = self.device_batch(host, fixed_batch(host.batches(), self.probe_size))
         x, y = split_batch(module, batch)
         live = dict(module.named_parameters())
         theta0 = {n: placed(a, live[n]) for n, a in anchor.items()}
-        check = stop_on_sigterm(trainer)
+        check = stop_on_sigterm(host)
         if self.loss_fn is None and _squared_targets(y):
             return estimate_lambda_o(module, x, y, 1.0, theta0, check=check)["lambda_o"]
         # the residual from the gradient of the module's own loss (class docstring)
-        rank_zero_info(f"{type(self).__name__}: lambda_o's residual is N ||dL/df|| of "
+        say(f"{type(self).__name__}: lambda_o's residual is N ||dL/df|| of "
                        f"{loss_source(module, self.loss_fn)} (the targets are not class indices)")
         return estimate_lambda_o(module, x, None, 1.0, theta0, check=check,
                                  loss=lambda: batch_loss(module, batch, self.loss_fn))["lambda_o"]
 
-    def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+    def measure(self, host: Host, module: nn.Module) -> dict[str, Any]:
         dist, total = self.current_distances()
-        self.check_finite(trainer, dist, "the distance to the anchor theta_0")
+        self.check_finite(host, dist, "the distance to the anchor theta_0")
         lam_o = math.nan
         every = self.every_n_epochs
-        if every is not None and (trainer.current_epoch + 1) % every == 0:
-            lam_o = self.estimate_lambda_o(trainer, pl_module, self.radius or total)
+        if every is not None and (host.current_epoch + 1) % every == 0:
+            lam_o = self.estimate_lambda_o(host, module, self.radius or total)
         return {"distances": dist, "total": total, "fractions": self.fractions(), "lambda_o": lam_o}
 
     def decide(self, measured: dict[str, Any]) -> Decision:
@@ -341,26 +397,23 @@ class ProximalRegularizer(LayerwiseCallback):
 
     # ------------------------------------------------------------------ hooks
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def after_batch(self, host: Host, outputs: Any, batch: Any) -> None:
         # under FSDP every rank takes part in the distances (each holds a piece of every tensor)
-        if trainer.loggers and trainer._logger_connector.should_update_logs and (trainer.is_global_zero or self._sharded):
+        if host.should_log() and (host.is_global_zero or self._sharded):
             self.distances, _ = self.current_distances()
             p = self.prefix
-            self.log_values(trainer, {**{f"{p}/distance/{k}": v for k, v in self.distances.items()},
+            self.log_values(host, {**{f"{p}/distance/{k}": v for k, v in self.distances.items()},
                                       **{f"{p}/regularized_fraction/{k}": v for k, v in self.fractions().items()}})
 
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.update(trainer, pl_module)
+    def after_epoch(self, host: Host) -> None:
+        self.update(host, host.module)
 
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def finish(self, host: Host) -> None:
         if self._anchor is not None:
             self.distances, _ = self.current_distances()
             self.regularized_fraction = self.fractions()
-        super().on_fit_end(trainer, pl_module)
 
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        super().teardown(trainer, pl_module, stage)
+    def release(self, host: Host) -> None:
         self._installed = set()
 
     # ------------------------------------------------------------------ state

@@ -1,30 +1,28 @@
 """HT-SR pruning: layer-wise pruning ratios from a spectral metric (AlphaPruning, thesis ch. 3).
 
 "Layerwise Training of Deep Neural Networks" (https://www2.eecs.berkeley.edu/Pubs/TechRpts/2023/EECS-2023-126.html) ch. 3 and AlphaPruning. The ratios, masks and channel budgets are
-pure functions in :mod:`lalr_lightning.core.pruning`; this callback decides when to prune, and
-hands the masks to :class:`~lalr_lightning.core.control.LayerControl`, which enforces them.
+pure functions in :mod:`lalr_lightning.core.pruning.alphapruning`; this callback decides when to prune, and
+hands the masks to :class:`~lalr_lightning.core.runtime.control.LayerControl`, which enforces them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from collections.abc import Iterable, Sequence
 
-import lightning.pytorch as pl
 import numpy as np
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
-from lalr_lightning.callbacks.distributed import WholeCopy, shard_layout, sharded
-from lalr_lightning.core import spectral
-from lalr_lightning.core.criterion_pruning import criterion_prune, load_weights, sample_count, take_samples
-from lalr_lightning.core.layers import DEFAULT_KINDS
-from lalr_lightning.core.llm_pruning import CRITERIA, needs_stats
-from lalr_lightning.core.loss import call_model, split_batch, step_loss
-from lalr_lightning.core.pruning import (
+from lalr_lightning.callbacks.distributed import shard_layout, sharded
+from lalr_lightning.callbacks.host import Host, warn
+from lalr_lightning.core.model.batch_loss import call_model, split_batch, step_loss
+from lalr_lightning.core.model.layers import DEFAULT_KINDS
+from lalr_lightning.core.pruning.alphapruning import (
     DIRECTIONS,
     PRUNING_METRICS,
     block_average_values,
@@ -34,8 +32,11 @@ from lalr_lightning.core.pruning import (
     prunable_layers,
     pruning_ratios,
 )
-from lalr_lightning.core.pruning_settings import PRESETS, pruning_settings
-from lalr_lightning.core.shards import all_sum, layer_paths, layers_in, local_tensor
+from lalr_lightning.core.pruning.by_criterion import criterion_prune, load_weights, sample_count, take_samples
+from lalr_lightning.core.pruning.criteria import CRITERIA, needs_stats
+from lalr_lightning.core.pruning.settings import PRESETS, pruning_settings
+from lalr_lightning.core.runtime.shards import all_sum, layer_paths, layers_in, local_tensor
+from lalr_lightning.core.spectral import htsr
 
 __all__ = ["HTSRPruning", "PRESETS", "PRUNING_METRICS", "DIRECTIONS", "CRITERIA", "pruning_ratios"]
 
@@ -98,7 +99,7 @@ class HTSRPruning(LayerwiseCallback):
         filter_zeros: alpha-based metrics only: fit only eigenvalues above 1e-5 (default True, as
             WeightWatcher; AlphaPruning fits all of them).
         min_numel, min_evals, layer_types, head: which layers (defaults 512, 10) are pruned (``head``: the output
-            layer too; AlphaPruning keeps it dense); see :func:`~lalr_lightning.core.pruning.prunable_layers`.
+            layer too; AlphaPruning keeps it dense); see :func:`~lalr_lightning.core.pruning.alphapruning.prunable_layers`.
             Excluded layers are reported in a warning.
         overflow, max_ratio: a ratio above ``max_ratio`` is clipped and the excess
             redistributed (default) or an error; see :func:`pruning_ratios`.
@@ -128,7 +129,7 @@ class HTSRPruning(LayerwiseCallback):
             the first ones of the calibration loader (default 128, as Wanda and AlphaPruning); fewer
             available: all of them, with a warning.
         calibration: ``wanda`` / ``sparsegpt``: an iterable of batches to calibrate on (default:
-            the fit's training loader, as given to the trainer -- without the DDP sampler). Causal
+            the fit's training loader, as given to the host -- without the DDP sampler). Causal
             LM batches: ``input_ids`` tensors, ``(input_ids, ...)`` tuples or dicts with
             ``input_ids`` (and ``attention_mask``: padding is left out of the statistics).
             A Hugging Face causal LM (LLaMA, OPT, GPT-2, GPT-NeoX layouts) is calibrated block by
@@ -145,7 +146,7 @@ class HTSRPruning(LayerwiseCallback):
     SparseGPT's updated weights -- are broadcast, so every rank holds the same bits. A resumed run
     takes the masks (and the weights) from the checkpoint and does not calibrate again.
 
-    Enforcement (by :class:`~lalr_lightning.core.control.LayerControl`): the gradients of
+    Enforcement (by :class:`~lalr_lightning.core.runtime.control.LayerControl`): the gradients of
     pruned entries are zeroed in ``on_before_optimizer_step`` (after DDP's all-reduce and
     before gradient clipping, so momentum and Adam moments never see them), the optimizer
     states of newly pruned entries are zeroed at each pruning event, and the masks are
@@ -226,31 +227,26 @@ class HTSRPruning(LayerwiseCallback):
         self.masks: dict[str, torch.Tensor] = {}
         self.excluded: dict[str, str] = {}
         self._model: torch.nn.Module | None = None
-        self._trainer: pl.Trainer | None = None
+        self._trainer: Host | None = None
         self._params: dict[str, torch.nn.Parameter] = {}
         self._level = 1.0
         self._fresh = False
         self._weights: dict[str, torch.Tensor] = {}  # SparseGPT's updated weights, from rank zero
-        self._early: Decision | None = None  # FSDP: decided in setup, committed at fit start
-        self._whole: WholeCopy | None = None  # FSDP, a criterion during training: the model whole on rank zero
         self._paths: dict[str, tuple] = {}  # where each layer sits in the model (core.shards.layer_paths)
-        self._started = False  # on_fit_start has run (a checkpoint loaded later is enforced at train start)
-        self._late = False
-        self._masks_later = False  # FSDP, during training: decide() leaves the masks to _prune_sharded
 
     metric_values = renamed("scores")  # deprecated name of ``scores`` (the metric per pruned layer)
 
     # ------------------------------------------------------------------ when
 
-    def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._model = pl_module
+    def configure(self, host: Host, module: nn.Module) -> None:
+        self._model = module
         self.layers, self.excluded = prunable_layers(
-            pl_module, layer_types=self.layer_types, head=self.head, min_numel=self.min_numel,
+            module, layer_types=self.layer_types, head=self.head, min_numel=self.min_numel,
             min_evals=self.min_evals,
         )
         small = {k: v for k, v in self.excluded.items() if "head" not in v}
         if small:
-            rank_zero_warn(
+            warn(
                 "HTSRPruning leaves these layers dense (too small to prune): "
                 + "; ".join(f"{k} ({v})" for k, v in small.items())
                 + ". Lower min_numel / min_evals to include them.",
@@ -258,17 +254,17 @@ class HTSRPruning(LayerwiseCallback):
             )
         self._params = {n: p for layer in self.layers for n, p in layer.params.items()}
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        self._early, self._started, self._late = None, False, False
-        self._whole = None
-        if stage == "fit" and sharded(trainer):
-            if self.when == "fit_start":
-                self._prune_whole(trainer)
-            elif self.criterion != "magnitude" or self.m:  # masks from whole layers, run: on a whole copy
-                self._whole, self._paths = WholeCopy(pl_module, type(self).__name__), layer_paths(pl_module, self.layers)
+    @property
+    def needs_whole_model(self) -> bool:  # under FSDP, masks from whole layers, run during training
+        return self.when != "fit_start" and (self.criterion != "magnitude" or bool(self.m))
 
-    def _prune_whole(self, trainer: pl.Trainer) -> None:
+    def prepare(self, host: Host) -> None:
+        if self.whole is not None:
+            self._paths = layer_paths(host.module, self.layers)
+        elif sharded(host) and self.when == "fit_start":
+            self._prune_whole(host)
+
+    def _prune_whole(self, host: Host) -> None:
         """Under FSDP: the pruning event of ``when="fit_start"`` on the whole weights, here in
         ``setup``, before the strategy shards them (calibration runs block by block on rank zero,
         which a sharded model cannot do alone); recorded and enforced, on each rank's shards, at
@@ -276,96 +272,86 @@ class HTSRPruning(LayerwiseCallback):
         (Lightning restores FSDP checkpoints only after fit start)."""
         if self.masks:
             return  # kept from an earlier fit: enforced at fit start
-        self._model.to(trainer.strategy.root_device)  # where the strategy shards it next (and the batches go)
-        self._level, self._trainer = 1.0, trainer
+        self._model.to(host.device)  # where the strategy shards it next (and the batches go)
+        self._level, self._trainer = 1.0, host
         try:
-            decision = self.decide_everywhere(trainer, self.measure(trainer, self._model))
+            decision = self.decide_everywhere(host, self.measure(host, self._model))
         finally:
             self._trainer = None
         masks, channels, weights = decision.payload
-        if weights and not trainer.is_global_zero:  # SparseGPT moved the kept weights: before the cut
+        if weights and not host.is_global_zero:  # SparseGPT moved the kept weights: before the cut
             load_weights(self._params, weights)
-        self._early = dataclasses.replace(decision, payload=(masks, channels, {}))
+        self.early = dataclasses.replace(decision, payload=(masks, channels, {}))
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.follow_the_wrap(pl_module)
-        self._started = True
-        early, self._early = self._early, None
-        if early is not None:
-            self.commit(trainer, early)  # decided in setup (FSDP): recorded, enforced and logged now
-        elif self.masks:  # restored from a checkpoint (or kept from a previous fit): enforce at once
-            self._enforce(trainer)
+    def first_decision(self, host: Host) -> None:
+        if self.early is not None:
+            super().first_decision(host)  # decided in setup (FSDP): recorded, enforced and logged now
+        elif self.masks:  # kept from a previous fit: enforce at once
+            self._known()
+            self.apply(host)
         elif self.when == "fit_start":
-            self.prune(trainer, 1.0)
+            self.prune(host, 1.0)
 
-    def _enforce(self, trainer: pl.Trainer) -> None:
+    def _known(self) -> None:
         unknown = sorted(set(self.masks) - set(self._params))
         if unknown:
             raise RuntimeError(
                 f"HTSRPruning state holds masks for parameters this model's prunable layers lack: {unknown[:5]}; "
                 "the checkpoint belongs to another architecture or other layer settings"
             )
-        self.apply(trainer)
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
-        self._late = self._started  # FSDP restores after fit start: enforced at train start
+    def resumed(self, late: bool) -> None:
+        if self._params:  # configured: the owner enforces the checkpoint's masks where the strategy's restore is done
+            self._known()
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._late:
-            self._late = False
-            self._enforce(trainer)
-
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        epoch = trainer.current_epoch
+    def each_epoch(self, host: Host) -> None:
+        epoch = host.current_epoch
         if isinstance(self.when, int):
             if epoch >= self.when and not self.history:
-                self.prune(trainer, 1.0)
+                self.prune(host, 1.0)
         elif self.when == "gradual":
             if epoch < self.gradual_epochs and epoch not in {h["epoch"] for h in self.history}:
-                self.prune(trainer, cubic_sparsity(epoch, self.gradual_epochs))
+                self.prune(host, cubic_sparsity(epoch, self.gradual_epochs))
 
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def finish(self, host: Host) -> None:
         if not self.masks:
             return
-        for ctl in self.controls(trainer):
+        for ctl in self.controls(host):
             ctl.apply_masks()
-        self.sparsity = self._measure(trainer)
-        self.log_values(trainer, self._sparsity_metrics())
-        super().on_fit_end(trainer, pl_module)
+        self.sparsity = self._measure(host)
+        self.log_values(host, self._sparsity_metrics())
+        host.publish(self, "end")
         if self.make_permanent:
-            for ctl in self.controls(trainer):
+            for ctl in self.controls(host):
                 ctl.set_masks(self.state_key, {})
             self.masks = {}
 
     # ------------------------------------------------------------------ what
 
-    def prune(self, trainer: pl.Trainer, level: float = 1.0) -> None:
+    def prune(self, host: Host, level: float = 1.0) -> None:
         """One pruning event: ratios (first time only), masks at ``level`` x ratio, applied."""
         self._level = float(level)
-        self._trainer = trainer  # for the calibration data; only during the event
+        self._trainer = host  # for the calibration data; only during the event
         try:
-            if self._whole is not None:
-                self._prune_on_copy(trainer)
-            elif sharded(trainer):
-                self._prune_sharded(trainer)
+            if self.whole is not None:
+                self._prune_on_copy(host)
+            elif sharded(host):
+                self._prune_sharded(host)
             else:
-                self.update(trainer, self._model)
+                self.update(host, self._model)
         finally:
             self._trainer = None
 
-    def _prune_sharded(self, trainer: pl.Trainer) -> None:
+    def _prune_sharded(self, host: Host) -> None:
         """A magnitude pruning event during training under FSDP: the ratios decided on rank zero
         from the metric (measured on whole weights, a share of the layers per rank), then each
         rank computes the masks of its share of the layers on their whole weights (one
         threshold per layer, as on one device) and the masks are all-gathered; each rank then
         enforces its piece of every mask (``apply``)."""
-        self._masks_later = True  # rank zero's decide leaves the masks to the ranks
-        try:
-            decision = self.decide_everywhere(trainer, self.measure(trainer, self._model))
-        finally:
-            self._masks_later = False
-        layout = shard_layout(trainer, self._model)
+        # rank zero decides the ratios alone: the ranks compute the masks after the broadcast
+        decision = self.decide_everywhere(host, self.measure(host, self._model),
+                                          lambda metric: self._decide(metric, self._model, self.layers, masks=False))
+        layout = shard_layout(host, self._model)
         shapes = {k: layout.shape(p) for k, p in self._params.items()}
         real = {la.name: la for la in self.layers}
 
@@ -376,33 +362,27 @@ class HTSRPruning(LayerwiseCallback):
                     for s in stand_ins}
 
         masks, channels = {}, {}
-        for m, c in self.measure_shards(trainer, self._model, [[la] for la in self.layers], masks_of).values():
+        for m, c in self.measure_shards(host, self._model, [[la] for la in self.layers], masks_of).values():
             masks.update(m)
             channels.update(c)
-        self.commit(trainer, dataclasses.replace(decision, payload=(masks, channels, {})))
+        self.commit(host, dataclasses.replace(decision, payload=(masks, channels, {})))
 
-    def _prune_on_copy(self, trainer: pl.Trainer) -> None:
+    def _prune_on_copy(self, host: Host) -> None:
         """A Wanda / SparseGPT / N:M pruning event during training under FSDP: the metric measured
         as for magnitude (a share of the layers per rank), then the masks decided on rank zero's
         whole copy of the model (calibration runs block by block and prunes as it goes, which a
         sharded model cannot do) and broadcast with SparseGPT's weights; each rank keeps its
         piece of both (``apply``)."""
-        metric = self.measure(trainer, self._model)
+        metric = self.measure(host, self._model)
 
         def on_copy(whole: torch.nn.Module) -> Decision:
-            own = self._model, self.layers, self._params
-            self._model, self.layers = whole, layers_in(whole, self.layers, self._paths)
-            self._params = {n: p for la in self.layers for n, p in la.params.items()}
-            try:
-                decision = self.decide(metric)
-            finally:
-                self._model, self.layers, self._params = own
+            decision = self._decide(metric, whole, layers_in(whole, self.layers, self._paths))
             masks, channels, weights = decision.payload
             return dataclasses.replace(decision, payload=({k: v.cpu() for k, v in masks.items()}, channels, weights))
 
-        self.commit(trainer, self._whole.run(trainer, self._model, on_copy))
+        self.commit(host, self.with_whole_model(host, on_copy))
 
-    def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float] | None:
+    def measure(self, host: Host, module: nn.Module) -> dict[str, float] | None:
         """The metric of every pruned layer on the current weights (block-averaged if asked);
         None once the ratios are fixed (the first event decides them)."""
         if self.ratios:
@@ -412,14 +392,14 @@ class HTSRPruning(LayerwiseCallback):
             return {}
 
         def metric(layers):
-            self.check_finite(trainer, {layer.name: layer.weight for layer in layers}, "the weights")
+            self.check_finite(host, {layer.name: layer.weight for layer in layers}, "the weights")
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # analyze's skip warnings: we chose the layers
-                df = spectral.analyze(layers, fit=self.fit, metrics=[self.metric], min_evals=1,
+                df = htsr.analyze(layers, fit=self.fit, metrics=[self.metric], min_evals=1,
                                       filter_zeros=self.filter_zeros)
             return dict(zip(df["name"], df[self.metric].astype(float)))
 
-        values = self.measure_shards(trainer, pl_module, [[layer] for layer in self.layers], metric)
+        values = self.measure_shards(host, module, [[layer] for layer in self.layers], metric)
         bad = {n: values.get(n) for n in names if n not in values or not math.isfinite(values[n])}
         if bad:
             raise ValueError(
@@ -463,7 +443,12 @@ class HTSRPruning(LayerwiseCallback):
                         scores=metric)
 
     def decide(self, metric: dict[str, float] | None) -> Decision:
-        names = [layer.name for layer in self.layers]
+        return self._decide(metric, self._model, self.layers)
+
+    def _decide(self, metric: dict[str, float] | None, module: nn.Module, layers: list, masks: bool = True) -> Decision:
+        """The decision on ``module`` (the live model, or rank zero's whole copy of it) and its
+        ``layers``; without ``masks``, the ratios alone (the ranks compute the masks)."""
+        names = [layer.name for layer in layers]
         if metric is None:  # later events of a gradual schedule: the ratios stand
             metric, ratios = dict(self.scores), dict(self.ratios)
         else:
@@ -471,19 +456,21 @@ class HTSRPruning(LayerwiseCallback):
             ratios = dict(zip(names, r.tolist()))
         record: dict = {"level": self._level}
         weights: dict[str, torch.Tensor] = {}
-        if self._masks_later:  # sharded weights: the ranks compute the masks after the broadcast
-            masks, channels = {}, {}
+        if not masks:
+            found, channels = {}, {}
         elif self.criterion == "magnitude" and not self.m:
-            masks, channels = layer_masks(self.layers, ratios, self._level, structured=self.structured,
+            found, channels = layer_masks(layers, ratios, self._level, structured=self.structured,
                                           channel_step=self.channel_step, previous=self.masks)
         else:
-            masks, channels = self._criterion_masks(ratios, record), {}
+            found, channels = self._criterion_masks(ratios, record, module, layers), {}
             if self.criterion == "sparsegpt" and self._trainer.world_size > 1:
                 # it moved the kept weights too: the other ranks copy them
-                weights = {k: self._params[k].detach().cpu().clone() for k in masks}
-        return Decision(values=ratios, scores=metric, record=record, payload=(masks, channels, weights))
+                params = {n: p for la in layers for n, p in la.params.items()}
+                weights = {k: params[k].detach().cpu().clone() for k in found}
+        return Decision(values=ratios, scores=metric, record=record, payload=(found, channels, weights))
 
-    def _criterion_masks(self, ratios: dict[str, float], record: dict) -> dict[str, torch.Tensor]:
+    def _criterion_masks(self, ratios: dict[str, float], record: dict, module: nn.Module,
+                         layers: list) -> dict[str, torch.Tensor]:
         """Rank zero: Wanda / SparseGPT / N:M masks. Calibrating block by block needs each block
         pruned before the next is measured, so this prunes rank zero's weights in place as it
         goes; the other ranks get the masks (and SparseGPT's weights) in the broadcast decision."""
@@ -492,43 +479,42 @@ class HTSRPruning(LayerwiseCallback):
             batches = take_samples(self._calibration_source(), self.n_calibration)
             got = sample_count(batches)
             if got < self.n_calibration:
-                rank_zero_warn(f"HTSRPruning(criterion={self.criterion!r}) calibrates on {got} samples, all the "
+                warn(f"HTSRPruning(criterion={self.criterion!r}) calibrates on {got} samples, all the "
                                f"calibration data has; n_calibration={self.n_calibration} asked for more",
                                category=UserWarning)
             record["calibration_samples"] = got
-        self.check_finite(self._trainer, {la.name: la.weight for la in self.layers}, "the weights")
-        return criterion_prune(self._model, self.layers, ratios, self.criterion, batches, n=self.n, m=self.m,
+        self.check_finite(self._trainer, {la.name: la.weight for la in layers}, "the weights")
+        return criterion_prune(module, layers, ratios, self.criterion, batches, n=self.n, m=self.m,
                                blocksize=self.blocksize or 128, percdamp=0.01 if self.percdamp is None else
-                               self.percdamp, forward=self._forward, convolutions=True)
+                               self.percdamp, forward=functools.partial(self._forward, module), convolutions=True)
 
     def _calibration_source(self):
         if self.calibration is not None:
             return self.calibration
         # the training loader as the user gave it (datamodule, module or fit() argument), without the
         # DistributedSampler a DDP run adds: rank zero calibrates on the same data at any world size
-        source = getattr(self._trainer.fit_loop, "_data_source", None)
-        loader = source.dataloader() if source is not None and source.instance is not None and source.is_defined() else None
+        loader = self._trainer.batches(as_given=True)
         if loader is None:
             raise ValueError(f"HTSRPruning(criterion={self.criterion!r}) needs calibration data: the fit has no "
                              "training loader; pass calibration=<a DataLoader>")
         return loader
 
-    def _forward(self, batch) -> None:
+    def _forward(self, module: nn.Module, batch) -> None:
         """Run a model without transformer blocks on one calibration batch: its inputs (``x`` of a
         ``(x, ...)`` batch, a tensor batch, a dict's entries but ``labels`` as keyword arguments)
         through its ``forward`` (or the one child holding its parameters), else its own
-        ``training_step`` (logging silenced): ``core.loss``."""
+        ``training_step`` (logging silenced): ``core.model.batch_loss``."""
         batch = self.device_batch(self._trainer, batch)
         try:
             try:
-                call_model(self._model, split_batch(self._model, batch)[0])
+                call_model(module, split_batch(module, batch)[0])
             except TypeError:  # no forward to call with these inputs: the step the module trains with
-                if not callable(getattr(self._model, "training_step", None)):
+                if not callable(getattr(module, "training_step", None)):
                     raise
-                step_loss(self._model, batch)
+                step_loss(module, batch)
         except Exception as err:  # noqa: BLE001 -- any failure means the batches do not fit the model
             raise ValueError(
-                f"HTSRPruning(criterion={self.criterion!r}) could not run {type(self._model).__name__} on a "
+                f"HTSRPruning(criterion={self.criterion!r}) could not run {type(module).__name__} on a "
                 f"calibration batch ({type(err).__name__}: {err}); pass calibration=<a loader whose batches are "
                 "(x, ...) tuples of the model's input>"
             ) from err
@@ -541,26 +527,26 @@ class HTSRPruning(LayerwiseCallback):
         self._weights = dict(rest[0]) if rest else {}
         self._fresh = True
 
-    def apply(self, trainer: pl.Trainer) -> dict:
+    def apply(self, host: Host) -> dict:
         """Hand the masks to the layer control (which zeroes the weights now and after every
         step); at a new pruning event the optimizer state of the pruned entries is zeroed too."""
-        layout = shard_layout(trainer, self._model)  # under FSDP each rank keeps its piece of every mask
+        layout = shard_layout(host, self._model)  # under FSDP each rank keeps its piece of every mask
         if self._weights:  # SparseGPT's updated weights (rank zero already holds them, but on a whole copy)
             with torch.no_grad():
                 load_weights(self._params, {k: layout.local(self._params[k], v) for k, v in self._weights.items()})
             self._weights = {}
         masks = {self._params[k]: layout.local(self._params[k], v) for k, v in self.masks.items()}
         names = {self._params[k]: k for k in self.masks}
-        for ctl in self.controls(trainer):
+        for ctl in self.controls(host):
             ctl.set_masks(self.state_key, masks, names, zero_state=self._fresh)
         self._fresh = False
-        self.sparsity = self._measure(trainer)
+        self.sparsity = self._measure(host)
         return {"sparsity": dict(self.sparsity)}
 
     # ------------------------------------------------------------------ reporting
 
-    def _measure(self, trainer: pl.Trainer) -> dict[str, float]:
-        if not sharded(trainer):
+    def _measure(self, host: Host) -> dict[str, float]:
+        if not sharded(host):
             return {layer.name: float((layer.weight.detach() == 0).float().mean()) for layer in self.layers}
         # each rank counts the zeros of its shards; the counts are summed over the ranks
         zeros = all_sum(torch.stack([(local_tensor(la.weight.detach()) == 0).sum() for la in self.layers]).double())
@@ -582,8 +568,8 @@ class HTSRPruning(LayerwiseCallback):
         out[f"{self.prefix}/overall_sparsity"] = self.overall_sparsity()
         return out
 
-    def log_decision(self, trainer: pl.Trainer, decision: Decision, achieved) -> None:
-        self.log_values(trainer, self._sparsity_metrics())
+    def log_decision(self, host: Host, decision: Decision, achieved) -> None:
+        self.log_values(host, self._sparsity_metrics())
 
     def heatmap_values(self) -> tuple[list[str], np.ndarray]:
         names = list(self.ratios)

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
 
 from lalr_lightning.callbacks.base import Decision
+from lalr_lightning.callbacks.host import Cadence, Host, say, warn
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.choices import unknown
-from lalr_lightning.core.layers import describe_blocks, output_layer, suggest_blocks
-from lalr_lightning.core.selection import LIFT_ORDERS, lift_block, lisa_sample
+from lalr_lightning.core.model.layers import describe_blocks, output_layer, suggest_blocks
+from lalr_lightning.core.selection.surgical import LIFT_ORDERS, lift_block, lisa_sample
 
 __all__ = ["BlockSchedule", "SCHEDULES"]
 
@@ -60,7 +60,7 @@ class BlockSchedule(LayerSelection):
             its gradient buckets hold only what always trains (LISA's stem and head), and their
             gradients are averaged across ranks by hand -- only the active blocks', once per
             optimizer step, before any hook or clipping reads them -- and broadcast from rank 0
-            at fit start (``core.handsync``); ``setup`` sets ``find_unused_parameters=True``.
+            at fit start (``core.runtime.handsync``); ``setup`` sets ``find_unused_parameters=True``.
             ``static_graph=True`` and other multi-process strategies are refused: pass ``False``
             there, then every block stays in DDP and frozen blocks' gradients are computed,
             all-reduced and dropped before the step (DDP's buckets the whole model's size).
@@ -138,17 +138,17 @@ class BlockSchedule(LayerSelection):
 
     # ------------------------------------------------------------------ when
 
-    def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.layers = self.find_blocks(pl_module, trainer=trainer)
-        rank_zero_info(f"{self.title} blocks of {type(pl_module).__name__}: {describe_blocks(self.layers)}")
+    def configure(self, host: Host, module: nn.Module) -> None:
+        self.layers = self.find_blocks(module, host=host)
+        say(f"{self.title} blocks of {type(module).__name__}: {describe_blocks(self.layers)}")
         if self.schedule == "lisa":
-            self._check_lisa(pl_module)
+            self._check_lisa(module)
 
-    def _check_lisa(self, pl_module: pl.LightningModule) -> None:
+    def _check_lisa(self, module: nn.Module) -> None:
         """Errors for a LISA that cannot sample, warnings for one that cannot switch or that
         would freeze the output layer."""
         middle = self._middle()
-        hint = f"e.g. blocks={suggest_blocks(pl_module)!r}" if self.blocks is not None else ""
+        hint = f"e.g. blocks={suggest_blocks(module)!r}" if self.blocks is not None else ""
         if not middle:
             raise ValueError(f"LISA samples middle blocks, but the blocks {self.block_names} are all stem or "
                              f"head; pass blocks=[...] to define the middle blocks {hint}".rstrip())
@@ -156,21 +156,25 @@ class BlockSchedule(LayerSelection):
             raise ValueError(f"gamma={self.gamma} is larger than the number of middle blocks ({len(middle)}: "
                              f"{middle}); choose gamma <= {len(middle)}")
         if self.gamma == len(middle):
-            rank_zero_warn(
+            warn(
                 f"LISA cannot switch: gamma={self.gamma} equals the number of middle blocks ({middle}), so every "
                 f"block trains at every step; choose gamma < {len(middle)} or more, smaller blocks"
                 + (f" ({hint})" if hint else "")
             )
-        out = output_layer(pl_module, self.layers)
+        out = output_layer(module, self.layers)
         if out is not None and out.role == "block":
-            rank_zero_warn(
+            warn(
                 f"LISA: the model's output layer is in the middle block {out.name!r}, which LISA freezes whenever it "
                 "does not sample it; LISA keeps the head (what comes after the last block) always trainable: "
                 "leave the output layer out of blocks=[...]" + (f" ({hint})" if hint else "")
             )
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_fit_start(trainer, pl_module)
+    @property
+    def cadence(self) -> Cadence:
+        return Cadence(every_n_steps=self.every_n_steps)
+
+    def after_wrap(self, host: Host) -> None:
+        super().after_wrap(host)
         missing = [b.name for b in self.layers if any(id(p) not in self._held for p in b.params.values())]
         if missing:
             raise ValueError(
@@ -178,16 +182,11 @@ class BlockSchedule(LayerSelection):
                 f"{missing} are not (configure_optimizers filtered them out, e.g. by requires_grad)"
             )
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
-        if trainer.global_step // self.every_n_steps != self._switch:
-            self.update(trainer, pl_module)
-        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-
     # ------------------------------------------------------------------ what
 
-    def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
+    def measure(self, host: Host, module: nn.Module) -> int:
         """The switch index now."""
-        return trainer.global_step // self.every_n_steps
+        return host.global_step // self.every_n_steps
 
     def decide(self, switch: int) -> Decision:
         names = self.block_names

@@ -3,8 +3,8 @@ one name that builds any of them by ``mode``.
 
 A selection callback decides ``selected`` -- the units (blocks; tensors for Auto-RGN) that
 train -- and this base turns that into control: the others are frozen through
-:class:`~lalr_lightning.core.control.LayerControl` (DDP-safe), and norm layers that cannot
-change keep their running statistics (:mod:`lalr_lightning.core.norms`). Training less then
+:class:`~lalr_lightning.core.runtime.control.LayerControl` (DDP-safe), and norm layers that cannot
+change keep their running statistics (:mod:`lalr_lightning.core.model.norm_modes`). Training less then
 costs less (``save_compute``, ``optimizer_state``):
 
 * a *static* selection (Spectrum, NTK, fixed blocks) decides in ``setup``, before the strategy
@@ -16,7 +16,7 @@ costs less (``save_compute``, ``optimizer_state``):
   stop training. Under DDP its switching blocks are kept out of DDP (set in ``setup``, before
   the wrap), so DDP's gradient buckets hold only what always trains, and their gradients are
   averaged across ranks by hand, only the active blocks', once per optimizer step
-  (:class:`~lalr_lightning.core.handsync.HandSync`); DDP gets ``find_unused_parameters=True``.
+  (:class:`~lalr_lightning.core.runtime.handsync.HandSync`); DDP gets ``find_unused_parameters=True``.
 
 ``requires_grad`` is given back at teardown. Logged at every logging step:
 ``<prefix>/selected/<block>`` (1 when the block trains).
@@ -25,27 +25,26 @@ costs less (``save_compute``, ``optimizer_state``):
 from __future__ import annotations
 
 import inspect
+import typing
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
-from lalr_lightning.callbacks.distributed import replaces_parameters, sharded
+from lalr_lightning.callbacks.distributed import replaces_parameters
+from lalr_lightning.callbacks.host import Host, say
+from lalr_lightning.callbacks.lightning_host import LightningHooks
 from lalr_lightning.callbacks.summary import selection_counts, selection_summary
 from lalr_lightning.choices import unknown
-from lalr_lightning.core.control import LayerControl
-from lalr_lightning.core.forward_blocks import Trace, trace_modules
-from lalr_lightning.core.handsync import HandSync
-from lalr_lightning.core.layers import Layer, block_layers, suggest_blocks
-from lalr_lightning.core.loss import batch_loss, to_device
-from lalr_lightning.core.norms import NORM_EVAL, norm_layers, set_norm_modes
-from lalr_lightning.core.probe import fixed_batch
+from lalr_lightning.core.model.batch_loss import batch_loss, to_device
+from lalr_lightning.core.model.forward_blocks import Trace, trace_modules
+from lalr_lightning.core.model.layers import Layer, block_layers, suggest_blocks
+from lalr_lightning.core.model.norm_modes import NORM_EVAL, norm_layers, set_norm_modes
+from lalr_lightning.core.model.probe import fixed_batch
+from lalr_lightning.core.runtime.control import LayerControl
+from lalr_lightning.core.runtime.handsync import HandSync
 
 __all__ = ["LayerSelection", "SurgicalLayerSelect", "MODES", "OPTIMIZER_STATE", "forward_trace", "register_mode"]
 
@@ -65,6 +64,7 @@ def register_mode(mode: str, cls: type, **fixed: Any) -> None:
     global MODES
     _REGISTRY[mode] = (cls, fixed)
     MODES = tuple(sorted(_REGISTRY, key=lambda m: (_ORDER.index(m) if m in _ORDER else len(_ORDER), m)))
+    SurgicalLayerSelect.__new__.__signature__ = _modes_signature()
 
 
 class LayerSelection(LayerwiseCallback):
@@ -96,13 +96,10 @@ class LayerSelection(LayerwiseCallback):
         self.selected: list[str] = []
         self.block_list: list[Layer] = []  # the model's blocks (the units, or their labels)
         self._norms: list = []
-        self._module: pl.LightningModule | None = None
+        self._module: nn.Module | None = None
         self._ctls: list[LayerControl] | None = None
         self._held: set[int] = set()  # ids of the parameters some optimizer holds
-        self._wrapped = False  # on_fit_start has run: the strategy has wrapped the model
         self._toggle = False  # requires_grad may change after the wrap
-        self._early: Decision | None = None  # decided in setup, committed at fit start
-        self._restored_late = False  # the checkpoint came after on_fit_start (FSDP): applied at train start
         self._handsync: HandSync | None = None  # DDP: the switching units' gradients averaged by hand
         self.summary: str | None = None  # the last decision's trainable / total parameters (callbacks/summary.py)
         self.summary_counts: dict[str, int | str] = {}  # the numbers of that line
@@ -127,16 +124,16 @@ class LayerSelection(LayerwiseCallback):
 
     # ------------------------------------------------------------------ setup
 
-    def find_blocks(self, pl_module: nn.Module, *, head: bool = True, min_blocks: int = 2,
-                    trainer: pl.Trainer | None = None) -> list[Layer]:
+    def find_blocks(self, module: nn.Module, *, head: bool = True, min_blocks: int = 2,
+                    host: Host | None = None) -> list[Layer]:
         """The model's blocks (``blocks`` patterns, or found: timm groups / repeated children / with
-        ``trainer``, the forward pass on a probe batch, :func:`forward_trace`); a clear error when
+        ``host``, the forward pass on a probe batch, :func:`forward_trace`); a clear error when
         there are fewer than ``min_blocks`` to choose between."""
-        trace = None if trainer is None else (lambda: forward_trace(trainer, pl_module, getattr(self, "loss_fn", None)))
-        self.block_list = block_layers(pl_module, self.blocks, join_stem=self.join_stem, head=head, trace=trace)
+        trace = None if host is None else (lambda: forward_trace(host, module, getattr(self, "loss_fn", None)))
+        self.block_list = block_layers(module, self.blocks, join_stem=self.join_stem, head=head, trace=trace)
         if len(self.block_list) < min_blocks:
             raise ValueError(
-                f"{type(pl_module).__name__} has a single block ({self.block_names}), so there is nothing to "
+                f"{type(module).__name__} has a single block ({self.block_names}), so there is nothing to "
                 "select; pass blocks=[...] (one module-name prefix or ^regex per block) to split it, or "
                 "fine-tune without a selection callback"
             )
@@ -152,42 +149,37 @@ class LayerSelection(LayerwiseCallback):
         kept out of DDP and their gradients averaged by hand."""
         return list(self.layers)
 
-    def decide_in_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Decision | None:
+    def decide_in_setup(self, host: Host, module: nn.Module) -> Decision | None:
         """A static selection's decision, made in ``setup`` before the model is wrapped (the
         same on every rank: :meth:`decide_everywhere`), or None to decide later."""
         return None
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            self._module, self._wrapped, self._early, self._summarized = pl_module, False, None, False
-            if self._handsync is not None:  # a fit that ended without teardown
-                self._handsync.stop()
-            self._handsync = None
-        super().setup(trainer, pl_module, stage)
-        if stage == "fit":
-            self._toggle = self._prepare_toggle(trainer)
-            early = self.decide_in_setup(trainer, pl_module)
-            if early is not None:
-                self.receive(early)
-                self._early = early
-                if self.save_compute and not replaces_parameters(trainer):  # FSDP2: at fit start, on its own
-                    self.follow_requires_grad()
+    def prepare(self, host: Host) -> None:
+        self._module, self._summarized = host.module, False
+        if self._handsync is not None:  # a fit that ended without teardown
+            self._handsync.stop()
+        self._handsync = None
+        self._toggle = self._prepare_toggle(host)
+        self.early = self.decide_in_setup(host, host.module)
+        if self.early is not None:
+            self.receive(self.early)
+            if self.save_compute and not replaces_parameters(host):  # FSDP2: at fit start, on its own
+                self.follow_requires_grad()
 
-    def _prepare_toggle(self, trainer: pl.Trainer) -> bool:
+    def _prepare_toggle(self, host: Host) -> bool:
         """Whether ``requires_grad`` may change after the strategy wraps the model: on one device
         and under FSDP it may; under DDP a switching selection makes it so (its switching units
         kept out of DDP, the rest with ``find_unused_parameters=True``); other multi-process
         strategies are refused."""
-        strategy = trainer.strategy
-        if isinstance(strategy, SingleDeviceStrategy) or sharded(trainer):
+        if host.sharding != "ddp":
             # FSDP (use_orig_params) and FSDP2 follow requires_grad at every backward: a unit whose
             # parameters all stop training gets no gradient, and every rank switches the same ones
             return True
         if not (self.switches and self.save_compute):
             return False
         who = f"{type(self).__name__}(save_compute=True)"
-        if isinstance(strategy, DDPStrategy):
-            kwargs = strategy._ddp_kwargs  # read when the model is wrapped, after every setup hook
+        kwargs = host.ddp_options  # read when the model is wrapped, after every setup hook
+        if kwargs is not None:
             if kwargs.get("static_graph"):
                 raise ValueError(f"{who} turns requires_grad on and off at every switch, which DDP's "
                                  "static_graph=True forbids; drop static_graph or pass save_compute=False")
@@ -197,15 +189,15 @@ class LayerSelection(LayerwiseCallback):
                                  "save_compute=False")
             if not kwargs.get("find_unused_parameters"):
                 kwargs["find_unused_parameters"] = True
-                rank_zero_info(f"{who}: DDP set to find_unused_parameters=True, so the blocks that do not train "
+                say(f"{who}: DDP set to find_unused_parameters=True, so the blocks that do not train "
                                "get no weight gradient (save_compute=False keeps DDP's default)")
             self._keep_out_of_ddp()
             if self._handsync is not None:
-                rank_zero_info(f"{who}: {len(self._handsync.params)} parameter tensors of the switching blocks kept out "
+                say(f"{who}: {len(self._handsync.params)} parameter tensors of the switching blocks kept out "
                                "of DDP's gradient buckets; their gradients are averaged across ranks by hand")
             return True
-        raise RuntimeError(f"{who} turns requires_grad on and off at every switch, which "
-                           f"{type(strategy).__name__} cannot follow; use strategy='ddp' or pass save_compute=False")
+        raise RuntimeError(f"{who} turns requires_grad on and off at every switch, which this multi-process "
+                           "strategy cannot follow; use strategy='ddp' or pass save_compute=False")
 
     def _keep_out_of_ddp(self) -> None:
         """Keep the switching units' parameters out of DDP's buckets (before the wrap). DDP
@@ -225,35 +217,22 @@ class LayerSelection(LayerwiseCallback):
             self._handsync = HandSync(module, out.values())
             self._handsync.exclude()
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.follow_the_wrap(pl_module)
+    def after_wrap(self, host: Host) -> None:
         if self._handsync is not None:  # wrapped now: equal starting values, averaging from here on
-            self._handsync.start(trainer.strategy.model)
-        self._wrapped = True
-        self._norms = norm_layers(pl_module, self.block_list)
-        self._ctls = self.controls(trainer)
+            self._handsync.start(host.root)
+        self._norms = norm_layers(host.module, self.block_list)
+        self._ctls = self.controls(host)
         self._held = {id(p) for ctl in self._ctls for p in ctl.params}
-        early, self._early = self._early, None
-        if early is not None and not self.restored:
-            self.commit(trainer, early)  # recorded, applied and logged now that the optimizers exist
-        super().on_fit_start(trainer, pl_module)  # a restored run applies the checkpoint's choice
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
-        self._restored_late = self._wrapped  # FSDP restores after on_fit_start: applied at train start
+    def resumed(self, late: bool) -> None:
         if self.layers and self.save_compute and not self.switches and self._decides_early:
             # the checkpoint's choice wins; single device and DDP restore before the wrap, so the
             # flags follow it at no cost
             self.follow_requires_grad(strict=True)
-        elif self._wrapped and self._toggle and self.save_compute:
-            # FSDP: the flags follow the checkpoint's choice before Lightning restores the optimizer
+        elif late and self._toggle and self.save_compute:
+            # FSDP: the flags follow the checkpoint's choice before the host restores the optimizer
             # state, which holds state for what trained then (and torch's loader wants it so)
             self.follow_requires_grad()
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._restored_late:
-            self._restored_late = False
-            self.apply(trainer)
 
     @property
     def _decides_early(self) -> bool:
@@ -265,15 +244,15 @@ class LayerSelection(LayerwiseCallback):
         super().receive(decision)
         self.selected = [u.name for u in self.layers if decision.values.get(u.name, 0.0) > 0]
 
-    def apply(self, trainer: pl.Trainer) -> None:
+    def apply(self, host: Host) -> None:
         """Freeze every unit not selected, turn its gradients off (``save_compute``, where safe)
         and release its optimizer state (``optimizer_state="release"``)."""
         on = set(self.selected)
         off = [u for u in self.layers if u.name not in on]
-        self.apply_frozen(trainer, [u.name for u in off])
+        self.apply_frozen(host, [u.name for u in off])
         if self.save_compute:
             self.follow_requires_grad()
-        self.release_state(trainer, off)
+        self.release_state(host, off)
         self.apply_norm_modes()
         self._summarize()
 
@@ -286,13 +265,13 @@ class LayerSelection(LayerwiseCallback):
         self.summary = selection_summary(type(self).__name__, self.summary_counts)
         if not self._summarized:
             self._summarized = True
-            rank_zero_info(self.summary)
+            say(self.summary)
 
-    def release_state(self, trainer: pl.Trainer, units: Sequence[Layer]) -> None:
+    def release_state(self, host: Host, units: Sequence[Layer]) -> None:
         """With ``optimizer_state="release"``: free the optimizer state of these (frozen) units."""
         if self.optimizer_state == "release":
             params = [p for u in units for p in u.params.values()]
-            for ctl in self.controls(trainer):
+            for ctl in self.controls(host):
                 ctl.release_state(params)
 
     def follow_requires_grad(self, strict: bool = False) -> None:
@@ -305,7 +284,7 @@ class LayerSelection(LayerwiseCallback):
         want = {id(p) for u in off for p in u.params.values()}
         if want == {id(p) for p in LayerControl.grad_off_by(self.state_key)}:
             return
-        if self._wrapped and not self._toggle:
+        if self.is_wrapped and not self._toggle:
             if strict:
                 raise RuntimeError(
                     f"{type(self).__name__}: the checkpoint's selection differs from the one made in setup from the "
@@ -335,68 +314,64 @@ class LayerSelection(LayerwiseCallback):
             set_norm_modes(self._norms, self.norm_eval, self._module.training, self.trains,
                            set(self.selected_blocks()))
 
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def each_epoch(self, host: Host) -> None:
         self.apply_norm_modes()
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def each_batch(self, host: Host, batch: Any) -> None:
         self.apply_norm_modes()  # cheap; guards against a train() call since epoch start
-        if trainer.loggers and trainer._logger_connector.should_update_logs and self.block_list:
+        if host.should_log() and self.block_list:
             on = set(self.selected_blocks())
-            self.log_values(trainer, {f"{self.prefix}/selected/{b}": float(b in on) for b in self.block_names})
-        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+            self.log_values(host, {f"{self.prefix}/selected/{b}": float(b in on) for b in self.block_names})
 
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        super().teardown(trainer, pl_module, stage)
-        if stage == "fit":
-            for n in self._norms:
-                n.module.train(pl_module.training)
-            if self._handsync is not None:
-                self._handsync.stop()
-            self._ctls, self._module, self._handsync = None, None, None
+    def release(self, host: Host) -> None:
+        for n in self._norms:
+            n.module.train(host.module.training)
+        if self._handsync is not None:
+            self._handsync.stop()
+        self._ctls, self._module, self._handsync, self._norms = None, None, None, []
 
 
-def forward_trace(trainer: pl.Trainer, pl_module: pl.LightningModule, loss_fn=None) -> Trace:
-    """One forward pass of ``pl_module`` with every module hooked (``core.forward_blocks``), in
+def forward_trace(host: Host, module: nn.Module, loss_fn=None) -> Trace:
+    """One forward pass of ``module`` with every module hooked (``core.forward_blocks``), in
     ``setup``: on its ``example_input_array`` when it has one, else on two samples of the training
-    loader run through the module's own loss (``core.loss.batch_loss``: ``loss_fn``, its
+    loader run through the module's own loss (``core.model.batch_loss.batch_loss``: ``loss_fn``, its
     ``loss(output, target)`` or its ``training_step``, logging silenced)."""
-    example = getattr(pl_module, "example_input_array", None)
+    example = getattr(module, "example_input_array", None)
     if example is not None:
-        device = next((p.device for p in pl_module.parameters()), torch.device("cpu"))
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
         example = to_device(example, device)
 
         def run():  # as Lightning's model summary calls it
             if isinstance(example, dict):
-                return pl_module(**example)
-            return pl_module(*example) if isinstance(example, (tuple, list)) else pl_module(example)
+                return module(**example)
+            return module(*example) if isinstance(example, (tuple, list)) else module(example)
     else:
         try:
-            batch = fixed_batch(trainer.fit_loop._data_source.dataloader(), 2)
+            batch = fixed_batch(host.batches(), 2)
         except Exception as err:  # noqa: BLE001 -- any failure: say what to add instead
             raise ValueError(
-                f"cannot find the blocks of {type(pl_module).__name__}: no timm group_matcher, repeated children or "
+                f"cannot find the blocks of {type(module).__name__}: no timm group_matcher, repeated children or "
                 f"Sequential trunk, and no batch to run its forward pass on in setup ({type(err).__name__}: "
                 f"{str(err).splitlines()[0][:120] if str(err) else ''}); "
-                f"set {type(pl_module).__name__}.example_input_array, or pass blocks=[...], e.g. "
-                f"blocks={suggest_blocks(pl_module)!r}"
+                f"set {type(module).__name__}.example_input_array, or pass blocks=[...], e.g. "
+                f"blocks={suggest_blocks(module)!r}"
             ) from None
-        batch = to_device(batch, next((p.device for p in pl_module.parameters()), torch.device("cpu")))
+        batch = to_device(batch, next((p.device for p in module.parameters()), torch.device("cpu")))
 
         def run():
-            return batch_loss(pl_module, batch, loss_fn)
+            return batch_loss(module, batch, loss_fn)
     try:
-        return trace_modules(pl_module, run)
+        return trace_modules(module, run)
     except Exception as err:  # noqa: BLE001 -- the forward pass was for the blocks: say what else works
         raise ValueError(
-            f"cannot find the blocks of {type(pl_module).__name__}: no timm group_matcher, repeated children or "
+            f"cannot find the blocks of {type(module).__name__}: no timm group_matcher, repeated children or "
             f"Sequential trunk, and its forward pass on a training batch failed ({type(err).__name__}: "
-            f"{str(err).splitlines()[0][:120] if str(err) else ''}); set {type(pl_module).__name__}.example_input_array,"
-            f" or pass blocks=[...], e.g. blocks={suggest_blocks(pl_module)!r}"
+            f"{str(err).splitlines()[0][:120] if str(err) else ''}); set {type(module).__name__}.example_input_array,"
+            f" or pass blocks=[...], e.g. blocks={suggest_blocks(module)!r}"
         ) from err
 
 
-class SurgicalLayerSelect(Callback):
+class SurgicalLayerSelect(LightningHooks):
     """``SurgicalLayerSelect(mode=...)`` builds the selection callback of that mode (every
     config and script written for the single class it once was keeps working):
 
@@ -430,43 +405,8 @@ class SurgicalLayerSelect(Callback):
         'BlockSchedule'
     """
 
-    def __new__(  # explicit arguments, so LightningCLI (jsonargparse) can read them
-        cls,
-        mode: str = "blocks",
-        select: str | int | Sequence[str | int] | None = None,
-        blocks: Sequence[str | Sequence[str]] | None = None,
-        join_stem: bool | None = None,
-        order: str | None = None,
-        every_n_steps: int | None = None,
-        gamma: int | None = None,
-        n_batches: int | None = None,
-        every_n_epochs: int | None = None,
-        exclude: Sequence[str] | None = None,
-        excluded_multiplier: float | None = None,
-        eb_threshold: float | None = None,
-        loss_fn: Any = None,
-        norm_eval: str | None = None,
-        save_compute: bool | None = None,
-        optimizer_state: str | None = None,
-        seed: int | None = None,
-        kappa_max: float | None = None,
-        sigma: float | None = None,
-        max_layers: int | None = None,
-        probe_size: int | None = None,
-        kernel: str | None = None,
-        top_percent: float | None = None,
-        types: dict[str, str] | None = None,
-        grouping: str | None = None,
-        head: bool | None = None,
-        embeddings: bool | None = None,
-        layer_types: Sequence[str] | None = None,
-        figures: int | str | None = None,
-        plot_every_n_epochs: int | None = None,
-        name: str | None = None,
-        strict_resume: bool | None = None,
-        switch_every: int | None = None,
-    ):
-        given = {k: v for k, v in locals().items() if k not in ("cls", "mode") and v is not None}
+    def __new__(cls, mode: str = "blocks", **kwargs: Any):
+        given = {k: v for k, v in kwargs.items() if v is not None}
         if mode not in _REGISTRY:
             raise unknown("mode", mode, MODES)
         target, fixed = _REGISTRY[mode]
@@ -477,3 +417,19 @@ class SurgicalLayerSelect(Callback):
             raise ValueError(f"SurgicalLayerSelect(mode={mode!r}) builds {target.__name__}, which does not take "
                              f"{', '.join(stray)}; it takes: {', '.join(valid)}")
         return target(**fixed, **given)
+
+
+def _modes_signature() -> inspect.Signature:
+    """``SurgicalLayerSelect``'s arguments: ``mode`` and every argument of the registered modes'
+    own constructors (None: not given), so LightningCLI (jsonargparse) reads them; a new mode adds
+    its own by registering."""
+    out = {"cls": inspect.Parameter("cls", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+           "mode": inspect.Parameter("mode", inspect.Parameter.POSITIONAL_OR_KEYWORD, default="blocks",
+                                     annotation=str)}
+    for target, fixed in (_REGISTRY[m] for m in MODES):
+        hints = typing.get_type_hints(target.__init__)
+        for name, p in inspect.signature(target).parameters.items():
+            if name not in out and name not in fixed and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                out[name] = inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                              annotation=typing.Optional[hints.get(name, p.annotation)])  # noqa: UP045
+    return inspect.Signature(list(out.values()))

@@ -1,6 +1,6 @@
 """Spectrum selection (Hartford et al. 2024): in ``setup``, before the model is wrapped, the
 matrices with the highest signal-to-noise ratio of each module type train and the others are
-frozen (:mod:`lalr_lightning.core.spectrum` for the rules; the SNR is :func:`spectral.analyze`'s
+frozen (:mod:`lalr_lightning.core.spectral.spectrum_snr` for the rules; the SNR is :func:`htsr.analyze`'s
 ``snr``, Spectrum's formula). Also ``SurgicalLayerSelect(mode="spectrum")``;
 ``python -m lalr_lightning analyze MODEL --spectrum 25`` writes the same choice as Spectrum's YAML.
 """
@@ -10,15 +10,15 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 
-import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
 
 from lalr_lightning.callbacks.base import Decision
+from lalr_lightning.callbacks.host import Host, say, warn
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.choices import unknown
-from lalr_lightning.core import spectral
-from lalr_lightning.core.layers import MATRIX_KINDS, check_kinds, matrix_layers, output_layer
-from lalr_lightning.core.spectrum import GROUPINGS, chosen_count, group_types, module_type, top_by_type
+from lalr_lightning.core.model.layers import MATRIX_KINDS, check_kinds, matrix_layers, output_layer
+from lalr_lightning.core.spectral import htsr
+from lalr_lightning.core.spectral.spectrum_snr import GROUPINGS, chosen_count, group_types, module_type, top_by_type
 
 __all__ = ["SpectrumSelect"]
 
@@ -53,7 +53,7 @@ class SpectrumSelect(LayerSelection):
             alone in their type -- every matrix of a model without repeated blocks (``trunk.0``,
             ``trunk.2``, ``fc1``), which no ``top_percent`` below 100 would train -- are pooled
             by kind (type ``"linear (pooled)"``, ``"conv2d (pooled)"``);
-            ``"spectrum"``: Spectrum's rule alone (:mod:`lalr_lightning.core.spectrum`).
+            ``"spectrum"``: Spectrum's rule alone (:mod:`lalr_lightning.core.spectral.spectrum_snr`).
         head, embeddings: the output layer / the input embeddings always train (Spectrum's YAML
             always unfreezes ``lm_head`` and ``model.embed_tokens``); ``False``: ranked in their
             own type like any matrix.
@@ -109,13 +109,13 @@ class SpectrumSelect(LayerSelection):
         self._always: list[str] = []
         self._groups: dict[str, str] = {}
 
-    def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        every = matrix_layers(pl_module)
+    def configure(self, host: Host, module: nn.Module) -> None:
+        every = matrix_layers(module)
         self.layers = [la for la in every if la.kind in self.layer_types]
         if not self.layers:
             raise ValueError(f"SpectrumSelect found no matrices of kinds {self.layer_types} in "
-                             f"{type(pl_module).__name__}; widen layer_types")
-        out = output_layer(pl_module, every)
+                             f"{type(module).__name__}; widen layer_types")
+        out = output_layer(module, every)
         self._always = [la.name for la in self.layers
                         if (self.head and out is not None and la.name == out.name)
                         or (self.embeddings and la.kind == "embedding")]
@@ -139,12 +139,12 @@ class SpectrumSelect(LayerSelection):
         self.grouping_summary = (f"{type(self).__name__}: {len(groups)} ranked matrices in {len(by_type)} type(s), "
                                  f"trained at top_percent={p:g}: " + ", ".join(parts) + note
                                  + f"; always trained: {', '.join(self._always) or 'none'}")
-        rank_zero_info(self.grouping_summary)
+        say(self.grouping_summary)
         if p == 0 or not groups:
             return
         empty = {t: ns for t, ns in by_type.items() if chosen_count(len(ns), p) == 0}
         if len(empty) == len(by_type):
-            rank_zero_warn(
+            warn(
                 f"{type(self).__name__}(top_percent={p:g}) selects none of the {len(groups)} ranked matrices "
                 f"(int(n * {p:g} / 100) = 0 in every type: " + ", ".join(f"{t} has {len(ns)}" for t, ns in empty.items())
                 + "), so " + (f"only {', '.join(self._always)} trains" if self._always else "no matrix trains")
@@ -152,30 +152,30 @@ class SpectrumSelect(LayerSelection):
                 "matrices with types={name suffix: type}"
             )
         elif empty:
-            rank_zero_warn(
+            warn(
                 f"{type(self).__name__}(top_percent={p:g}) selects no matrix of type(s) "
                 + ", ".join(f"{t} ({', '.join(ns)})" for t, ns in empty.items())
                 + f": int(n * {p:g} / 100) = 0; they stay frozen. Raise top_percent or group them with "
                 "types={name suffix: type}"
             )
 
-    def decide_in_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Decision:
+    def decide_in_setup(self, host: Host, module: nn.Module) -> Decision:
         """The SNR needs only the weights: decided before the strategy wraps the model, so the
         frozen matrices never get a gradient (nor, under DDP, an all-reduce)."""
-        return self.decide_everywhere(trainer, self.measure(trainer, pl_module))
+        return self.decide_everywhere(host, self.measure(host, module))
 
-    def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
+    def measure(self, host: Host, module: nn.Module) -> dict[str, float]:
         """SNR of every ranked matrix (the always-trained ones need none), shared out among ranks."""
         ranked = [[la] for la in self.layers if la.name not in self._always]
 
         def snr(layers):
-            self.check_finite(trainer, {la.name: la.weight for la in layers}, "the weights")
+            self.check_finite(host, {la.name: la.weight for la in layers}, "the weights")
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # NaN rows are reported by top_by_type
-                df = spectral.analyze(layers, metrics=["snr"], min_evals=1)
+                df = htsr.analyze(layers, metrics=["snr"], min_evals=1)
             return dict(zip(df["name"], df["snr"].astype(float)))
 
-        return self.measure_shards(trainer, pl_module, ranked, snr) if ranked else {}
+        return self.measure_shards(host, module, ranked, snr) if ranked else {}
 
     def decide(self, snr: dict[str, float]) -> Decision:
         chosen = {n for names in top_by_type(snr, self.top_percent, self.types, self._groups).values()

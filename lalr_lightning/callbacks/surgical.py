@@ -13,14 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
 
 from lalr_lightning.callbacks.base import Decision
-from lalr_lightning.callbacks.distributed import replaces_parameters
+from lalr_lightning.callbacks.host import Host, say, warn
 from lalr_lightning.callbacks.selection import LayerSelection, SurgicalLayerSelect, register_mode
-from lalr_lightning.core.layers import describe_blocks
-from lalr_lightning.core.selection import check_selection, select_blocks
+from lalr_lightning.core.model.layers import describe_blocks
+from lalr_lightning.core.selection.surgical import check_selection, select_blocks
 
 __all__ = ["SurgicalBlocks", "SurgicalLayerSelect"]
 
@@ -40,11 +39,11 @@ class SurgicalBlocks(LayerSelection):
         select: ``"first"``, ``"last"``, ``"all"``, ``"block:N"`` or an int ``N`` (index into the
             block list, negative from the end), a block name or a glob pattern over block names
             (``"*layer3*"``), or a list of those.
-        blocks: block patterns for :func:`~lalr_lightning.core.layers.block_layers` (module-name
+        blocks: block patterns for :func:`~lalr_lightning.core.model.layers.block_layers` (module-name
             prefixes or ``^``-regexes, one per block); default: the model's own blocks.
         join_stem: join the stem to the first block (surgical fine-tuning's ``conv1+block1``).
         norm_eval: ``frozen`` (default: norm layers of frozen blocks keep their running
-            statistics), ``all`` or ``none`` (:mod:`lalr_lightning.core.norms`).
+            statistics), ``all`` or ``none`` (:mod:`lalr_lightning.core.model.norm_modes`).
         save_compute: also set ``requires_grad=False`` on the frozen blocks in ``setup``, before
             the model is wrapped (safe under DDP; given back at teardown).
         name, strict_resume: as every callback of the package.
@@ -71,24 +70,18 @@ class SurgicalBlocks(LayerSelection):
         check_selection(select)
         self.select = select
 
-    def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.layers = self.find_blocks(pl_module, trainer=trainer)
+    def configure(self, host: Host, module: nn.Module) -> None:
+        self.layers = self.find_blocks(module, host=host)
         self._chosen = select_blocks(self.select, self.block_names)
-        rank_zero_info(f"surgical blocks of {type(pl_module).__name__}: {describe_blocks(self.layers)}; "
+        say(f"surgical blocks of {type(module).__name__}: {describe_blocks(self.layers)}; "
                        f"select={self.select!r} trains {', '.join(self._chosen)}")
         if self.select != "all" and set(self._chosen) == set(self.block_names):
-            rank_zero_warn(f"SurgicalBlocks(select={self.select!r}) selects every block ({self.block_names}), so "
+            warn(f"SurgicalBlocks(select={self.select!r}) selects every block ({self.block_names}), so "
                            "nothing is frozen; select fewer blocks, or split the model with blocks=[...]")
-        if self.save_compute and not replaces_parameters(trainer):  # FSDP2: at fit start, on its own parameters
-            # static freezing before the strategy wraps the model: safe under DDP too
-            self.set_requires_grad([b for b in self.layers if b.name not in self._chosen], False)
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.restored:  # the configured choice (the settings check made sure it is the saved one)
-            self.selected = list(self._chosen)
-        super().on_fit_start(trainer, pl_module)
-        if not self.restored:
-            self.conclude(trainer, self._chosen)
+    def decide_in_setup(self, host: Host, module: nn.Module) -> Decision:
+        """The configured blocks (the settings check makes sure a checkpoint holds the same)."""
+        return self.decide(self._chosen)
 
     def decide(self, chosen: list[str]) -> Decision:
         return Decision(values={b: float(b in chosen) for b in self.block_names})

@@ -4,7 +4,7 @@
 exponent ``alpha`` of each layer's ESD is measured on the current weights and mapped to a
 learning-rate multiplier on top of whatever the scheduler sets: layers whose spectra look
 less trained (larger alpha) get larger learning rates. The assignment functions and the layer
-rule are in :mod:`lalr_lightning.core.tempbalance`.
+rule are in :mod:`lalr_lightning.core.spectral.tempbalance`.
 """
 
 from __future__ import annotations
@@ -12,14 +12,15 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 
-import lightning.pytorch as pl
 import numpy as np
+from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
+from lalr_lightning.callbacks.host import Cadence, Host
 from lalr_lightning.choices import unknown
-from lalr_lightning.core import spectral
-from lalr_lightning.core.layers import DEFAULT_KINDS, check_kinds
-from lalr_lightning.core.tempbalance import ASSIGN, RANGED, SAMPLING, assign_multipliers, eligible_layers
+from lalr_lightning.core.model.layers import DEFAULT_KINDS, check_kinds
+from lalr_lightning.core.spectral import htsr
+from lalr_lightning.core.spectral.tempbalance import ASSIGN, RANGED, SAMPLING, assign_multipliers, eligible_layers
 
 __all__ = ["TempBalanceCallback", "assign_multipliers", "ASSIGN"]
 
@@ -115,8 +116,8 @@ class TempBalanceCallback(LayerwiseCallback):
         super().__init__(name=name, strict_resume=strict_resume)
         if assign not in ASSIGN:
             raise unknown("assign", assign, ASSIGN)
-        if fit not in spectral.FITS:
-            raise unknown("fit", fit, spectral.FITS)
+        if fit not in htsr.FITS:
+            raise unknown("fit", fit, htsr.FITS)
         ranged = ("lr_min_ratio", "lr_max_ratio")
         self.reject("assign", assign, {"lr_min_ratio": lr_min_ratio, "lr_max_ratio": lr_max_ratio, "std": std},
                     {a: ranged if a in RANGED else ("std",) if a in SAMPLING else () for a in ASSIGN})
@@ -149,48 +150,36 @@ class TempBalanceCallback(LayerwiseCallback):
         self.seed = seed
         self.multipliers: dict[str, float] = {}
         self.excluded: dict[str, str] = {}
-        self._last_epoch: int | None = None
-        self._last_step: int | None = None
         self._n_updates = 0
 
     alphas = renamed("scores")  # deprecated name of ``scores`` (alpha per layer)
 
     # ------------------------------------------------------------------ when
 
-    def configure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.layers, self.excluded = eligible_layers(pl_module, self.layer_types, first=self.first, head=self.head,
+    def configure(self, host: Host, module: nn.Module) -> None:
+        self.layers, self.excluded = eligible_layers(module, self.layer_types, first=self.first, head=self.head,
                                                      min_evals=self.min_evals)
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_fit_start(trainer, pl_module)
-        if not self.restored:  # TempBalance's first allocation comes from the initial weights
-            self.update(trainer, pl_module)
-
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        epoch = trainer.current_epoch
-        if self.every_n_steps is None and epoch % self.every_n_epochs == 0 and epoch != self._last_epoch:
-            self.update(trainer, pl_module)
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
-        step = trainer.global_step
-        if self.every_n_steps is not None and step % self.every_n_steps == 0 and step != self._last_step:
-            self.update(trainer, pl_module)
-        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+    @property
+    def cadence(self) -> Cadence:  # the first allocation comes from the initial weights
+        by_step = self.every_n_steps is not None
+        return Cadence(start=True, every_n_epochs=None if by_step else self.every_n_epochs,
+                       every_n_steps=self.every_n_steps)
 
     # ------------------------------------------------------------------ what
 
-    def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[dict[str, float], float]:
+    def measure(self, host: Host, module: nn.Module) -> tuple[dict[str, float], float]:
         """(alpha per eligible layer, the first group's scheduled LR for ``assign="sample_lr"``,
         else 1.0) from the current weights, each rank fitting a share of the layers."""
 
         def fit(layers):
-            self.check_finite(trainer, {layer.name: layer.weight for layer in layers}, "the weights")
+            self.check_finite(host, {layer.name: layer.weight for layer in layers}, "the weights")
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")  # degenerate layers are reported below, as an error, with the reason
-                out = spectral.alphas(layers, fit=self.fit, filter_zeros=self.filter_zeros)
+                out = htsr.alphas(layers, fit=self.fit, filter_zeros=self.filter_zeros)
             return {n: (a, "; ".join(str(w.message) for w in caught)) for n, a in out.items()}
 
-        fitted = self.measure_shards(trainer, pl_module, [[layer] for layer in self.layers], fit)
+        fitted = self.measure_shards(host, module, [[layer] for layer in self.layers], fit)
         alphas = {n: a for n, (a, _) in fitted.items()}
         bad = [n for n, a in alphas.items() if not np.isfinite(a)]
         if bad:
@@ -201,7 +190,7 @@ class TempBalanceCallback(LayerwiseCallback):
                 "ones; or leave these layers out with layer_types / min_evals"
             )
         # the scheduled LR matters to sample_lr alone: the other assignments (and plan()) need no optimizer
-        return alphas, self.controls(trainer)[0].scheduled_lrs()[0] if self.assign == "sample_lr" else 1.0
+        return alphas, self.controls(host)[0].scheduled_lrs()[0] if self.assign == "sample_lr" else 1.0
 
     def decide(self, measured: tuple[dict[str, float], float]) -> Decision:
         alphas, base_lr = measured
@@ -212,23 +201,19 @@ class TempBalanceCallback(LayerwiseCallback):
                                rng=rng, std=self.std, base_lr=base_lr)
         return Decision(values=dict(zip(names, m.tolist())), scores=dict(zip(names, a.tolist())))
 
-    def apply(self, trainer: pl.Trainer) -> None:
-        self.apply_multipliers(trainer, self.multipliers)
+    def apply(self, host: Host) -> None:
+        self.apply_multipliers(host, self.multipliers)
 
-    def commit(self, trainer: pl.Trainer, decision: Decision) -> None:
+    def commit(self, host: Host, decision: Decision) -> None:
         self._n_updates += 1
-        self._last_epoch = trainer.current_epoch
-        self._last_step = trainer.global_step
-        super().commit(trainer, decision)
+        super().commit(host, decision)
 
     # ------------------------------------------------------------------ state
 
     def _state(self) -> dict:
-        return {"last_epoch": self._last_epoch, "last_step": self._last_step, "n_updates": self._n_updates}
+        return {"n_updates": self._n_updates}
 
     def _load_state(self, state: dict) -> None:
         self.scores = self.scores or dict(state.get("alphas", {}))  # a checkpoint of version 0
-        self._last_epoch = state["last_epoch"]
-        self._last_step = state["last_step"]
         self._n_updates = state["n_updates"]
 

@@ -3,7 +3,7 @@
 A subclass only builds ``self.model`` (an ``nn.Module`` from images to logits). Keeping the
 network in one attribute gives every model the same parameter-name shape
 (``model.layer1.0.conv1.weight``), which is what the layer-wise callbacks and the
-``core.layers`` helpers see.
+``core.model.layers`` helpers see.
 
 Optimizer and scheduler are injected as callables, the LightningCLI way, so a YAML config picks
 them without code::
@@ -45,7 +45,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from ..core.layers import clean_name, matrix_layers
+from ..core.model.layers import clean_name, matrix_layers
 
 __all__ = [
     "CheckpointFileError",

@@ -1,9 +1,9 @@
 """Small CNNs that train on CPU in seconds (8x8 digits) and still have layers worth analysing.
 
 Both networks name a BatchNorm after its conv (``conv`` -> ``bn``, ``conv1`` -> ``bn1``) so the
-TempBalance ``bn -> conv`` rule of :func:`lalr_lightning.core.layers.matrix_layers` ties them,
+TempBalance ``bn -> conv`` rule of :func:`lalr_lightning.core.model.layers.matrix_layers` ties them,
 and both have repeated children ``layer1..layerN`` so
-:func:`~lalr_lightning.core.layers.block_layers` finds their blocks without configuration.
+:func:`~lalr_lightning.core.model.layers.block_layers` finds their blocks without configuration.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lalr_lightning.choices import unknown
-from lalr_lightning.core.calibration import decoder_blocks
+from lalr_lightning.core.pruning.calibration import decoder_blocks
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
@@ -73,7 +73,7 @@ class _Checkpoint:
     def __init__(self, model_dir: Path):
         from safetensors import safe_open
 
-        from lalr_lightning.core.checkpoints import safetensors_files
+        from lalr_lightning.core.runtime.safetensors_checkpoints import safetensors_files
 
         self.files = safetensors_files(model_dir)
         self.where: dict[str, tuple[Path, str]] = {}
@@ -160,7 +160,7 @@ class _Streamed:
 
     def __init__(self, model_dir: Path, config, device: torch.device, dtype: torch.dtype,
                  ckpt: _Checkpoint | None = None, blocks: bool = True):
-        from lalr_lightning.core.calibration import _check_uniform_attention
+        from lalr_lightning.core.pruning.calibration import _check_uniform_attention
 
         self.ckpt = ckpt or _Checkpoint(model_dir)
         self.model_dir = model_dir

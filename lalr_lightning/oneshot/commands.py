@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from lalr_lightning import progress
-from lalr_lightning.core import llm_pruning
+from lalr_lightning.core.pruning import criteria
 from lalr_lightning.oneshot.checkpoint import DTYPES, _first_line, _load_config, _load_tokenizer, _resolve_device
 from lalr_lightning.oneshot.evaluate import _load_evaluated, perplexity
 from lalr_lightning.oneshot.prune import prune_checkpoint
@@ -70,7 +70,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def prune_main(argv: Sequence[str] | None = None, prog: str = "python -m lalr_lightning prune") -> int:
-    from lalr_lightning.core.pruning import PRUNING_METRICS
+    from lalr_lightning.core.pruning.alphapruning import PRUNING_METRICS
 
     p = _Parser(
         prog=prog,
@@ -84,7 +84,7 @@ def prune_main(argv: Sequence[str] | None = None, prog: str = "python -m lalr_li
     p.add_argument("--sparsity", type=float, default=None,
                    help="target fraction of the blocks' linear weights set to zero, in [0, 1) (default 0.5); "
                         "not with --n/--m (N:M fixes it at n/m)")
-    p.add_argument("--criterion", default="wanda", choices=llm_pruning.CRITERIA,
+    p.add_argument("--criterion", default="wanda", choices=criteria.CRITERIA,
                    help="wanda: |W| x input-feature norm, needs --calibration; sparsegpt: OBS reconstruction from the "
                         "calibration Hessian, needs --calibration; magnitude: |W| alone, reads no data "
                         "(default: wanda)")

@@ -6,7 +6,7 @@ meta device (no memory), only the modules before the first block (embeddings, ro
 position embeddings) are loaded to capture the calibration inputs, and then each block is
 loaded from the safetensors files, calibrated, pruned, re-run (its outputs feed the next block)
 and written to its own output shard before the next one is read
-(:func:`lalr_lightning.core.calibration.run_blocks`). Memory: one block's weights, the
+(:func:`lalr_lightning.core.pruning.calibration.run_blocks`). Memory: one block's weights, the
 calibration activations and the embedding. ``--in-memory`` loads the whole model instead (the
 same numbers; for comparison).
 """
@@ -26,8 +26,8 @@ from torch import nn
 
 from lalr_lightning import progress
 from lalr_lightning.choices import unknown
-from lalr_lightning.core import llm_pruning
-from lalr_lightning.core.calibration import (
+from lalr_lightning.core.pruning import criteria
+from lalr_lightning.core.pruning.calibration import (
     capture_block_inputs,
     decoder_blocks,
     linear_modules,
@@ -89,11 +89,11 @@ def _check_prune_args(sparsity: float | None, criterion: str, n: int, m: int, pr
                       blocksize: int | None = None, percdamp: float | None = None) -> float:
     """Every argument of a prune that needs no file, checked before anything is read or written;
     returns the target sparsity (``n / m`` for N:M; 0.5 when left out)."""
-    from lalr_lightning.core.pruning import PRUNING_METRICS
+    from lalr_lightning.core.pruning.alphapruning import PRUNING_METRICS
 
-    n, m = llm_pruning.check_nm(n, m)
-    if criterion not in llm_pruning.CRITERIA:
-        raise unknown("criterion", criterion, llm_pruning.CRITERIA)
+    n, m = criteria.check_nm(n, m)
+    if criterion not in criteria.CRITERIA:
+        raise unknown("criterion", criterion, criteria.CRITERIA)
     if m and (preset is not None or metric is not None):
         raise ValueError(f"N:M sparsity prunes every layer to n/m = {n}/{m}; per-layer ratios (--preset / --metric) "
                          "do not apply (AlphaPruning's ratios are for unstructured sparsity)")
@@ -144,14 +144,14 @@ def _ratio_settings(preset, metric, epsilon):
 def _block_metric(block: nn.Module, qual: str, metric: str, fit: str, filter_zeros: bool) -> dict[str, float]:
     import warnings
 
-    from lalr_lightning.core import spectral
-    from lalr_lightning.core.layers import Layer
+    from lalr_lightning.core.model.layers import Layer
+    from lalr_lightning.core.spectral import htsr
 
     layers = [Layer(f"{qual}.{n}", "hf_conv1d" if type(mod).__name__ == "Conv1D" else "linear", mod)
               for n, mod in linear_modules(block).items()]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        df = spectral.analyze(layers, fit=fit, metrics=[metric], min_evals=1, filter_zeros=filter_zeros)
+        df = htsr.analyze(layers, fit=fit, metrics=[metric], min_evals=1, filter_zeros=filter_zeros)
     values = dict(zip(df["name"], df[metric].astype(float)))
     bad = {k: v for k, v in values.items() if not math.isfinite(v)}
     if bad:
@@ -162,7 +162,7 @@ def _block_metric(block: nn.Module, qual: str, metric: str, fit: str, filter_zer
 
 def _ratios(settings, metric_values: dict[str, float], groups: list[list[str]], numels: dict[str, int],
             sparsity: float) -> dict[str, float]:
-    from lalr_lightning.core.pruning import block_average_values, pruning_ratios
+    from lalr_lightning.core.pruning.alphapruning import block_average_values, pruning_ratios
 
     names = list(numels)
     if settings is None:
@@ -182,7 +182,7 @@ def _pruner(report: PruneReport, qual_of, criterion: str, n: int, m: int, blocks
             qual = qual_of(index, name)
             w = weight_matrix(mod)
             st = None if stats is None else stats.pop(name)
-            new, _ = llm_pruning.prune_weight(w, criterion, report.ratios[qual], st, n=n, m=m,
+            new, _ = criteria.prune_weight(w, criterion, report.ratios[qual], st, n=n, m=m,
                                               blocksize=blocksize, percdamp=percdamp)
             del st
             set_weight_matrix(mod, new)
@@ -230,7 +230,7 @@ def prune_model(
         if settings is not None:
             report.metric.update(_block_metric(blk, f"{path}.{i}", settings[0], settings[2], settings[3]))
     report.ratios = _ratios(settings, report.metric, groups, report.numels, sparsity)
-    needs = llm_pruning.needs_stats(criterion)
+    needs = criteria.needs_stats(criterion)
     if needs and samples is None:
         raise ValueError(f"criterion {criterion!r} needs calibration samples")
     use_cache = getattr(model.config, "use_cache", None)
@@ -367,7 +367,7 @@ def prune_checkpoint(
     dev = _resolve_device(device)
     config = _load_config(model_dir)
     _check_out(model_dir, out_dir)
-    needs = llm_pruning.needs_stats(criterion)
+    needs = criteria.needs_stats(criterion)
     if needs and calibration is None:
         raise ValueError(f"criterion {criterion!r} needs --calibration FILE (text or JSON lines, e.g. a C4 shard)")
     if calibration is not None and not Path(calibration).is_file():
@@ -469,7 +469,7 @@ def _prune_streamed(sm: _Streamed, tmp: Path, samples, settings, sparsity, crite
         sm.free(i)
         say(f"block {i + 1}/{nb} pruned")
 
-    stats = llm_pruning.needs_stats(criterion)
+    stats = criteria.needs_stats(criterion)
     inputs = []
     if stats:
         sm.load_stem()

@@ -36,8 +36,8 @@ from lalr_lightning.callbacks import (
     SurgicalBlocks,
     TempBalanceCallback,
 )
-from lalr_lightning.core.control import LayerControl
-from lalr_lightning.core.layers import clean_name
+from lalr_lightning.core.model.layers import clean_name
+from lalr_lightning.core.runtime.control import LayerControl
 from tests.gpu._lane import ON_CUDA
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lalr_lightning.core.placement import follow
+from lalr_lightning.core.runtime.placement import follow
 
 __all__ = ["LayerControl", "PostStep", "set_requires_grad"]
 
@@ -68,6 +68,10 @@ class PostStep:
         """The learning rate ``p``'s update used: scheduled LR x every owner's multiplier (0 when
         frozen or not in this optimizer)."""
         return self._lrs.get(id(p), 0.0)
+
+    def stepped(self, p: nn.Parameter) -> bool:
+        """Whether this step updated ``p`` (in this optimizer, not frozen)."""
+        return id(p) in self._lrs
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -93,6 +97,12 @@ class LayerControl:
         self._saved_groups: list[dict] | None = None
         self._split_runs: list[tuple[int, list[nn.Parameter], float]] = []
         self._split_cache: tuple[int, list[tuple[int, list[nn.Parameter], float]]] | None = None
+        # per version (bumped by every owner's change): the frozen ids, whether any multiplier is
+        # not 1, the masks grouped for the foreach ops, the step's LRs -- nothing rebuilt per step
+        self._plan: tuple[tuple[int, int], frozenset[int], bool] | None = None
+        self._frozen_params: list[nn.Parameter] = []
+        self._mask_groups: tuple[int, list[tuple[list[nn.Parameter], list[torch.Tensor]]]] | None = None
+        self._lrs_cache: tuple[tuple, dict[int, float]] | None = None
         self._version = 0
         self._grads_masked = False
         self._reported_step: int | None = None
@@ -228,6 +238,7 @@ class LayerControl:
             table[id(p)] = keep.to(device=p.device, dtype=torch.bool)
             self._adopt(p, names)
         self._masks[owner] = table
+        self._version += 1
         state = self.optimizer.state
         for pid, keep in table.items():
             p = self._params[pid]
@@ -400,24 +411,44 @@ class LayerControl:
     def mask_gradients(self) -> None:
         """Zero the gradients of masked entries (once per step). Call it where gradients are
         final but not yet clipped (Lightning: ``on_before_optimizer_step``); the step does it
-        anyway if nobody did."""
+        anyway if nobody did. One ``torch._foreach_mul_`` by the keep-masks per device and dtype
+        (a kept entry is multiplied by 1, exactly itself; a masked one becomes 0)."""
         if self._grads_masked or not self._masks:
             return
-        self._place_masks()
-        for table in self._masks.values():
-            for pid, keep in table.items():
-                g = self._params[pid].grad
-                if g is not None:
-                    g.masked_fill_(~keep, 0)
+        for params, keeps in self._grouped_masks():
+            pairs = [(p.grad, k) for p, k in zip(params, keeps) if p.grad is not None]
+            if pairs:
+                grads, ks = zip(*pairs)
+                torch._foreach_mul_(list(grads), list(ks))
         self._grads_masked = True
 
     @torch.no_grad()
     def apply_masks(self) -> None:
-        """Zero every masked weight now."""
+        """Zero every masked weight now (one ``torch._foreach_mul_`` per device and dtype)."""
+        for params, keeps in self._grouped_masks():
+            torch._foreach_mul_(params, keeps)
+
+    def _grouped_masks(self) -> list[tuple[list[nn.Parameter], list[torch.Tensor]]]:
+        """``[(params, combined keep-masks)]`` per (device, dtype), built once per change of the
+        masks; rebuilt when the model moved (Lightning moves it after the masks were made)."""
+        cached = self._mask_groups
+        if cached is not None and cached[0] == self._version and all(
+                ps[0].device == ks[0].device for ps, ks in cached[1]):
+            return cached[1]
         self._place_masks()
+        combined: dict[int, torch.Tensor] = {}
         for table in self._masks.values():
             for pid, keep in table.items():
-                self._params[pid].masked_fill_(~keep, 0)
+                combined[pid] = keep if pid not in combined else combined[pid] & keep
+        groups: dict[tuple, tuple[list[nn.Parameter], list[torch.Tensor]]] = {}
+        for pid, keep in combined.items():
+            p = self._params[pid]
+            ps, ks = groups.setdefault((p.device, p.dtype), ([], []))
+            ps.append(p)
+            ks.append(keep)
+        out = list(groups.values())
+        self._mask_groups = (self._version, out)
+        return out
 
     def _place_masks(self) -> None:
         # Lightning moves the model after the masks were made (to the GPU in setup, back to the
@@ -469,14 +500,12 @@ class LayerControl:
         within a step)."""
         if self._saved_groups is not None:
             return
-        frozen = set().union(*self._frozen.values()) if self._frozen else set()
+        _, frozen, scaled = self._step_plan()
         if frozen:
-            for g in optimizer.param_groups:
-                for p in g["params"]:
-                    if id(p) in frozen:
-                        p.grad = None
+            for p in self._frozen_params:
+                p.grad = None
         self.mask_gradients()
-        if not any(any(m != 1.0 for m in t.values()) for t in self._mults.values()):
+        if not scaled:
             return
         groups = optimizer.param_groups
         runs = self._partition(groups)
@@ -490,7 +519,7 @@ class LayerControl:
         split = []
         for gi, ps, m in runs:
             g = groups[gi]
-            sub = {k: v for k, v in g.items() if k != "params"}
+            sub = dict(g)  # the group's settings as the scheduler left them (a C-level copy)
             sub["params"] = ps
             sub["lr"] = g["lr"] * m
             split.append(sub)
@@ -498,15 +527,30 @@ class LayerControl:
         self._split_runs = runs
         optimizer.param_groups = split
 
+    def _step_plan(self) -> tuple[tuple[int, int], frozenset[int], bool]:
+        """(key, ids of frozen parameters, whether any multiplier is not 1), once per change."""
+        key = (self._version, len(self._groups()))
+        if self._plan is None or self._plan[0] != key:
+            frozen = frozenset().union(*self._frozen.values()) if self._frozen else frozenset()
+            self._frozen_params = [p for g in self._groups() for p in g["params"] if id(p) in frozen]
+            scaled = any(any(m != 1.0 for m in t.values()) for t in self._mults.values())
+            self._plan = (key, frozen, scaled)
+        return self._plan
+
     def _step_lrs(self, optimizer) -> dict[int, float]:
-        """id(p) -> the LR ``p``'s update used in the step just taken (frozen: left out)."""
-        frozen = set().union(*self._frozen.values()) if self._frozen else set()
+        """id(p) -> the LR ``p``'s update used in the step just taken (frozen: left out); the same
+        dict while neither the owners nor the scheduled LRs change."""
+        _, frozen, _ = self._step_plan()
         split = self._saved_groups is not None
+        key = (self._version, split, tuple(float(g["lr"]) for g in optimizer.param_groups))
+        if self._lrs_cache is not None and self._lrs_cache[0] == key:
+            return self._lrs_cache[1]
         out = {}
         for g in optimizer.param_groups:
             for p in g["params"]:
                 if id(p) not in frozen:
                     out[id(p)] = float(g["lr"]) if split else float(g["lr"]) * self.multiplier(p)
+        self._lrs_cache = (key, out)
         return out
 
     def _after_step(self, optimizer, args, kwargs):

@@ -48,10 +48,9 @@ from torch import Tensor, nn
 from torch.func import functional_call, jvp, vjp, vmap
 
 from lalr_lightning.choices import unknown
-
-from .layers import Layer, clean_name, matrix_layers
-from .loss import call_model, forward_module, output_tensor
-from .taps import call_with_params
+from lalr_lightning.core.model.batch_loss import call_model, forward_module, output_tensor
+from lalr_lightning.core.model.layers import Layer, clean_name, matrix_layers
+from lalr_lightning.core.model.taps import call_with_params
 
 __all__ = [
     "MODES",
@@ -132,7 +131,7 @@ def layer_groups(
 ) -> dict[str, list[str]]:
     """``{layer name: [parameter names]}`` covering every parameter of ``params`` exactly once.
 
-    Layers come from ``layers`` (default :func:`~lalr_lightning.core.layers.matrix_layers`: one
+    Layers come from ``layers`` (default :func:`~lalr_lightning.core.model.layers.matrix_layers`: one
     weight matrix with its bias and tied norm), restricted to the parameters in ``params``
     (default: the trainable ones); layers with none of them are dropped. A peft LoRA pair
     (``lora_A``/``lora_B`` of one module, also DoRA's magnitude and embedding adapters) is one
@@ -296,7 +295,7 @@ def _raw(
     model: nn.Module, params: Mapping[str, Tensor], inputs: Inputs, output_fn: Callable[[Any], Tensor] | None
 ) -> Tensor:
     """The model's output tensor on ``inputs`` with ``params`` substituted, as
-    :func:`~lalr_lightning.core.loss.call_model` calls it (a module without a ``forward`` of its own
+    :func:`~lalr_lightning.core.model.batch_loss.call_model` calls it (a module without a ``forward`` of its own
     through its one child holding every parameter)."""
     target = forward_module(model)
     if target is not model:  # parameters are named from ``model``: substitute there, call the child
@@ -590,6 +589,26 @@ def empirical_ntk(
         check: called between chunks of Jacobian rows (every few seconds of work at most); it
             may raise to stop the computation (a SIGTERM or Ctrl-C seen by the caller).
     """
+    _check_ntk_args(mode, max_jacobian_numel, positions, outputs)
+    params = _check_params(model, params)
+    owner = _check_groups(groups, params) if groups is not None else {n: "" for n in params}
+    n = _num_samples(inputs)
+    total = sum(t.numel() for t in params.values())
+    inputs = _on(inputs, params)
+    with _eval_math(model):
+        jac = _JacobianRows(model, params, inputs, output_fn, positions, mode, outputs, seed, vmap_chunk, vectorize,
+                            check)
+        kernels = _Kernels(owner, jac.names, n, jac.c, mode, jac.dev)
+        computed = kernels.accumulate(jac, _blocks(n, jac.c, max(1, max_jacobian_numel // max(total, 1))))
+    kern = kernels.kern
+    K = sum(kern.values()) if groups is not None else kern[""]
+    K = (K + K.T) / 2  # exact symmetry; the blocks are symmetric up to rounding
+    S = {g: (v + v.T) / 2 for g, v in kern.items()} if groups is not None else {}
+    return NTK(K=K, S=S, mode=mode, num_samples=n, num_outputs=jac.c_model, vectorized=jac.vectorize is not False,
+               jacobian_blocks=computed, projected=None if jac.proj is None else jac.proj.shape[1])
+
+
+def _check_ntk_args(mode: str, max_jacobian_numel: int, positions: str, outputs: int | None) -> None:
     if mode not in MODES:
         raise unknown("NTK mode", mode, MODES, show=repr)
     if max_jacobian_numel < 1:
@@ -600,127 +619,145 @@ def empirical_ntk(
     if outputs is not None and mode != "trace":
         raise ValueError(f"outputs={outputs} projects the outputs of the 'trace' kernel; mode={mode!r} uses every "
                          "output (drop outputs or use mode='trace')")
-    params = _check_params(model, params)
-    owner = _check_groups(groups, params) if groups is not None else {n: "" for n in params}
-    names = list(params)
-    n = _num_samples(inputs)
-    total = sum(t.numel() for t in params.values())
-    dev = next(iter(params.values())).device
-    inputs = _on(inputs, params)
-    check = check or (lambda: None)
-    with _eval_math(model):
+
+
+def _vmap_unsupported(err: Exception) -> bool:
+    """The error vmap raises for a forward it cannot batch (data-dependent control flow)."""
+    msg = str(err).lower()
+    return "vmap" in msg or "batching rule" in msg
+
+
+class _JacobianRows:
+    """Blocks of rows of ``J`` for :func:`empirical_ntk`: the gradients of some (sample, class)
+    outputs w.r.t. the parameters, by ``vmap`` over chunks of samples, or one sample at a time for
+    a forward that ``vmap`` cannot batch. Built inside ``_eval_math``: it runs the model once on
+    the first sample to learn the number of outputs ``C`` (``c_model``; ``c`` after the projection
+    or the ``sum`` mode)."""
+
+    def __init__(self, model: nn.Module, params: dict[str, Tensor], inputs: Inputs,
+                 output_fn: Callable[[Any], Tensor] | None, positions: str, mode: str, outputs: int | None,
+                 seed: int, vmap_chunk: int | None, vectorize: bool | None, check: Callable[[], None] | None):
+        self.model, self.params, self.inputs = model, params, inputs
+        self.output_fn, self.positions, self.mode = output_fn, positions, mode
+        self.names = list(params)
+        self.dev = next(iter(params.values())).device
+        self.check = check or (lambda: None)
         with torch.no_grad():
             probe = _forward(model, params, _map(inputs, lambda t: t[:1]), output_fn, positions)
-        c_model, out_dtype = probe.shape[1], probe.dtype
-        proj = None
-        if outputs is not None and outputs < c_model:
-            proj = projection(c_model, outputs, seed).to(device=dev, dtype=out_dtype)
-        c = 1 if mode == "sum" else c_model if proj is None else proj.shape[1]
-
-        def outputs_of(p: Mapping[str, Tensor], x: Inputs) -> Tensor:
-            y = _forward(model, p, x, output_fn, positions)
-            if proj is not None:
-                y = y @ proj
-            return y.sum(1, keepdim=True) if mode == "sum" else y
-
-        def rows_one(p: dict[str, Tensor], xi: Inputs, basis: Tensor) -> dict[str, Tensor]:
-            """Gradients of the ``basis`` classes of one sample: ``{name: [k, *shape]}``."""
-            _, pull = vjp(lambda q: outputs_of(q, _map(xi, lambda t: t.unsqueeze(0)))[0], p)
-            if basis.shape[0] == 1:
-                return {k: v.unsqueeze(0) for k, v in pull(basis[0])[0].items()}
-            return vmap(pull)(basis)[0]
-
-        state = {"vectorize": False if vectorize is None and model in _LOOPED else vectorize}
-
+        self.c_model, self.out_dtype = probe.shape[1], probe.dtype
+        self.proj = None
+        if outputs is not None and outputs < self.c_model:
+            self.proj = projection(self.c_model, outputs, seed).to(device=self.dev, dtype=self.out_dtype)
+        self.c = 1 if mode == "sum" else self.c_model if self.proj is None else self.proj.shape[1]
+        self.vectorize = False if vectorize is None and model in _LOOPED else vectorize
         # samples per vmapped call: ``vmap_chunk``, else at most 2**24 gradient entries (a second or
         # so of work), so that ``check`` runs often enough to stop on a signal
-        step = vmap_chunk or max(1, 2**24 // max(c * total, 1))
+        total = sum(t.numel() for t in params.values())
+        self.step = vmap_chunk or max(1, 2**24 // max(self.c * total, 1))
 
-        def block_jacobian(samples: range, classes: range) -> dict[str, Tensor]:
-            """``{name: [len(samples), len(classes), *shape]}``, filled chunk by chunk in place."""
-            basis = torch.zeros(len(classes), c, device=dev, dtype=out_dtype)
-            basis[torch.arange(len(classes)), torch.tensor(list(classes))] = 1
-            xb = _map(inputs, lambda t: t[samples.start : samples.stop])
-            out: dict[str, Tensor] = {}
+    def outputs_of(self, p: Mapping[str, Tensor], x: Inputs) -> Tensor:
+        y = _forward(self.model, p, x, self.output_fn, self.positions)
+        if self.proj is not None:
+            y = y @ self.proj
+        return y.sum(1, keepdim=True) if self.mode == "sum" else y
 
-            def put(at: int, rows: dict[str, Tensor], count: int) -> None:
-                if count == len(samples):
-                    out.update(rows)  # one chunk: no copy
-                    return
-                for k in names:
-                    if k not in out:
-                        out[k] = rows[k].new_empty((len(samples), *rows[k].shape[1:]))
-                    out[k][at : at + count] = rows[k]
+    def rows_one(self, p: dict[str, Tensor], xi: Inputs, basis: Tensor) -> dict[str, Tensor]:
+        """Gradients of the ``basis`` classes of one sample: ``{name: [k, *shape]}``."""
+        _, pull = vjp(lambda q: self.outputs_of(q, _map(xi, lambda t: t.unsqueeze(0)))[0], p)
+        if basis.shape[0] == 1:
+            return {k: v.unsqueeze(0) for k, v in pull(basis[0])[0].items()}
+        return vmap(pull)(basis)[0]
 
-            at = 0
-            while state["vectorize"] is not False and at < len(samples):
-                check()
-                count = min(step, len(samples) - at)
-                try:
-                    chunk = _map(xb, lambda t, at=at, count=count: t[at : at + count])
-                    put(at, vmap(rows_one, in_dims=(None, 0, None))(params, chunk, basis), count)
-                    state["vectorize"] = True
-                    at += count
-                except (RuntimeError, NotImplementedError) as err:
-                    msg = str(err).lower()
-                    if state["vectorize"] is True or not ("vmap" in msg or "batching rule" in msg):
-                        raise
-                    state["vectorize"] = False  # data-dependent forward: loop over samples
-                    _LOOPED[model] = True
-                if state["vectorize"] is False:
-                    # the failed vmap leaves reference cycles (through its traceback) that keep
-                    # functorch's state alive and slow every later op down ~100x until collected
-                    gc.collect()
-            for i in range(at, len(samples)):
-                check()
-                put(i, {k: v.unsqueeze(0) for k, v in rows_one(params, _map(xb, lambda t, i=i: t[i]), basis).items()},
-                    1)
-            return out
+    def block(self, samples: range, classes: range) -> dict[str, Tensor]:
+        """``{name: [len(samples), len(classes), *shape]}``, filled chunk by chunk in place."""
+        basis = torch.zeros(len(classes), self.c, device=self.dev, dtype=self.out_dtype)
+        basis[torch.arange(len(classes)), torch.tensor(list(classes))] = 1
+        xb = _map(self.inputs, lambda t: t[samples.start : samples.stop])
+        out: dict[str, Tensor] = {}
+        at = self._vmapped(xb, basis, out, len(samples))
+        for i in range(at, len(samples)):
+            self.check()
+            rows = self.rows_one(self.params, _map(xb, lambda t, i=i: t[i]), basis)
+            self._put(out, i, {k: v.unsqueeze(0) for k, v in rows.items()}, 1, len(samples))
+        return out
 
-        kdtype = torch.float64
+    def _vmapped(self, xb: Inputs, basis: Tensor, out: dict[str, Tensor], n: int) -> int:
+        """Fill ``out`` by vmapped chunks of samples while ``vmap`` works; the first sample left."""
+        at = 0
+        while self.vectorize is not False and at < n:
+            self.check()
+            count = min(self.step, n - at)
+            try:
+                chunk = _map(xb, lambda t, at=at, count=count: t[at : at + count])
+                self._put(out, at, vmap(self.rows_one, in_dims=(None, 0, None))(self.params, chunk, basis), count, n)
+                self.vectorize = True
+                at += count
+            except (RuntimeError, NotImplementedError) as err:
+                if self.vectorize is True or not _vmap_unsupported(err):
+                    raise
+                self.vectorize = False  # data-dependent forward: loop over samples
+                _LOOPED[self.model] = True
+            if self.vectorize is False:
+                # the failed vmap leaves reference cycles (through its traceback) that keep
+                # functorch's state alive and slow every later op down ~100x until collected
+                gc.collect()
+        return at
+
+    def _put(self, out: dict[str, Tensor], at: int, rows: dict[str, Tensor], count: int, n: int) -> None:
+        if count == n:
+            out.update(rows)  # one chunk: no copy
+            return
+        for k in self.names:
+            if k not in out:
+                out[k] = rows[k].new_empty((n, *rows[k].shape[1:]))
+            out[k][at : at + count] = rows[k]
+
+
+class _Kernels:
+    """The float64 Gram matrices of :func:`empirical_ntk`, one per group (``""``: every parameter),
+    summed block pair by block pair of Jacobian rows."""
+
+    def __init__(self, owner: Mapping[str, str], names: list[str], n: int, c: int, mode: str, dev: torch.device):
+        self.owner, self.names, self.c, self.mode, self.dev = owner, names, c, mode, dev
         m = n * c if mode == "full" else n
-        keys = list(dict.fromkeys(owner.values()))
-        kern = {g: torch.zeros(m, m, dtype=kdtype, device=dev) for g in keys}
+        self.kern = {g: torch.zeros(m, m, dtype=torch.float64, device=dev) for g in dict.fromkeys(owner.values())}
 
-        def index(samples: range, classes: range) -> Tensor:
-            s = torch.arange(samples.start, samples.stop, device=dev)
-            if mode != "full":
-                return s
-            k = torch.arange(classes.start, classes.stop, device=dev)
-            return (s[:, None] * c + k[None, :]).reshape(-1)
-
-        def contract(ja: dict[str, Tensor], jb: dict[str, Tensor], a: tuple[range, range], b: tuple[range, range]):
-            ia, ib = index(*a), index(*b)
-            for name in names:
-                x, y = ja[name], jb[name]
-                ct = torch.promote_types(x.dtype, torch.float32)
-                if mode == "full":  # rows (sample, class), columns the tensor's entries
-                    xa, yb = x.reshape(x.shape[0] * x.shape[1], -1), y.reshape(y.shape[0] * y.shape[1], -1)
-                else:  # rows samples; the class axis is summed with the entries (trace)
-                    xa, yb = x.reshape(x.shape[0], -1), y.reshape(y.shape[0], -1)
-                g = (xa.to(ct) @ yb.to(ct).T).to(kdtype)
-                kern[owner[name]][ia[:, None], ib[None, :]] += g
-                if a != b:
-                    kern[owner[name]][ib[:, None], ia[None, :]] += g.T
-
-        blocks = _blocks(n, c, max(1, max_jacobian_numel // max(total, 1)))
+    def accumulate(self, jac: _JacobianRows, blocks: list[tuple[range, range]]) -> int:
+        """Every pair of blocks that meets in the kernel; the number of Jacobian blocks computed."""
         computed = 0
         for i, a in enumerate(blocks):
-            ja = block_jacobian(*a)
+            ja = jac.block(*a)
             computed += 1
-            contract(ja, ja, a, a)
+            self.contract(ja, ja, a, a)
             for b in blocks[i + 1 :]:
-                if mode != "full" and b[1] != a[1]:
+                if self.mode != "full" and b[1] != a[1]:
                     continue  # trace/sum: different class chunks never meet
-                contract(ja, block_jacobian(*b), a, b)
+                self.contract(ja, jac.block(*b), a, b)
                 computed += 1
             del ja
+        return computed
 
-    K = sum(kern.values()) if groups is not None else kern[""]
-    K = (K + K.T) / 2  # exact symmetry; the blocks are symmetric up to rounding
-    S = {g: (v + v.T) / 2 for g, v in kern.items()} if groups is not None else {}
-    return NTK(K=K, S=S, mode=mode, num_samples=n, num_outputs=c_model, vectorized=state["vectorize"] is not False,
-               jacobian_blocks=computed, projected=None if proj is None else proj.shape[1])
+    def index(self, samples: range, classes: range) -> Tensor:
+        s = torch.arange(samples.start, samples.stop, device=self.dev)
+        if self.mode != "full":
+            return s
+        k = torch.arange(classes.start, classes.stop, device=self.dev)
+        return (s[:, None] * self.c + k[None, :]).reshape(-1)
+
+    def contract(self, ja: dict[str, Tensor], jb: dict[str, Tensor], a: tuple[range, range],
+                 b: tuple[range, range]) -> None:
+        ia, ib = self.index(*a), self.index(*b)
+        for name in self.names:
+            x, y = ja[name], jb[name]
+            ct = torch.promote_types(x.dtype, torch.float32)
+            if self.mode == "full":  # rows (sample, class), columns the tensor's entries
+                xa, yb = x.reshape(x.shape[0] * x.shape[1], -1), y.reshape(y.shape[0] * y.shape[1], -1)
+            else:  # rows samples; the class axis is summed with the entries (trace)
+                xa, yb = x.reshape(x.shape[0], -1), y.reshape(y.shape[0], -1)
+            g = (xa.to(ct) @ yb.to(ct).T).to(torch.float64)
+            self.kern[self.owner[name]][ia[:, None], ib[None, :]] += g
+            if a != b:
+                self.kern[self.owner[name]][ib[:, None], ia[None, :]] += g.T
 
 
 # --------------------------------------------------------------------------- spectra
@@ -1089,7 +1126,7 @@ def output_gradient_norm(
 ) -> float:
     """``||dL/df||_2``: the gradient of the scalar ``loss()`` (which runs ``model``, e.g. the
     module's own training step) with respect to the outputs ``f`` of the model's forward
-    (:func:`~lalr_lightning.core.loss.forward_module`; ``output_fn`` or ``.logits`` of its
+    (:func:`~lalr_lightning.core.model.batch_loss.forward_module`; ``output_fn`` or ``.logits`` of its
     output), at ``params``, in eval mode."""
     params = _check_params(model, params)
     target = forward_module(model)

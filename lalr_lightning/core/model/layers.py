@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from lalr_lightning.choices import unknown
-from lalr_lightning.core.forward_blocks import forward_blocks
-from lalr_lightning.core.matrices import is_matrix_module
+from lalr_lightning.core.model.forward_blocks import forward_blocks
+from lalr_lightning.core.model.matrices import is_matrix_module
 
 __all__ = [
     "MATRIX_KINDS",
@@ -350,26 +350,10 @@ def _repeated_children(model: nn.Module) -> tuple[str, list[list[str]]] | None:
                 isinstance(mod, nn.ModuleList) or all(_is_container(c) for _, c in kids)):
             cands.append([pre + n for n, _ in kids])
         elif listed and isinstance(mod, nn.Sequential):  # a plain trunk (docstring)
-            units = _layer_units(kids)
-            lo = 1 if (not _is_container(mod.get_submodule(units[0][0])) and first_param is not None
-                       and _inside(first_param, [pre + n for n in units[0]])) else 0
-            hi = len(units) - (1 if (not _is_container(mod.get_submodule(units[-1][0])) and last_matrix is not None
-                                     and _inside(last_matrix, [pre + n for n in units[-1]])) else 0)
-            if hi > lo:
-                size = sum(p.numel() for u in units[lo:hi] for n in u for p in mod.get_submodule(n).parameters())
-                if flat is None or (hi - lo, size) > flat[:2]:
-                    flat = (hi - lo, size, name, [[pre + n for n in u] for u in units[lo:hi]])
-        series: dict[str, list[tuple[int, str]]] = {}
-        for n, _ in kids:
-            m = _REPEAT.match(n)
-            if m:
-                series.setdefault(m["stem"], []).append((int(m["num"]), pre + n))
-        for stem, items in series.items():
-            # blocks are modules of layers (layer1..layer4); a series of single layers named c1, c2
-            # (and b1, b2 beside them) says nothing about how they group: the forward pass does
-            if len(items) >= 2 and stem not in ("conv", "bn", "fc", "norm", "relu", "linear", "dropout", "act") \
-                    and all(_is_container(model.get_submodule(_raw_path(model, n))) for _, n in items):
-                cands.append([n for _, n in sorted(items)])
+            trunk = _trunk_blocks(mod, name, pre, kids, first_param, last_matrix)
+            if trunk is not None and (flat is None or trunk[:2] > flat[:2]):
+                flat = trunk
+        cands += _numbered_series(model, pre, kids)
         for names in cands:
             size = sum(p.numel() for n in names for p in model.get_submodule(_raw_path(model, n)).parameters())
             if best is None or size > best[0]:
@@ -377,6 +361,39 @@ def _repeated_children(model: nn.Module) -> tuple[str, list[list[str]]] | None:
     if best is not None:
         return best[1], best[2]
     return None if flat is None else (flat[2], flat[3])
+
+
+def _trunk_blocks(mod: nn.Sequential, name: str, pre: str, kids: list[tuple[str, nn.Module]],
+                  first_param: str | None, last_matrix: str | None) -> tuple[int, int, str, list[list[str]]] | None:
+    """A plain trunk's middle blocks (:func:`_repeated_children`): ``(count, parameters, name,
+    blocks)``, its first layer left out when it is the stem and its last when it is the head."""
+    units = _layer_units(kids)
+    lo = 1 if (not _is_container(mod.get_submodule(units[0][0])) and first_param is not None
+               and _inside(first_param, [pre + n for n in units[0]])) else 0
+    hi = len(units) - (1 if (not _is_container(mod.get_submodule(units[-1][0])) and last_matrix is not None
+                             and _inside(last_matrix, [pre + n for n in units[-1]])) else 0)
+    if hi <= lo:
+        return None
+    size = sum(p.numel() for u in units[lo:hi] for n in u for p in mod.get_submodule(n).parameters())
+    return hi - lo, size, name, [[pre + n for n in u] for u in units[lo:hi]]
+
+
+def _numbered_series(model: nn.Module, pre: str, kids: list[tuple[str, nn.Module]]) -> list[list[str]]:
+    """Sibling children named ``<word><N>`` that are modules of layers (``layer1..layer4``), each
+    series in number order."""
+    series: dict[str, list[tuple[int, str]]] = {}
+    for n, _ in kids:
+        m = _REPEAT.match(n)
+        if m:
+            series.setdefault(m["stem"], []).append((int(m["num"]), pre + n))
+    out = []
+    for stem, items in series.items():
+        # blocks are modules of layers (layer1..layer4); a series of single layers named c1, c2
+        # (and b1, b2 beside them) says nothing about how they group: the forward pass does
+        if len(items) >= 2 and stem not in ("conv", "bn", "fc", "norm", "relu", "linear", "dropout", "act") \
+                and all(_is_container(model.get_submodule(_raw_path(model, n))) for _, n in items):
+            out.append([n for _, n in sorted(items)])
+    return out
 
 
 def _resolve_trace(trace):
@@ -398,7 +415,7 @@ def _traced_blocks(model: nn.Module, trace) -> tuple[list[str], list[list[str]],
 def suggest_blocks(model: nn.Module, trace=None) -> list[str | list[str]]:
     """A ``blocks=`` value to paste as it is, one entry (a module-name prefix, or a list of them)
     per middle block: the blocks :func:`block_layers` finds by itself when it can (with ``trace``,
-    from a forward pass: :mod:`lalr_lightning.core.forward_blocks`); else the layers of the module
+    from a forward pass: :mod:`lalr_lightning.core.model.forward_blocks`); else the layers of the module
     with most of them (each layer with the norms after it), without its first layer when nothing
     comes before it (left as the stem) and its last when it holds the output layer (left as the
     head). The latter assumes children registered in forward order."""
@@ -489,9 +506,9 @@ def block_layers(
     with ``^``), one entry (or a list of entries) per block. Without it: timm's
     ``group_matcher(coarse=True)`` when the model (or a submodule) is a timm model, else the
     repeated children found by :func:`_repeated_children`, else -- with ``trace``, a
-    :class:`~lalr_lightning.core.forward_blocks.Trace` of one forward pass or a no-argument
+    :class:`~lalr_lightning.core.model.forward_blocks.Trace` of one forward pass or a no-argument
     callable making one (called only then) -- the layers in the order they ran
-    (:func:`~lalr_lightning.core.forward_blocks.forward_blocks`: the first layer the stem, the
+    (:func:`~lalr_lightning.core.model.forward_blocks.forward_blocks`: the first layer the stem, the
     output layer the head, each conv with its norm, a residual branch inside one block).
 
     Parameters not in any block and registered before the first block form the stem, joined
@@ -503,73 +520,101 @@ def block_layers(
     if not params:
         raise ValueError("the model has no parameters, so it has no blocks to select")
     order = {n: i for i, (n, _) in enumerate(params)}
-    lookup = dict(params)
-    if blocks is not None:
-        groups = _pattern_groups(params, blocks)
-        found_blocks = groups
-        stem_names: list[str] = []
-        rest: list[str] = [n for n, _ in params if not any(n in g for g in groups)]
-        first = min(order[n] for n in groups[0])
-        stem_names = [n for n in rest if order[n] < first]
-        head_names = [n for n in rest if order[n] >= first]
-        source = "patterns"
-    else:
-        timm_root = _timm_root(model)
-        if timm_root is not None:
-            groups = _timm_groups(*timm_root)
-            # timm's coarse groups are stem, blocks..., head; params outside the timm model
-            # (a LightningModule's own) go to the head.
-            inside = {n for g in groups for n in g}
-            outside = [n for n, _ in params if n not in inside]
-            stem_names = groups[0] if len(groups) > 2 else []
-            found_blocks = groups[1:-1] if len(groups) > 2 else groups
-            head_names = (groups[-1] if len(groups) > 2 else []) + outside
-            source = "timm group_matcher"
-        else:
-            rep = _repeated_children(model)
-            traced = _traced_blocks(model, trace) if rep is None and trace is not None else None
-            if rep is None and traced is None:
-                ran = "" if trace is None else " (nor three layers in the forward pass it ran)"
-                raise ValueError(
-                    f"cannot find the blocks of {type(model).__name__}: it has no timm group_matcher "
-                    "and no repeated children (ModuleList/Sequential of blocks, children named layer1, "
-                    f"layer2, ..., or a Sequential trunk of layers){ran}. Pass blocks=[...] with one module-name "
-                    "prefix (or a list of them) per block; parameters before the first block form the stem, "
-                    f"those after the last the head: e.g. blocks={suggest_blocks(model)!r}"
-                )
-            if rep is not None:
-                _, names = rep
-                found_blocks = [[n for n, _ in params if _inside(n, prefixes)] for prefixes in names]
-                inside = {n for g in found_blocks for n in g}
-                first = min(order[n] for n in found_blocks[0])
-                stem_names = [n for n, _ in params if n not in inside and order[n] < first]
-                head_names = [n for n, _ in params if n not in inside and order[n] >= first]
-                source = "repeated children"
-            else:
-                stem_mods, middle, head_mods = traced
-                found_blocks = [[n for n, _ in params if _inside(n, mods)] for mods in middle]
-                # the modules that ran, kept with their groups (a name like ``layers`` may be a
-                # ModuleList that never runs itself)
-                ran = {tuple(g): mods for g, mods in zip(found_blocks, middle)}
-                ran["stem"], ran["head"] = stem_mods, head_mods
-                inside = {n for g in found_blocks for n in g}
-                first = min(order[n] for n in found_blocks[0])
-                # the first unit that ran is the stem, the last the head; parameters of modules that
-                # did not run (or of the root) go by where they are registered
-                stem_names = [n for n, _ in params if n not in inside and (_inside(n, stem_mods) or (
-                    order[n] < first and not _inside(n, head_mods)))]
-                head_names = [n for n, _ in params if n not in inside and n not in stem_names]
-                source = "forward pass"
-    if source != "forward pass":
-        ran = None
-    del source
+    stem_names, found_blocks, head_names, ran = _split_blocks(model, params, order, blocks, trace)
     late = [n for n in stem_names if _FINAL.search(n)]
     if late:  # OPT registers its final norm before its layers; it runs after them
         stem_names = [n for n in stem_names if n not in late]
         head_names = late + [n for n in head_names if n not in late]
+    out = _assemble_blocks(model, params, stem_names, [list(g) for g in found_blocks if g], head_names, ran,
+                           join_stem, head)
+    for i, layer in enumerate(out):
+        layer.index = i
+    return out
+
+
+# How the parameters split: (stem names, the blocks' names, head names, and -- for blocks found in a
+# forward pass -- the modules that ran, by block (a tuple of its names), "stem" and "head"; else None).
+_Split = tuple[list[str], list[list[str]], list[str], "dict | None"]
+
+
+def _split_blocks(model: nn.Module, params: list[tuple[str, nn.Parameter]], order: dict[str, int],
+                  blocks: Sequence[str | Sequence[str]] | None, trace) -> _Split:
+    """The stem, the blocks and the head, by the first source that gives blocks (:func:`block_layers`)."""
+    if blocks is not None:
+        return _split_by_patterns(params, order, blocks)
+    timm_root = _timm_root(model)
+    if timm_root is not None:
+        return _split_by_timm(params, _timm_groups(*timm_root))
+    rep = _repeated_children(model)
+    if rep is not None:
+        return _split_by_prefixes(params, order, rep[1])
+    traced = _traced_blocks(model, trace) if trace is not None else None
+    if traced is None:
+        ran = "" if trace is None else " (nor three layers in the forward pass it ran)"
+        raise ValueError(
+            f"cannot find the blocks of {type(model).__name__}: it has no timm group_matcher "
+            "and no repeated children (ModuleList/Sequential of blocks, children named layer1, "
+            f"layer2, ..., or a Sequential trunk of layers){ran}. Pass blocks=[...] with one module-name "
+            "prefix (or a list of them) per block; parameters before the first block form the stem, "
+            f"those after the last the head: e.g. blocks={suggest_blocks(model)!r}"
+        )
+    return _split_by_trace(params, order, traced)
+
+
+def _split_by_patterns(params: list[tuple[str, nn.Parameter]], order: dict[str, int],
+                       blocks: Sequence[str | Sequence[str]]) -> _Split:
+    groups = _pattern_groups(params, blocks)
+    rest: list[str] = [n for n, _ in params if not any(n in g for g in groups)]
+    first = min(order[n] for n in groups[0])
+    return [n for n in rest if order[n] < first], groups, [n for n in rest if order[n] >= first], None
+
+
+def _split_by_timm(params: list[tuple[str, nn.Parameter]], groups: list[list[str]]) -> _Split:
+    # timm's coarse groups are stem, blocks..., head; params outside the timm model
+    # (a LightningModule's own) go to the head.
+    inside = {n for g in groups for n in g}
+    outside = [n for n, _ in params if n not in inside]
+    stem_names = groups[0] if len(groups) > 2 else []
+    found_blocks = groups[1:-1] if len(groups) > 2 else groups
+    head_names = (groups[-1] if len(groups) > 2 else []) + outside
+    return stem_names, found_blocks, head_names, None
+
+
+def _split_by_prefixes(params: list[tuple[str, nn.Parameter]], order: dict[str, int],
+                       names: list[list[str]]) -> _Split:
+    found_blocks = [[n for n, _ in params if _inside(n, prefixes)] for prefixes in names]
+    inside = {n for g in found_blocks for n in g}
+    first = min(order[n] for n in found_blocks[0])
+    stem_names = [n for n, _ in params if n not in inside and order[n] < first]
+    head_names = [n for n, _ in params if n not in inside and order[n] >= first]
+    return stem_names, found_blocks, head_names, None
+
+
+def _split_by_trace(params: list[tuple[str, nn.Parameter]], order: dict[str, int], traced) -> _Split:
+    stem_mods, middle, head_mods = traced
+    found_blocks = [[n for n, _ in params if _inside(n, mods)] for mods in middle]
+    # the modules that ran, kept with their groups (a name like ``layers`` may be a
+    # ModuleList that never runs itself)
+    ran = {tuple(g): mods for g, mods in zip(found_blocks, middle)}
+    ran["stem"], ran["head"] = stem_mods, head_mods
+    inside = {n for g in found_blocks for n in g}
+    first = min(order[n] for n in found_blocks[0])
+    # the first unit that ran is the stem, the last the head; parameters of modules that
+    # did not run (or of the root) go by where they are registered
+    stem_names = [n for n, _ in params if n not in inside and (_inside(n, stem_mods) or (
+        order[n] < first and not _inside(n, head_mods)))]
+    head_names = [n for n, _ in params if n not in inside and n not in stem_names]
+    return stem_names, found_blocks, head_names, ran
+
+
+def _assemble_blocks(model: nn.Module, params: list[tuple[str, nn.Parameter]], stem_names: list[str],
+                     blocks_names: list[list[str]], head_names: list[str], ran: dict | None, join_stem: bool,
+                     head: bool) -> list[Layer]:
+    """The block layers: the stem (joined to the first block when ``join_stem``), the blocks, the head."""
+    lookup = dict(params)
     out: list[Layer] = []
     allp = [n for n, _ in params]
-    blocks_names = [list(g) for g in found_blocks if g]
+
     def mods(key) -> list[str] | None:
         return None if ran is None else ran.get(key)
 
@@ -584,8 +629,6 @@ def block_layers(
         out.append(_mk_block(model, _group_name(g, allp), g, lookup, "block", mods(tuple(g))))
     if head and head_names:
         out.append(_mk_block(model, _group_name(head_names, allp), head_names, lookup, "head", mods("head")))
-    for i, layer in enumerate(out):
-        layer.index = i
     return out
 
 

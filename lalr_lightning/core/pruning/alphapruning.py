@@ -3,7 +3,7 @@ from a metric, magnitude and channel masks, the thesis' incremental channel budg
 schedule, and which layers are pruned. Numpy / torch only; ``callbacks/pruning.py`` decides when.
 
 Each prunable layer gets a metric value ``m_l`` (HT-SR alpha by default, or any other column of
-:func:`lalr_lightning.core.spectral.analyze`); the values are min-max mapped onto
+:func:`lalr_lightning.core.spectral.htsr.analyze`); the values are min-max mapped onto
 ``[1 - eps, 1 + eps]``::
 
     r_l = (m_l - min m) / (max m - min m) * 2 eps + (1 - eps)      (more_for_larger)
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from lalr_lightning.choices import unknown
-from lalr_lightning.core.layers import (
+from lalr_lightning.core.model.layers import (
     DEFAULT_KINDS,
     MATRIX_KINDS,
     Layer,

@@ -76,7 +76,7 @@ import torch
 from torch import nn
 
 from lalr_lightning.choices import unknown
-from lalr_lightning.core.layers import MATRIX_KINDS, Layer, clean_name, matrix_layers
+from lalr_lightning.core.model.layers import MATRIX_KINDS, Layer, clean_name, matrix_layers
 
 __all__ = [
     "METRICS",
@@ -154,7 +154,7 @@ def lalr_layers(
     layer_types: Sequence[str] = DEFAULT_LAYER_TYPES,
     trainable_only: bool = False,
 ) -> list[Layer]:
-    """The layers LALR measures and scales: ``core.layers.matrix_layers`` of the given kinds.
+    """The layers LALR measures and scales: ``core.model.layers.matrix_layers`` of the given kinds.
 
     A peft LoRA wrapper counts as one layer named like the wrapped module (``...query``, not
     ``...query.base_layer`` / ``...query.lora_A.default``): it is measured on its merged weight
@@ -343,7 +343,7 @@ def lalr_metrics(
     Args:
         model: the network; its layers come from :func:`lalr_layers` (with ``layer_types``
             and ``trainable_only``) unless ``layers`` is given.
-        layers: an explicit list of ``core.layers.Layer`` to measure.
+        layers: an explicit list of ``core.model.layers.Layer`` to measure.
         groups: ``"shape"`` (CE/CS between same-shaped layers) or ``"histogram"`` (between
             all layers, through histograms).
         bins, hist_range: the histogram of ``|w| / mean|w|`` (``groups="histogram"``).

@@ -25,7 +25,7 @@ The metric (eq. 8-9) generalized to any block:
   the loss after the update of Proposition 3.1.
 
 How a block is run as a function of its parameters and tapped for its states and co-states:
-:mod:`lalr_lightning.core.taps`.
+:mod:`lalr_lightning.core.model.taps`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lalr_lightning.core.taps import BlockFn, BlockTaps
+from lalr_lightning.core.model.taps import BlockFn, BlockTaps
 
 __all__ = [
     "BlockFn",
@@ -281,18 +281,20 @@ def maximize_hamiltonian(
     feasibility: float = 0.0,
     reduce_grads: Callable[[list[Tensor]], list[Tensor]] | None = None,
     check: Callable[[], None] | None = None,
-) -> list[float]:
+    host: bool = True,
+) -> list[float] | list[Tensor]:
     """``steps`` iterations of ``optimizer`` on ``-H`` (so ``H`` increases), anchored at the
     parameters' values on entry (``theta_m`` of eq. 10), ``x_n`` and ``p_{n+1}`` held fixed.
 
     Updates ``params`` in place. Their ``.grad`` is used as a scratch slot for the optimizer
     and restored afterwards, so the caller's gradients are untouched. ``reduce_grads`` averages
     the gradients across processes (DDP), keeping every rank's parameters identical. ``check``
-    runs before every step and may raise to stop (a signal). Returns ``H`` before each step.
+    runs before every step and may raise to stop (a signal). Returns ``H`` before each step
+    (``host=False``: as 0-d tensors on the device, so the update makes no device-to-host read).
     """
     anchor = [p.detach().clone() for p in params]
     saved = [p.grad for p in params]
-    values: list[float] = []
+    values: list[Tensor] = []
     try:
         for _ in range(steps):
             if check is not None:
@@ -301,7 +303,7 @@ def maximize_hamiltonian(
             with torch.enable_grad(), (twice_differentiable() if feasibility > 0 else contextlib.nullcontext()):
                 h = hamiltonian(terms, th, anchor, rho, feasibility)
                 grads = _grads(-h, th)
-            values.append(float(h.detach()))
+            values.append(h.detach())
             if reduce_grads is not None:
                 grads = reduce_grads(grads)
             for p, g in zip(params, grads):
@@ -310,4 +312,4 @@ def maximize_hamiltonian(
     finally:
         for p, g in zip(params, saved):
             p.grad = g
-    return values
+    return torch.stack(values).tolist() if host and values else values

@@ -255,7 +255,7 @@ class BlockTaps:
     run a block (or the rest of the network) with substituted parameters.
 
     ``blocks``: objects with ``.name``, ``.params`` (name -> parameter) and ``.modules`` (the
-    block's top modules) -- :class:`lalr_lightning.core.layers.Layer` from ``block_layers``.
+    block's top modules) -- :class:`lalr_lightning.core.model.layers.Layer` from ``block_layers``.
     ``run`` (given to :meth:`discover`, :meth:`block_fn`, :meth:`loss_with`) is a no-argument
     callable that runs the model on the current batch and returns the scalar loss.
     """

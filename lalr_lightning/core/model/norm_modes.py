@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from lalr_lightning.choices import unknown
-from lalr_lightning.core.layers import Layer
+from lalr_lightning.core.model.layers import Layer
 
 __all__ = ["NORM_EVAL", "NormLayer", "norm_layers", "set_norm_modes"]
 

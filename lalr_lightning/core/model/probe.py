@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from .loss import split_batch
+from lalr_lightning.core.model.batch_loss import split_batch
 
 __all__ = ["fixed_batch", "probe_inputs", "take"]
 
@@ -62,6 +62,6 @@ def fixed_batch(loader: Any, n: int, seed: int = 0) -> Any:
 def probe_inputs(module: nn.Module, loader: Any, n: int, seed: int = 0,
                  to_device: Callable[[Any], Any] | None = None) -> tuple[Any, Any]:
     """``(inputs, targets)`` of the fixed probe batch (:func:`fixed_batch`), split by the module's
-    ``split_batch`` (:func:`~lalr_lightning.core.loss.split_batch`), after ``to_device``."""
+    ``split_batch`` (:func:`~lalr_lightning.core.model.batch_loss.split_batch`), after ``to_device``."""
     batch = fixed_batch(loader, n, seed)
     return split_batch(module, batch if to_device is None else to_device(batch))

@@ -5,7 +5,7 @@ are captured (the hidden states, and the arguments the model passes to every blo
 mask, position ids, rotary position embeddings). Then, for each block in order:
 
 1. its linear layers are hooked and the block is run on the captured inputs, accumulating an
-   :class:`~lalr_lightning.core.llm_pruning.InputStats` per layer (skipped when no criterion
+   :class:`~lalr_lightning.core.pruning.criteria.InputStats` per layer (skipped when no criterion
    needs them, e.g. magnitude);
 2. ``prune_block(index, block, stats)`` prunes it (the caller's function);
 3. the *pruned* block is run again, and its outputs become the next block's inputs -- so every
@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from lalr_lightning import progress
-from lalr_lightning.core.llm_pruning import InputStats
+from lalr_lightning.core.pruning.criteria import InputStats
 
 __all__ = [
     "BLOCK_PATHS",

@@ -32,7 +32,8 @@ from torch import Tensor
 
 from lalr_lightning.choices import unknown
 
-__all__ = ["GRANULARITIES", "deltas", "distances", "inner_products", "pull_decisions", "proximal_step_"]
+__all__ = ["GRANULARITIES", "GroupedStep", "coefficients", "deltas", "distances", "inner_products", "pull_decisions",
+           "proximal_step_"]
 
 GRANULARITIES = ("tensor", "layer", "global")
 
@@ -131,7 +132,7 @@ def pull_decisions(
 
     ``tensor``: ``<g_t, d_t> >= 0``. ``layer``: ``sum_{t in l} <g_t, d_t> >= 0`` decides for every
     tensor of layer ``l`` (``groups = {layer: [tensor names]}``, e.g. from
-    :func:`~lalr_lightning.core.ntk.layer_groups`; every tensor in exactly one layer). ``global``:
+    :func:`~lalr_lightning.core.linearization.ntk.layer_groups`; every tensor in exactly one layer). ``global``:
     ``sum_t <g_t, d_t> >= 0`` decides for all -- Theorem 1's condition verbatim, on the whole
     parameter vector. Ties (``= 0``, also a zero gradient) pull, as in the theorem.
     ``selective=False`` pulls everything (plain L2-SP) and ignores the gradients. ``reduce``: as
@@ -179,24 +180,11 @@ def proximal_step_(
     device (``theta + c (theta_0 - theta)``, the same update), no temporary copies. A
     coefficient above 1 would step past the anchor (and above 2 diverge), so it is an error.
     """
-    lam = float(lam)
-    if not math.isfinite(lam) or lam < 0:
-        raise ValueError(f"lam must be a finite number >= 0, got {lam}")
     _check_same(params, anchors, "anchors")
     names = list(params)
-    coef: dict[str, float] = {}
-    for n in names:
-        lr = float(lrs if not isinstance(lrs, Mapping) else _get(lrs, n, "lrs"))
-        if not math.isfinite(lr) or lr < 0:
-            raise ValueError(f"the learning rate of {n!r} must be finite and >= 0, got {lr}")
-        on = True if pull is None else bool(_get(pull, n, "pull"))
-        c = lam * lr if on else 0.0
-        if c > 1:
-            raise ValueError(
-                f"lam * lr = {lam} * {lr} = {c:.4g} > 1 for {n!r}: the proximal step would overshoot the anchor "
-                f"(theta - theta_0 changes sign; above 2 it diverges). Use lam <= {1 / lr:.4g} at this learning rate"
-            )
-        coef[n] = c
+    coef = coefficients(lam, lrs, names)
+    if pull is not None:
+        coef = {n: c if bool(_get(pull, n, "pull")) else 0.0 for n, c in coef.items()}
     active = [n for n in names if coef[n] > 0]
     with torch.no_grad():
         for dev_names in _by_device(params, active).values():
@@ -205,6 +193,138 @@ def proximal_step_(
                   for n, p in zip(dev_names, ps)]
             torch._foreach_lerp_(ps, an, [coef[n] for n in dev_names])
     return coef
+
+
+def coefficients(lam: float, lrs: Mapping[str, float] | float, names: Sequence[str]) -> dict[str, float]:
+    """``{name: lam * lr}`` (host numbers), checked: ``lam`` and each LR finite and >= 0, and no
+    coefficient above 1 (the step would overshoot the anchor)."""
+    lam = float(lam)
+    if not math.isfinite(lam) or lam < 0:
+        raise ValueError(f"lam must be a finite number >= 0, got {lam}")
+    coef: dict[str, float] = {}
+    for n in names:
+        lr = float(lrs if not isinstance(lrs, Mapping) else _get(lrs, n, "lrs"))
+        if not math.isfinite(lr) or lr < 0:
+            raise ValueError(f"the learning rate of {n!r} must be finite and >= 0, got {lr}")
+        c = lam * lr
+        if c > 1:
+            raise ValueError(
+                f"lam * lr = {lam} * {lr} = {c:.4g} > 1 for {n!r}: the proximal step would overshoot the anchor "
+                f"(theta - theta_0 changes sign; above 2 it diverges). Use lam <= {1 / lr:.4g} at this learning rate"
+            )
+        coef[n] = c
+    return coef
+
+
+class GroupedStep:
+    """The selective proximal step over a fixed list of tensors with grouped tensor operations
+    (``torch._foreach_*``, one call per device and dtype for every stage, whatever the number of
+    tensors) and no device-to-host synchronisation: the decisions stay on the device.
+
+    The same numbers as :func:`pull_decisions` + :func:`proximal_step_`: ``<g_t, d_t>`` with
+    ``d_t = theta_t - theta_0`` (the products in at least float32, summed in float64, as
+    ``2 sum max(g d, 0) - sum |g d|`` since torch has no grouped sum), the decision per tensor,
+    layer (a sum of the layer's products) or globally, then per tensor ``theta <- lerp(theta,
+    target, lam * lr)`` with ``target = theta_0`` where pulled and ``theta`` itself elsewhere
+    (an exact ``lerp`` by 1 or 0), so a pulled tensor gets :func:`proximal_step_`'s update
+    bitwise and the others are left bitwise untouched.
+
+    ``layers``: the layer index of each tensor (``granularity="layer"``). Build one per set of
+    tensors (it holds their grouping and the layer index on the device) and reuse it.
+    """
+
+    def __init__(self, params: Sequence[Tensor], layers: Sequence[int] | None = None):
+        groups: dict[tuple, list[int]] = {}
+        for i, p in enumerate(params):
+            groups.setdefault((p.device, p.dtype), []).append(i)
+        self.groups = list(groups.values())
+        #: the tensors in the order of the decisions :meth:`step_` returns (grouped by device and dtype)
+        self.order = [i for g in self.groups for i in g]
+        self.device = params[self.order[0]].device if self.order else torch.device("cpu")
+        self.size = len(self.order)
+        self._coefs: dict[int, tuple[Sequence[float], Tensor]] = {}
+        self.layer_index = None
+        self.n_layers = 0
+        if layers is not None:
+            self.n_layers = max(layers, default=-1) + 1
+            self.layer_index = torch.tensor([layers[i] for i in self.order], dtype=torch.long, device=self.device)
+
+    def placed(self, params: Sequence[Tensor]) -> bool:
+        """Whether ``params`` are still where this grouping was made (the model was not moved)."""
+        return not self.order or params[self.order[0]].device == self.device
+
+    @torch.no_grad()
+    def step_(self, params: Sequence[Tensor], anchors: Sequence[Tensor], grads: Sequence[Tensor | None],
+              coefs: Sequence[float], *, selective: bool = True, granularity: str = "tensor") -> Tensor:
+        """Pull ``params`` in place; returns the decisions (bool, in :attr:`order`, on
+        :attr:`device`). ``coefs``: ``lam * lr`` per tensor (:func:`coefficients`)."""
+        if granularity not in GRANULARITIES:
+            raise unknown("granularity", granularity, GRANULARITIES, show=repr)
+        if granularity == "layer" and selective and self.layer_index is None:
+            raise ValueError("granularity='layer' needs the layer of each tensor (GroupedStep(params, layers))")
+        placed = []
+        for g in self.groups:
+            ps = [params[i] for i in g]
+            an = [a if a.device == p.device and a.dtype == p.dtype else
+                  a.detach().to(device=p.device, dtype=p.dtype, non_blocking=True)
+                  for a, p in zip((anchors[i] for i in g), ps)]
+            placed.append((g, ps, an))
+        if not selective:
+            for g, ps, an in placed:
+                torch._foreach_lerp_(ps, an, [coefs[i] for i in g])
+            return torch.ones(self.size, dtype=torch.bool, device=self.device)
+        ips = []
+        for g, ps, an in placed:
+            ct = torch.promote_types(ps[0].dtype, torch.float32)
+            prods = torch._foreach_sub(ps, an)  # d = theta - theta_0 (the only full-size temporary)
+            gs = [grads[i] if grads[i] is not None else torch.zeros_like(p) for i, p in zip(g, ps)]
+            if ct != ps[0].dtype:
+                prods = [d.to(ct) for d in prods]
+                gs = [x.to(ct) for x in gs]
+            torch._foreach_mul_(prods, gs)  # g * d, in place
+            total = torch.stack(torch._foreach_norm(prods, 1, dtype=torch.float64))  # sum |g d|
+            torch._foreach_clamp_min_(prods, 0.0)
+            pos = torch.stack(torch._foreach_norm(prods, 1, dtype=torch.float64))  # sum max(g d, 0)
+            del prods
+            ips.append((2 * pos - total).to(self.device))
+        ip = torch.cat(ips) if len(ips) > 1 else ips[0]
+        if granularity == "tensor":
+            pull = ip >= 0
+        elif granularity == "global":
+            pull = (ip.sum() >= 0).expand(self.size)
+        else:
+            per_layer = torch.zeros(self.n_layers, dtype=torch.float64, device=self.device)
+            pull = (per_layer.index_add_(0, self.layer_index, ip) >= 0)[self.layer_index]
+        start = 0
+        for gi, (g, ps, an) in enumerate(placed):
+            dtype = ps[0].dtype
+            on = pull[start:start + len(g)].to(device=ps[0].device, dtype=dtype)
+            start += len(g)
+            if dtype in (torch.float32, torch.float64):
+                # one lerp by lam * lr where pulled and 0 elsewhere (the coefficient rounds to the
+                # dtype as a Python number does in lerp_)
+                torch._foreach_lerp_(ps, an, list((on * self._coef_tensor(gi, coefs, dtype, ps[0].device)).unbind()))
+            else:
+                # a half-precision weight would round lam * lr: theta_0 where pulled, theta elsewhere
+                # (a lerp by exactly 1 or 0), then the host coefficient
+                target = torch._foreach_lerp(ps, an, list(on.unbind()))
+                torch._foreach_lerp_(ps, target, [coefs[i] for i in g])
+                del target
+        return pull
+
+    def _coef_tensor(self, gi: int, coefs: Sequence[float], dtype: torch.dtype, device: torch.device) -> Tensor:
+        """Group ``gi``'s ``lam * lr`` on the device, copied once per new ``coefs`` list (pinned and
+        asynchronous on a GPU: no synchronisation)."""
+        cache = self._coefs
+        hit = cache.get(gi)
+        if hit is not None and hit[0] is coefs:
+            return hit[1]
+        host = torch.tensor([coefs[i] for i in self.groups[gi]], dtype=dtype)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        out = host.to(device, non_blocking=True)
+        cache[gi] = (coefs, out)
+        return out
 
 
 def _get(m: Mapping, n: str, what: str):

@@ -36,7 +36,7 @@ implementations"):
 * Metrics (WeightWatcher ``analyze()`` column names): see :data:`METRICS` and :func:`analyze`;
   a value that cannot be computed is NaN, with the reason in the table's ``warning`` column.
 * Checkpoints: :func:`analyze` also takes a safetensors path and streams it one tensor at a time
-  (:mod:`lalr_lightning.core.checkpoints`).
+  (:mod:`lalr_lightning.core.runtime.safetensors_checkpoints`).
 """
 
 from __future__ import annotations
@@ -56,9 +56,8 @@ from torch import Tensor, nn
 
 from lalr_lightning import progress
 from lalr_lightning.choices import unknown
-
-from .checkpoints import is_checkpoint_path, load_matrix, stored_matrices
-from .layers import Layer, matrix_layers
+from lalr_lightning.core.model.layers import Layer, matrix_layers
+from lalr_lightning.core.runtime.safetensors_checkpoints import is_checkpoint_path, load_matrix, stored_matrices
 
 __all__ = [
     "FITS",
@@ -361,7 +360,6 @@ def _esds_of(
     With ``shuffle_seed`` each matrix's entries are shuffled first (WW's randomized ESD).
     """
     _check_dtype(dtype)
-    eps_rank = float(torch.finfo(dtype).eps)
     prepared: list[tuple[Tensor, float]] = []
     for entry in entries:
         mats, scale = _slices(entry.get(), entry.kind)
@@ -370,51 +368,73 @@ def _esds_of(
         if shuffle_seed is not None:
             mats = _shuffled(mats, entry.name, shuffle_seed)
         prepared.append((mats, scale))
-    exps: dict[int, int | None] = {}
-    bad: set[int] = set()
+    batch = _EsdBatch(entries, prepared, dtype)
+    with torch.no_grad():
+        batch.run_groups(bar)
+        if not batch.bad:
+            batch.guard(thr)
+    if batch.bad:
+        names = [entries[k].name for k in sorted(batch.bad)]
+        raise ValueError(
+            f"layer(s) {names} have NaN or Inf weights, so they have no spectrum; fix the training "
+            "instability (lower LR, gradient clipping) or leave these layers out of the analysis"
+        )
+    return batch.out  # type: ignore[return-value]
 
-    def exponent(k: int, route: str) -> int:
+
+class _EsdBatch:
+    """The solver calls of :func:`_esds_of`: ``prepared[k]`` (slices, scale) of ``entries[k]`` go
+    to ``out[k]``; ``bad`` collects the matrices with NaN or Inf weights (nothing more is solved
+    once one is found)."""
+
+    def __init__(self, entries: Sequence[_Entry], prepared: list[tuple[Tensor, float]], dtype: torch.dtype):
+        self.entries, self.prepared, self.dtype = entries, prepared, dtype
+        self.eps_rank = float(torch.finfo(dtype).eps)
+        self.exps: dict[int, int | None] = {}
+        self.bad: set[int] = set()
+        self.out: list[_Esd | None] = [None] * len(entries)
+
+    def exponent(self, k: int, route: str) -> int:
         """The rescaling exponent: 0 unless max|w| is outside 2**+-60 (nothing to protect)."""
-        mats = prepared[k][0]
+        mats = self.prepared[k][0]
         if mats.dtype != torch.float64 and (route == "gram64" or (route in ("svd32", "svd64") and mats.device.type == "cpu")):
             # a float32/16 weight cannot leave float64's range when squared, and LAPACK's gesdd
             # rescales extreme inputs itself; NaN/Inf weights show in the result
             return 0
-        if k not in exps:
-            exps[k] = _exponent(mats)
-        e = exps[k]
+        if k not in self.exps:
+            self.exps[k] = _exponent(mats)
+        e = self.exps[k]
         if e is None:
-            bad.add(k)
+            self.bad.add(k)
             return 0
         return e if abs(e) > _SAFE_EXP else 0
 
-    groups: dict[tuple, list[int]] = defaultdict(list)
-    for k, (mats, _) in enumerate(prepared):
-        _, m, n = mats.shape
-        groups[(mats.device, m, n, _route(dtype, m, n, mats.device))].append(k)
-    out: list[_Esd | None] = [None] * len(entries)
-
-    def run(ks: list[int], route: str) -> None:
-        es = [exponent(k, route) for k in ks]
-        if bad:
+    def run(self, ks: list[int], route: str) -> None:
+        es = [self.exponent(k, route) for k in ks]
+        if self.bad:
             return
         try:
-            evs = _solve([(prepared[k][0], e) for k, e in zip(ks, es)], route)
+            evs = _solve([(self.prepared[k][0], e) for k, e in zip(ks, es)], route)
         except RuntimeError:  # LAPACK refuses non-finite input
             for k in ks:
-                exponent(k, "check")
-            if bad:
+                self.exponent(k, "check")
+            if self.bad:
                 return
             raise
         for k, e, ev in zip(ks, es, evs):
-            mats, scale = prepared[k]
+            mats, scale = self.prepared[k]
             if not bool(torch.isfinite(ev).all()):
-                exponent(k, "check")  # look at the weights: NaN/Inf ones are reported below
-                if k in bad:
+                self.exponent(k, "check")  # look at the weights: NaN/Inf ones are reported below
+                if k in self.bad:
                     continue
-            out[k] = _finish(entries[k].name, ev, e, scale, route, mats.shape[1], mats.dtype, eps_rank)
+            self.out[k] = _finish(self.entries[k].name, ev, e, scale, route, mats.shape[1], mats.dtype, self.eps_rank)
 
-    with torch.no_grad():
+    def run_groups(self, bar) -> None:
+        """One solver call per (device, slice shape, route) group, split by the memory cap."""
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        for k, (mats, _) in enumerate(self.prepared):
+            _, m, n = mats.shape
+            groups[(mats.device, m, n, _route(self.dtype, m, n, mats.device))].append(k)
         for (dev, m, n, route), members in groups.items():
             per = max(1, _MAX_STACK // (m * n))  # slices per solver call (memory cap)
             if dev.type == "cpu" and m * n > _CPU_STACK:
@@ -422,30 +442,25 @@ def _esds_of(
             chunk: list[int] = []
             count = 0
             for k in members:
-                b = prepared[k][0].shape[0]
+                b = self.prepared[k][0].shape[0]
                 if chunk and count + b > per:
-                    run(chunk, route)
+                    self.run(chunk, route)
                     chunk, count = [], 0
                 chunk.append(k)
                 count += b
             if chunk:
-                run(chunk, route)
+                self.run(chunk, route)
             if bar is not None:
                 bar.update(len(members))
-        if not bad:
-            for k, r in enumerate(out):  # accuracy guards (rare: ill-conditioned or near-threshold layers)
-                if r.route == "gram64" and not _gram_ok(r, thr):
-                    run([k], "svd32")
-                    r = out[k]
-                if thr is not None and r.route != "svd64" and _undecided(r, thr):
-                    run([k], "svd64")
-    if bad:
-        names = [entries[k].name for k in sorted(bad)]
-        raise ValueError(
-            f"layer(s) {names} have NaN or Inf weights, so they have no spectrum; fix the training "
-            "instability (lower LR, gradient clipping) or leave these layers out of the analysis"
-        )
-    return out  # type: ignore[return-value]
+
+    def guard(self, thr: float | None) -> None:
+        """Accuracy guards (rare: ill-conditioned or near-threshold layers)."""
+        for k, r in enumerate(self.out):
+            if r.route == "gram64" and not _gram_ok(r, thr):
+                self.run([k], "svd32")
+                r = self.out[k]
+            if thr is not None and r.route != "svd64" and _undecided(r, thr):
+                self.run([k], "svd64")
 
 
 def layer_esd(weight: Tensor, kind: str, *, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -888,16 +903,7 @@ def _analyze(
     wanted = _check_metrics(metrics)
     device = _check_device(device)
     streamed = is_checkpoint_path(source)
-    entries = _entries(source, layer_types, device)
-    counts = [_num_evals(e.shape, e.kind) for e in entries]
-    few = [e.name for e, c in zip(entries, counts) if c < min_evals]
-    many = [e.name for e, c in zip(entries, counts) if max_evals is not None and c > max_evals]
-    if few:
-        warnings.warn(f"spectral analysis skips {len(few)} layer(s) with fewer than min_evals={min_evals} eigenvalues: {few}", stacklevel=3)
-    if many:
-        warnings.warn(f"spectral analysis skips {len(many)} layer(s) with more than max_evals={max_evals} eigenvalues: {many}", stacklevel=3)
-    skip = set(few) | set(many)
-    entries = [e for e in entries if e.name not in skip]
+    entries = _within_counts(_entries(source, layer_types, device), min_evals, max_evals)
     cols = ["name", "kind", "shape", *wanted, "warning"]
     if not entries:
         return pd.DataFrame(columns=cols), {}
@@ -907,16 +913,7 @@ def _analyze(
     bar = _progress(progress, len(entries))
     try:
         if streamed:  # one stored matrix in memory at a time
-            esds, rand = [], []
-            for entry in entries:
-                w = entry.get()
-                one = [_Entry(entry.name, entry.kind, entry.shape, lambda w=w: w)]
-                esds += _esds_of(one, dtype, thr=thr, device=device)
-                if "rand_distance" in wset:
-                    rand += _esds_of(one, dtype, device=device, shuffle_seed=rand_seed)
-                del w, one
-                if bar is not None:
-                    bar.update(1)
+            esds, rand = _streamed_esds(entries, dtype, thr, device, "rand_distance" in wset, rand_seed, bar)
         else:
             esds = _esds_of(entries, dtype, thr=thr, device=device, bar=bar)
             rand = _esds_of(entries, dtype, device=device, shuffle_seed=rand_seed) if "rand_distance" in wset else []
@@ -924,6 +921,57 @@ def _analyze(
         if bar is not None:
             bar.close()
     fits = _fit_esds(esds, fit, xmin_pos, filter_zeros) if fitting else [None] * len(entries)
+    rows = _metric_table_rows(entries, esds, fits, wset)
+    for k, r in enumerate(rand):
+        x = esds[k].evals
+        rows[k]["rand_distance"] = _js_distance(x, r.evals) if float(x[-1]) > 0 else math.nan
+    for e, row in zip(entries, rows):
+        row.update(name=e.name, kind=e.kind, shape=e.shape)
+    table = pd.DataFrame([{c: row[c] for c in cols} for row in rows], columns=cols)
+    degenerate = [f"{e.name} ({f})" for e, f in zip(entries, fits) if isinstance(f, str)]
+    if degenerate:
+        warnings.warn(
+            "no power-law fit (NaN alpha and fit columns) for: " + "; ".join(degenerate)
+            + ". The table's 'warning' column says why for each layer.",
+            stacklevel=3,
+        )
+    return table, {e.name: r.evals for e, r in zip(entries, esds)}
+
+
+def _within_counts(entries: list[_Entry], min_evals: int, max_evals: int | None) -> list[_Entry]:
+    """The entries with ``min_evals`` to ``max_evals`` eigenvalues; a warning names the others
+    (at the caller of :func:`analyze`: ``stacklevel`` counts this frame and ``_analyze``'s)."""
+    counts = [_num_evals(e.shape, e.kind) for e in entries]
+    few = [e.name for e, c in zip(entries, counts) if c < min_evals]
+    many = [e.name for e, c in zip(entries, counts) if max_evals is not None and c > max_evals]
+    if few:
+        warnings.warn(f"spectral analysis skips {len(few)} layer(s) with fewer than min_evals={min_evals} eigenvalues: {few}", stacklevel=4)
+    if many:
+        warnings.warn(f"spectral analysis skips {len(many)} layer(s) with more than max_evals={max_evals} eigenvalues: {many}", stacklevel=4)
+    skip = set(few) | set(many)
+    return [e for e in entries if e.name not in skip]
+
+
+def _streamed_esds(entries: list[_Entry], dtype: torch.dtype, thr: float | None, device, shuffled: bool,
+                   rand_seed: int, bar) -> tuple[list[_Esd], list[_Esd]]:
+    """The ESDs (and, when ``shuffled``, those of the shuffled weights) of stored matrices,
+    loading one matrix at a time."""
+    esds, rand = [], []
+    for entry in entries:
+        w = entry.get()
+        one = [_Entry(entry.name, entry.kind, entry.shape, lambda w=w: w)]
+        esds += _esds_of(one, dtype, thr=thr, device=device)
+        if shuffled:
+            rand += _esds_of(one, dtype, device=device, shuffle_seed=rand_seed)
+        del w, one
+        if bar is not None:
+            bar.update(1)
+    return esds, rand
+
+
+def _metric_table_rows(entries: list[_Entry], esds: list[_Esd], fits: list, wset: set) -> list[dict]:
+    """One row of metrics and fit columns per entry (with its ``warning``), computed batched over
+    the ESDs of one length and device."""
     rows: list[dict] = [{} for _ in entries]
     groups: dict[tuple, list[int]] = defaultdict(list)
     for k, r in enumerate(esds):
@@ -939,29 +987,21 @@ def _analyze(
         for k, (row, notes) in zip(ks, out):
             f = fits[k]
             row.update({c: f[c] for c in _FIT_COLS} if isinstance(f, dict) else {c: math.nan for c in _FIT_COLS})
-            if isinstance(f, str) and f != "all-zero weights":
-                notes.append(f"no power-law fit: {f}")
-            elif isinstance(f, dict) and "alpha" in wset:
-                if f["alpha"] < ALPHA_LOW:
-                    notes.append(f"alpha < {ALPHA_LOW:g}: very heavy tail (WeightWatcher's 'over-trained')")
-                elif f["alpha"] > ALPHA_HIGH:
-                    notes.append(f"alpha > {ALPHA_HIGH:g}: no heavy tail (WeightWatcher's 'under-trained')")
-            row["warning"] = "; ".join(notes)
+            row["warning"] = "; ".join(notes + _fit_notes(f, wset))
             rows[k] = row
-    for k, r in enumerate(rand):
-        x = esds[k].evals
-        rows[k]["rand_distance"] = _js_distance(x, r.evals) if float(x[-1]) > 0 else math.nan
-    for e, row in zip(entries, rows):
-        row.update(name=e.name, kind=e.kind, shape=e.shape)
-    table = pd.DataFrame([{c: row[c] for c in cols} for row in rows], columns=cols)
-    degenerate = [f"{e.name} ({f})" for e, f in zip(entries, fits) if isinstance(f, str)]
-    if degenerate:
-        warnings.warn(
-            "no power-law fit (NaN alpha and fit columns) for: " + "; ".join(degenerate)
-            + ". The table's 'warning' column says why for each layer.",
-            stacklevel=3,
-        )
-    return table, {e.name: r.evals for e, r in zip(entries, esds)}
+    return rows
+
+
+def _fit_notes(f: dict | str | None, wset: set) -> list[str]:
+    """The warning column's notes on a layer's fit: why there is none, or alpha out of WW's range."""
+    if isinstance(f, str) and f != "all-zero weights":
+        return [f"no power-law fit: {f}"]
+    if isinstance(f, dict) and "alpha" in wset:
+        if f["alpha"] < ALPHA_LOW:
+            return [f"alpha < {ALPHA_LOW:g}: very heavy tail (WeightWatcher's 'over-trained')"]
+        if f["alpha"] > ALPHA_HIGH:
+            return [f"alpha > {ALPHA_HIGH:g}: no heavy tail (WeightWatcher's 'under-trained')"]
+    return []
 
 
 def analyze(

@@ -7,11 +7,11 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from lalr_lightning.choices import unknown
-from lalr_lightning.core import spectral
-from lalr_lightning.core.errors import reject_stray
-from lalr_lightning.core.layers import check_kinds
-from lalr_lightning.core.llm_pruning import CRITERIA, check_nm, needs_stats
-from lalr_lightning.core.pruning import DIRECTIONS, OVERFLOW, PRUNING_METRICS
+from lalr_lightning.core.model.layers import check_kinds
+from lalr_lightning.core.pruning.alphapruning import DIRECTIONS, OVERFLOW, PRUNING_METRICS
+from lalr_lightning.core.pruning.criteria import CRITERIA, check_nm, needs_stats
+from lalr_lightning.core.runtime.errors import reject_stray
+from lalr_lightning.core.spectral import htsr
 
 __all__ = ["FITTED", "PRESETS", "pruning_settings"]
 
@@ -53,77 +53,22 @@ def pruning_settings(
                  {"magnitude": (), "wanda": ("n_calibration", "calibration"),
                   "sparsegpt": ("n_calibration", "calibration", "blocksize", "percdamp")})
     if m:
-        # N:M prunes n of every m weights of every row: one ratio, n/m, for every layer. AlphaPruning's
-        # own code does the same (its N:M branches never read the per-layer ratios).
-        if target_sparsity is not None and abs(float(target_sparsity) - n / m) > 1e-9:
-            raise ValueError(
-                f"n={n}, m={m} prunes {n / m:g} of every layer, but target_sparsity={target_sparsity}; "
-                f"drop target_sparsity (or set it to {n / m:g})"
-            )
-        if epsilon is not None and epsilon > 0:
-            raise ValueError(
-                f"N:M sparsity (n={n}, m={m}) prunes every layer at n/m, so HT-SR's per-layer ratios "
-                f"(epsilon={epsilon}) cannot apply; drop epsilon (or n/m for per-layer ratios)"
-            )
-        if preset is not None:  # as the prune command: a preset is per-layer ratios
-            raise ValueError(
-                f"N:M sparsity (n={n}, m={m}) prunes every layer at n/m, so preset={preset!r}'s per-layer "
-                "ratios cannot apply; drop preset (min_numel=1, min_evals=1 prune every matrix as it does)"
-            )
-        target_sparsity, epsilon = n / m, 0.0
+        target_sparsity, epsilon = _nm_ratios(n, m, target_sparsity, epsilon, preset)
     target_sparsity = 0.5 if target_sparsity is None else target_sparsity
     metric = fill["metric"] if metric is None else metric
     epsilon = fill["epsilon"] if epsilon is None else epsilon
     block_average = fill["block_average"] if block_average is None else block_average
     min_numel = fill["min_numel"] if min_numel is None else min_numel
     min_evals = fill["min_evals"] if min_evals is None else min_evals
-    if metric not in PRUNING_METRICS:
-        raise unknown("metric", metric, PRUNING_METRICS)
-    if direction not in DIRECTIONS:
-        raise unknown("direction", direction, DIRECTIONS)
-    if overflow not in OVERFLOW:
-        raise unknown("overflow", overflow, OVERFLOW)
-    if fit is not None and fit not in spectral.FITS:
-        raise unknown("fit", fit, spectral.FITS)
+    _check_choices(metric, direction, overflow, fit)
     reject_stray(who, "metric", metric, given_fit,
                 {m: ("fit", "filter_zeros") if m in FITTED else () for m in PRUNING_METRICS})
     reject_stray(who, "structured", structured, {"channel_step": channel_step}, {True: ("channel_step",), False: ()})
     if blocks is not None and not block_average:
         raise ValueError("blocks only applies with block_average=True (the blocks the metric is averaged over)")
-    if not 0.0 < max_ratio <= 1.0:
-        raise ValueError(f"max_ratio must be in (0, 1], got {max_ratio}")
-    if not 0.0 <= target_sparsity < 1.0:
-        raise ValueError(
-            f"target_sparsity must be in [0, 1) (the fraction of the pruned layers' weights set to zero), "
-            f"got {target_sparsity}"
-        )
-    if target_sparsity > max_ratio:
-        raise ValueError(f"target_sparsity {target_sparsity} exceeds max_ratio={max_ratio}; raise max_ratio")
-    if not 0.0 <= epsilon <= 1.0:
-        raise ValueError(
-            f"epsilon must be in [0, 1] (ratios spread over [1 - eps, 1 + eps] x target; a larger eps gives "
-            f"negative ratios), got {epsilon}; AlphaPruning uses 0.3, 0 is uniform pruning"
-        )
-    if isinstance(when, bool) or not (when in ("fit_start", "gradual") or (isinstance(when, int) and when >= 0)):
-        raise ValueError(f"when must be 'fit_start', 'gradual' or an epoch number >= 0, got {when!r}")
-    if structured and (criterion != "magnitude" or m):
-        raise ValueError(
-            f"structured=True prunes whole output channels by their L2 norm; criterion={criterion!r}"
-            + (f" with n={n}, m={m}" if m else "") + " prunes single weights: drop structured=True"
-        )
-    if when == "gradual" and (criterion != "magnitude" or m):
-        raise ValueError(
-            f"when='gradual' grows magnitude masks over epochs; criterion={criterion!r}"
-            + (f" with n={n}, m={m}" if m else "") + " prunes once: use when='fit_start' or an epoch number"
-        )
-    if n_calibration is not None and (isinstance(n_calibration, bool) or int(n_calibration) < 1):
-        raise ValueError(f"n_calibration must be >= 1 (calibration sequences), got {n_calibration}")
-    if blocksize is not None and int(blocksize) < 1:
-        raise ValueError(f"blocksize must be >= 1, got {blocksize}")
-    if blocksize is not None and m and int(blocksize) % m:
-        raise ValueError(f"blocksize ({blocksize}) must be a multiple of m={m}")
-    if percdamp is not None and not float(percdamp) >= 0:
-        raise ValueError(f"percdamp must be >= 0 (SparseGPT's dampening, 0.01), got {percdamp}")
+    _check_ratios(max_ratio, target_sparsity, epsilon)
+    _check_when(when, structured, criterion, n, m)
+    _check_calibration(n_calibration, blocksize, percdamp, m)
     if when == "gradual":
         if gradual_epochs is None or int(gradual_epochs) < 1:
             raise ValueError("when='gradual' needs gradual_epochs >= 1 (the number of pruning epochs)")
@@ -153,3 +98,81 @@ def pruning_settings(
         blocksize=(128 if blocksize is None else int(blocksize)) if criterion == "sparsegpt" else None,
         percdamp=(0.01 if percdamp is None else float(percdamp)) if criterion == "sparsegpt" else None,
     )
+
+
+def _nm_ratios(n: int, m: int, target_sparsity: float | None, epsilon: float | None,
+               preset: str | None) -> tuple[float, float]:
+    """N:M sparsity's one ratio, ``n / m``, and ``epsilon = 0``; an error for anything that asks otherwise."""
+    # N:M prunes n of every m weights of every row: one ratio, n/m, for every layer. AlphaPruning's
+    # own code does the same (its N:M branches never read the per-layer ratios).
+    if target_sparsity is not None and abs(float(target_sparsity) - n / m) > 1e-9:
+        raise ValueError(
+            f"n={n}, m={m} prunes {n / m:g} of every layer, but target_sparsity={target_sparsity}; "
+            f"drop target_sparsity (or set it to {n / m:g})"
+        )
+    if epsilon is not None and epsilon > 0:
+        raise ValueError(
+            f"N:M sparsity (n={n}, m={m}) prunes every layer at n/m, so HT-SR's per-layer ratios "
+            f"(epsilon={epsilon}) cannot apply; drop epsilon (or n/m for per-layer ratios)"
+        )
+    if preset is not None:  # as the prune command: a preset is per-layer ratios
+        raise ValueError(
+            f"N:M sparsity (n={n}, m={m}) prunes every layer at n/m, so preset={preset!r}'s per-layer "
+            "ratios cannot apply; drop preset (min_numel=1, min_evals=1 prune every matrix as it does)"
+        )
+    return n / m, 0.0
+
+
+def _check_choices(metric: str, direction: str, overflow: str, fit: str | None) -> None:
+    if metric not in PRUNING_METRICS:
+        raise unknown("metric", metric, PRUNING_METRICS)
+    if direction not in DIRECTIONS:
+        raise unknown("direction", direction, DIRECTIONS)
+    if overflow not in OVERFLOW:
+        raise unknown("overflow", overflow, OVERFLOW)
+    if fit is not None and fit not in htsr.FITS:
+        raise unknown("fit", fit, htsr.FITS)
+
+
+def _check_ratios(max_ratio: float, target_sparsity: float, epsilon: float) -> None:
+    if not 0.0 < max_ratio <= 1.0:
+        raise ValueError(f"max_ratio must be in (0, 1], got {max_ratio}")
+    if not 0.0 <= target_sparsity < 1.0:
+        raise ValueError(
+            f"target_sparsity must be in [0, 1) (the fraction of the pruned layers' weights set to zero), "
+            f"got {target_sparsity}"
+        )
+    if target_sparsity > max_ratio:
+        raise ValueError(f"target_sparsity {target_sparsity} exceeds max_ratio={max_ratio}; raise max_ratio")
+    if not 0.0 <= epsilon <= 1.0:
+        raise ValueError(
+            f"epsilon must be in [0, 1] (ratios spread over [1 - eps, 1 + eps] x target; a larger eps gives "
+            f"negative ratios), got {epsilon}; AlphaPruning uses 0.3, 0 is uniform pruning"
+        )
+
+
+def _check_when(when: str | int, structured: bool, criterion: str, n: int, m: int) -> None:
+    """When and how the criterion prunes: ``structured`` and ``when='gradual'`` are magnitude's alone."""
+    if isinstance(when, bool) or not (when in ("fit_start", "gradual") or (isinstance(when, int) and when >= 0)):
+        raise ValueError(f"when must be 'fit_start', 'gradual' or an epoch number >= 0, got {when!r}")
+    if structured and (criterion != "magnitude" or m):
+        raise ValueError(
+            f"structured=True prunes whole output channels by their L2 norm; criterion={criterion!r}"
+            + (f" with n={n}, m={m}" if m else "") + " prunes single weights: drop structured=True"
+        )
+    if when == "gradual" and (criterion != "magnitude" or m):
+        raise ValueError(
+            f"when='gradual' grows magnitude masks over epochs; criterion={criterion!r}"
+            + (f" with n={n}, m={m}" if m else "") + " prunes once: use when='fit_start' or an epoch number"
+        )
+
+
+def _check_calibration(n_calibration: int | None, blocksize: int | None, percdamp: float | None, m: int) -> None:
+    if n_calibration is not None and (isinstance(n_calibration, bool) or int(n_calibration) < 1):
+        raise ValueError(f"n_calibration must be >= 1 (calibration sequences), got {n_calibration}")
+    if blocksize is not None and int(blocksize) < 1:
+        raise ValueError(f"blocksize must be >= 1, got {blocksize}")
+    if blocksize is not None and m and int(blocksize) % m:
+        raise ValueError(f"blocksize ({blocksize}) must be a multiple of m={m}")
+    if percdamp is not None and not float(percdamp) >= 0:
+        raise ValueError(f"percdamp must be >= 0 (SparseGPT's dampening, 0.01), got {percdamp}")

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lalr_lightning.choices import unknown
-from lalr_lightning.core.layers import Layer, clean_name
+from lalr_lightning.core.model.layers import Layer, clean_name
 
 __all__ = [
     "LIFT_ORDERS",
@@ -141,19 +141,7 @@ def select_blocks(select: str | int | Sequence[str | int], names: Sequence[str])
     chosen: set[str] = set()
     for item in items:
         _check_item(item)
-        if isinstance(item, int) or item.startswith("block:"):
-            idx = item if isinstance(item, int) else int(item[len("block:"):])
-            if not -len(names) <= idx < len(names):
-                raise ValueError(f"block index {idx} does not exist; the model's blocks are: {_block_list(names)}")
-            hits = [names[idx]]
-        elif item == "first":
-            hits = [names[0]]
-        elif item == "last":
-            hits = [names[-1]]
-        elif item == "all":
-            hits = list(names)
-        else:
-            hits = [n for n in names if n == item or fnmatchcase(n, item)]
+        hits = _hits(item, names)
         if not hits:
             raise ValueError(
                 f"block {item!r} does not exist; the model's blocks are: {_block_list(names)} "
@@ -161,6 +149,22 @@ def select_blocks(select: str | int | Sequence[str | int], names: Sequence[str])
             )
         chosen.update(hits)
     return [n for n in names if n in chosen]
+
+
+def _hits(item: str | int, names: Sequence[str]) -> list[str]:
+    """The block names one checked item of a fixed selection names (maybe none)."""
+    if isinstance(item, int) or item.startswith("block:"):
+        idx = item if isinstance(item, int) else int(item[len("block:"):])
+        if not -len(names) <= idx < len(names):
+            raise ValueError(f"block index {idx} does not exist; the model's blocks are: {_block_list(names)}")
+        return [names[idx]]
+    if item == "first":
+        return [names[0]]
+    if item == "last":
+        return [names[-1]]
+    if item == "all":
+        return list(names)
+    return [n for n in names if n == item or fnmatchcase(n, item)]
 
 
 def lift_block(order: str, switch: int, n_blocks: int, seed: int = 0) -> int:

@@ -1,13 +1,13 @@
 """Prune a model's chosen layers by a criterion at given per-layer ratios (pure PyTorch).
 
-The glue between the per-layer ratios of :mod:`lalr_lightning.core.pruning` (what
-``HTSRPruning`` decides) and the criteria of :mod:`lalr_lightning.core.llm_pruning`:
+The glue between the per-layer ratios of :mod:`lalr_lightning.core.pruning.alphapruning` (what
+``HTSRPruning`` decides) and the criteria of :mod:`lalr_lightning.core.pruning.criteria`:
 
 * ``magnitude`` needs no data (``criterion_prune`` is only used for it with N:M; unstructured
-  magnitude stays :func:`lalr_lightning.core.pruning.layer_masks`).
+  magnitude stays :func:`lalr_lightning.core.pruning.alphapruning.layer_masks`).
 * ``wanda`` and ``sparsegpt`` need each layer's calibration inputs. In a Hugging Face causal LM
   (:func:`find_causal_lm`) they are taken block by block in the order the model runs its blocks
-  (:func:`lalr_lightning.core.calibration.run_blocks`): each block is calibrated on what the
+  (:func:`lalr_lightning.core.pruning.calibration.run_blocks`): each block is calibrated on what the
   already-pruned blocks before it produce, as Wanda's and SparseGPT's own code. In any other
   model (no transformer blocks) every pruned layer must be a ``Linear`` -- or, with
   ``convolutions=True``, a ``Conv2d`` (``groups=1``), pruned as its ``(out, in x kh x kw)``
@@ -28,16 +28,16 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from lalr_lightning.core.calibration import (
+from lalr_lightning.core.model.layers import Layer
+from lalr_lightning.core.model.probe import take
+from lalr_lightning.core.pruning.calibration import (
     capture_block_inputs,
     decoder_blocks,
     run_blocks,
     set_weight_matrix,
     weight_matrix,
 )
-from lalr_lightning.core.layers import Layer
-from lalr_lightning.core.llm_pruning import InputStats, check_nm, needs_stats, prune_weight
-from lalr_lightning.core.probe import take
+from lalr_lightning.core.pruning.criteria import InputStats, check_nm, needs_stats, prune_weight
 
 __all__ = ["LINEAR_KINDS", "take_samples", "sample_count", "find_causal_lm", "weight_name", "criterion_prune", "load_weights"]
 
@@ -78,7 +78,7 @@ def sample_count(batches: Iterable) -> int:
 
 def find_causal_lm(model: nn.Module) -> nn.Module | None:
     """The outermost module of ``model`` (itself included) that is a Hugging Face model with
-    transformer blocks (:func:`~lalr_lightning.core.calibration.decoder_blocks`), or None."""
+    transformer blocks (:func:`~lalr_lightning.core.pruning.calibration.decoder_blocks`), or None."""
     for mod in model.modules():
         if getattr(mod, "config", None) is None:
             continue
@@ -192,70 +192,87 @@ def criterion_prune(
     n, m = check_nm(n, m)
     if criterion != "magnitude" or m:
         _check_layers(layers, criterion, m, convolutions)
+
+    def one(la: Layer, stats: InputStats | None) -> torch.Tensor:
+        return _prune_one(la, ratios[la.name], criterion, stats, n, m, blocksize, percdamp)
+
     if not needs_stats(criterion):
-        return {weight_name(la): _prune_one(la, ratios[la.name], criterion, None, n, m, blocksize, percdamp)
-                for la in layers}
+        return {weight_name(la): one(la, None) for la in layers}
     if not batches:
         raise ValueError(f"criterion={criterion!r} needs calibration batches; none were given")
     hessian = criterion == "sparsegpt"
-    by_module = {id(la.module): la for la in layers}
-    masks: dict[str, torch.Tensor] = {}
     lm = find_causal_lm(model)
     modes = {mod: mod.training for mod in model.modules()}  # put back as they were (some may be in eval)
     model.eval()
     try:
         if lm is not None:
-            _, blocks = decoder_blocks(lm)
-            inside = {id(mod) for block in blocks for mod in block.modules()}
-            outside = [la.name for la in layers if id(la.module) not in inside]
-            if outside:
-                raise ValueError(
-                    f"criterion={criterion!r} calibrates the transformer blocks one after another; these pruned "
-                    f"layers lie outside them: {', '.join(outside[:5])}; leave them dense (head=False, or "
-                    "min_numel above their size) or prune by magnitude"
-                )
-
-            def prune_block(_index, block, stats):
-                for rel, mod in block.named_modules():
-                    la = by_module.get(id(mod))
-                    if la is not None:
-                        masks[weight_name(la)] = _prune_one(la, ratios[la.name], criterion, stats[rel], n, m,
-                                                            blocksize, percdamp)
-
-            run_blocks(blocks, capture_block_inputs(lm, batches), prune_block, stats=True, hessian=hessian)
+            masks = _prune_block_by_block(lm, layers, batches, criterion, hessian, one)
         else:
-            if forward is None:
-                raise ValueError(
-                    f"{type(model).__name__} has no transformer blocks and no forward function was given to run "
-                    "it on the calibration batches"
-                )
-            stats = {la.name: InputStats(_matrix(la.module).shape[1], hessian=hessian,
-                                         device=la.weight.device) for la in layers}
-
-            def hook(name):
-                def add(mod, args):
-                    x = args[0]
-                    if isinstance(mod, nn.Conv2d):  # every patch a row; the samples are the images
-                        stats[name].add(_unfolded(mod, x if x.ndim == 4 else x.unsqueeze(0)),
-                                        samples=x.shape[0] if x.ndim == 4 else 1)
-                    else:
-                        stats[name].add(x)
-                return add
-
-            handles = [la.module.register_forward_pre_hook(hook(la.name)) for la in layers]
-            try:
-                for batch in batches:
-                    forward(batch)
-            finally:
-                for h in handles:
-                    h.remove()
-            for la in layers:
-                masks[weight_name(la)] = _prune_one(la, ratios[la.name], criterion, stats[la.name], n, m,
-                                                    blocksize, percdamp)
+            masks = _prune_with_hooks(model, layers, batches, hessian, forward, one)
     finally:
         for mod, training in modes.items():
             mod.training = training
     return {weight_name(la): masks[weight_name(la)] for la in layers}
+
+
+def _prune_block_by_block(lm: nn.Module, layers: Sequence[Layer], batches: Sequence, criterion: str, hessian: bool,
+                          one: Callable[[Layer, InputStats], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A causal LM's layers pruned as its transformer blocks are calibrated one after another."""
+    _, blocks = decoder_blocks(lm)
+    inside = {id(mod) for block in blocks for mod in block.modules()}
+    outside = [la.name for la in layers if id(la.module) not in inside]
+    if outside:
+        raise ValueError(
+            f"criterion={criterion!r} calibrates the transformer blocks one after another; these pruned "
+            f"layers lie outside them: {', '.join(outside[:5])}; leave them dense (head=False, or "
+            "min_numel above their size) or prune by magnitude"
+        )
+    by_module = {id(la.module): la for la in layers}
+    masks: dict[str, torch.Tensor] = {}
+
+    def prune_block(_index, block, stats):
+        for rel, mod in block.named_modules():
+            la = by_module.get(id(mod))
+            if la is not None:
+                masks[weight_name(la)] = one(la, stats[rel])
+
+    run_blocks(blocks, capture_block_inputs(lm, batches), prune_block, stats=True, hessian=hessian)
+    return masks
+
+
+def _prune_with_hooks(model: nn.Module, layers: Sequence[Layer], batches: Sequence, hessian: bool,
+                      forward: Callable[[object], object] | None,
+                      one: Callable[[Layer, InputStats], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A model without transformer blocks: every layer's inputs gathered over ``forward(batch)``
+    of all the batches, then each layer pruned."""
+    if forward is None:
+        raise ValueError(
+            f"{type(model).__name__} has no transformer blocks and no forward function was given to run "
+            "it on the calibration batches"
+        )
+    stats = {la.name: InputStats(_matrix(la.module).shape[1], hessian=hessian,
+                                 device=la.weight.device) for la in layers}
+    handles = [la.module.register_forward_pre_hook(_stats_hook(stats[la.name])) for la in layers]
+    try:
+        for batch in batches:
+            forward(batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return {weight_name(la): one(la, stats[la.name]) for la in layers}
+
+
+def _stats_hook(stats: InputStats) -> Callable:
+    """A forward pre-hook adding a layer's inputs to ``stats``."""
+
+    def add(mod, args):
+        x = args[0]
+        if isinstance(mod, nn.Conv2d):  # every patch a row; the samples are the images
+            stats.add(_unfolded(mod, x if x.ndim == 4 else x.unsqueeze(0)), samples=x.shape[0] if x.ndim == 4 else 1)
+        else:
+            stats.add(x)
+
+    return add
 
 
 @torch.no_grad()

@@ -3,7 +3,7 @@
 The three criteria prune one linear layer ``y = x W^T`` (``weight`` of shape ``(out, in)``; a
 GPT-2 ``Conv1D`` stores ``(in, out)``: pass its transpose) to a ratio, unstructured or N:M:
 
-* ``magnitude``: ``|W|``, compared over the whole matrix (as ``core.pruning.magnitude_mask`` and
+* ``magnitude``: ``|W|``, compared over the whole matrix (as ``core.pruning.alphapruning.magnitude_mask`` and
   AlphaPruning's ``prune_magnitude``); with N:M, within each group of ``m`` inputs of a row.
 * ``wanda`` (Sun et al. 2023): score ``|W_ij| * ||X_j||_2``, the weight times the norm of its input
   feature over the calibration tokens; compared within each output row (prune the
@@ -18,7 +18,7 @@ GPT-2 ``Conv1D`` stores ``(in, out)``: pass its transpose) to a ratio, unstructu
   (adaptive mask selection), over the whole block for unstructured sparsity and per ``m``
   columns of a row for N:M.
 
-API (what ``callbacks/pruning.py`` and ``core/calibration.py`` use):
+API (what ``callbacks/pruning.py`` and ``core/pruning/calibration.py`` use):
 
 * :class:`InputStats` ``(columns, *, hessian=True, dtype=torch.float32, device=None)``: the
   calibration inputs of one layer. ``add(x)`` takes ``x`` of shape ``(..., in)``; a 3-D (or more)
@@ -46,7 +46,7 @@ import math
 import torch
 
 from lalr_lightning.choices import unknown
-from lalr_lightning.core.pruning import magnitude_mask
+from lalr_lightning.core.pruning.alphapruning import magnitude_mask
 
 __all__ = [
     "CRITERIA",
@@ -323,7 +323,7 @@ def prune_weight(
     """Prune one ``(out, in)`` weight by ``criterion``: ``(new_weight, keep)``.
 
     ``magnitude``: unstructured over the whole matrix (``round(ratio * numel)`` smallest |w|, as
-    ``core.pruning.magnitude_mask``), N:M per row group; ``wanda``: :func:`wanda_scores` and
+    ``core.pruning.alphapruning.magnitude_mask``), N:M per row group; ``wanda``: :func:`wanda_scores` and
     :func:`keep_mask`; ``sparsegpt``: :func:`sparsegpt_prune` on ``stats.hessian()``.
     """
     _check_criterion(criterion)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lalr_lightning.core.layers import Layer
+from lalr_lightning.core.model.layers import Layer
 
 __all__ = ["ShardLayout", "all_sum", "assign_shares", "fsdp_units", "gather_objects", "is_dtensor", "local_tensor",
            "layer_paths", "layers_in", "materialize", "skeleton", "whole_weights"]

@@ -1,6 +1,6 @@
 """Which modules hold a layer weight matrix in the HT-SR sense -- the one predicate the layer
-listing (:mod:`~lalr_lightning.core.layers`) and the forward-pass block finder
-(:mod:`~lalr_lightning.core.forward_blocks`) share, so neither imports the other for it."""
+listing (:mod:`~lalr_lightning.core.model.layers`) and the forward-pass block finder
+(:mod:`~lalr_lightning.core.model.forward_blocks`) share, so neither imports the other for it."""
 
 from __future__ import annotations
 

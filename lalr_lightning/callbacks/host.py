@@ -1,0 +1,158 @@
+"""What a method may ask of the training loop: the :class:`Host`, written once, with no trainer in it.
+
+A method (TempBalance, LALR, a selection, ...) never sees the trainer. The timeline owner
+(:class:`~lalr_lightning.callbacks.base.LayerwiseCallback`) hands it a ``Host``, and the host
+answers in the terms below, whatever runs the loop. Lightning's ``Trainer`` is the first host
+(:class:`~lalr_lightning.callbacks.lightning_host.LightningHost`); a second one (Hugging Face's
+``Trainer`` through a ``TrainerCallback``) implements the same attributes and drives the same
+timeline events, and no method file changes (docs/design.md, "Hosts").
+
+:class:`Cadence` is when a method decides, declared, not written as hooks; ``say`` and ``warn``
+report once, from rank zero, with no trainer at hand.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["SHARDINGS", "Cadence", "Host", "rank", "say", "warn"]
+
+#: how the strategy holds the parameters: one process or replicated (``none``, ``ddp``), or in shards
+#: across the ranks (``fsdp1``: FSDP with ``use_orig_params``; ``fsdp2``: ``fully_shard``)
+SHARDINGS = ("none", "ddp", "fsdp1", "fsdp2")
+
+_log = logging.getLogger("lalr_lightning")
+
+
+def rank() -> int:
+    """This process's global rank (0 outside a process group), as launchers set it."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
+        if key in os.environ:
+            return int(os.environ[key])
+    return 0
+
+
+def say(message: str) -> None:
+    """An info line, from rank zero only."""
+    if rank() == 0:
+        _log.info(message)
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """A warning (``UserWarning``), from rank zero only."""
+    if rank() == 0:
+        warnings.warn(message, category, stacklevel=2)
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """When a method decides: at the start of a fresh fit (``start``), then every
+    ``every_n_epochs`` epochs (at the epoch's start) or every ``every_n_steps`` optimizer steps (at
+    the batch's start). A decision point is the interval it falls in: the owner decides at most
+    once per point, after a resume too (the last decision's epoch and step are in the history)."""
+
+    start: bool = False
+    every_n_epochs: int | None = None
+    every_n_steps: int | None = None
+
+    def due(self, where: str, now: int, last: Mapping[str, Any] | None) -> bool:
+        """Whether a decision is due at ``where`` (``"epoch"`` or ``"step"``) when the counter
+        is ``now``; ``last``: the last decision's history entry (None: none yet)."""
+        n = self.every_n_epochs if where == "epoch" else self.every_n_steps
+        if n is None:
+            return False
+        return last is None or now // n != int(last[where]) // n
+
+
+class Host(ABC):
+    """What a method may ask of the loop that trains the model (module docstring).
+
+    Counters, the world and the model are attributes; the rest are methods. Every rank has its
+    own host; a collective (``broadcast``, ``gather_objects``) is called by every rank."""
+
+    #: the model as the user wrote it (a ``LightningModule``, a ``transformers`` model)
+    module: nn.Module
+    #: the outermost module (the DDP wrapper; FSDP1's root unit, through which a forward gathers)
+    root: nn.Module
+    current_epoch: int
+    global_step: int
+    #: the step the loggers' curves use (Lightning: batches that stepped)
+    log_step: int
+    global_rank: int
+    world_size: int
+    is_global_zero: bool
+    #: one of :data:`SHARDINGS`
+    sharding: str
+    #: the optimizers, each controlled through ``core.control.LayerControl``
+    optimizers: list[torch.optim.Optimizer]
+    #: whether anything takes logs
+    loggers: Any
+    #: under DDP, the options the model will be wrapped with (a method may set
+    #: ``find_unused_parameters`` before the wrap); None elsewhere
+    ddp_options: dict | None = None
+
+    @property
+    def sharded(self) -> bool:
+        return self.sharding in ("fsdp1", "fsdp2")
+
+    @abstractmethod
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` from rank ``src`` on every rank."""
+
+    @abstractmethod
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+
+    #: where the model's weights live (or go, before the wrap)
+    device: torch.device
+    #: batches per optimizer step (the loss is divided by it before backward)
+    accumulate: int = 1
+    #: the mixed-precision loss scaler (``get_scale()``), None without one
+    grad_scaler: Any = None
+
+    @abstractmethod
+    def mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The mean of ``tensor`` over the ranks (a collective)."""
+
+    @abstractmethod
+    def to_device(self, batch: Any, precision: bool = True) -> Any:
+        """A batch a method drew itself, as the loop hands batches to the model: on its device,
+        floating tensors in the precision's input dtype (``precision=False``: as they are, for a
+        model not yet converted)."""
+
+    @abstractmethod
+    def forward_context(self) -> AbstractContextManager:
+        """The context the loop runs the model's forward in (autocast)."""
+
+    @abstractmethod
+    def batches(self, as_given: bool = False) -> Iterable | None:
+        """The training loader, to draw measurement batches from (``as_given``: as the user gave
+        it, without the distributed sampler the host adds, or None without one)."""
+
+    @abstractmethod
+    def log(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Numbers to every logger (rank zero only); ``step``: the curves' step, ``log_step`` if None."""
+
+    @abstractmethod
+    def should_log(self) -> bool:
+        """Whether this step is a logging step."""
+
+    @abstractmethod
+    def publish(self, method: Any, event: str, decision: Any = None) -> None:
+        """Tables, figures and settings for the loggers that show them (``start``, ``decision``, ``end``)."""
+
+    @abstractmethod
+    def stop_check(self) -> Callable[[], None]:
+        """A check a long measurement calls between chunks: raises once the loop was asked to stop."""
