@@ -503,6 +503,7 @@ def analyze_main(argv: list[str] | None = None) -> int:
                         "directory or .safetensors file is then loaded whole")
     p.add_argument("--preset", default=None, choices=[p for p in PRESETS if p != "owl"],
                    help="with --pruning: HTSRPruning's preset (alphapruning: AlphaPruning's LLM recipe)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (none is drawn when stderr is not a terminal)")
     p.add_argument("--unsafe-load", action="store_true",
                    help="read torch files that hold Python objects besides tensors (torch.load weights_only=False); "
                         "this runs code named in the file: only for files you trust")
@@ -528,12 +529,12 @@ def analyze_main(argv: list[str] | None = None) -> int:
     try:
         if _streamed(args.model):  # every stored matrix, lm_head included, under the checkpoint's own names
             model = None
-            df, esds = htsr._analyze(args.model, device=args.device, progress=True, **kw)
+            df, esds = htsr._analyze(args.model, device=args.device, progress=not args.quiet, **kw)
             kinds = dict(zip(df["name"], df["kind"]))
             head = "lm_head" if "lm_head" in kinds else next((n for n, k in kinds.items() if k == "embedding"), None)
         else:
             model = load_for_analysis(args.model, pretrained=args.pretrained, weights_only=not args.unsafe_load)
-            df, esds = htsr._analyze(model, device=args.device, **kw)
+            df, esds = htsr._analyze(model, device=args.device, progress=not args.quiet, **kw)
             from lalr_lightning.core.model.layers import output_layer
 
             kinds = dict(zip(df["name"], df["kind"]))

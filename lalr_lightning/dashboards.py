@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from lalr_lightning.choices import unknown
 from lalr_lightning.core.runtime.decision import Decision
 
 __all__ = ["decision_table", "esd_figures", "markdown_table", "publish"]
@@ -189,7 +190,7 @@ def publish(trainer, cb, event: str, decision=None) -> None:
     elif event == "end":
         _end(trainer, cb)
     else:
-        raise ValueError(f"unknown event {event!r}; valid: start, decision, end")
+        raise unknown("event", event, ("start", "decision", "end"))
 
 
 def _start(trainer, cb) -> None:

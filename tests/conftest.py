@@ -20,3 +20,12 @@ warnings.filterwarnings("ignore", message=".*LeafSpec.*")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """``pytest -m smoke`` imports only the test files that hold a smoke test: collecting (importing)
+    every file costs more than the quick check runs."""
+    if (config.getoption("markexpr") == "smoke" and collection_path.suffix == ".py"
+            and collection_path.name.startswith("test_")):
+        return "pytest.mark.smoke" not in collection_path.read_text()
+    return None

@@ -27,6 +27,7 @@ from lalr_lightning.models.cnn import SmallCNN
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.smoke
 def test_quickstart_config_runs_and_logs_per_layer_values(tmp_path, capsys):
     LalrCLI(args=["fit", "--config", "configs/quickstart.yaml", "--trainer.max_epochs", "2",
                   "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.default_root_dir", str(tmp_path)])
@@ -448,6 +449,7 @@ def test_report_titles_sections_by_method_and_writes_into_the_run(tmp_path, caps
     assert f"report -> {(folder / 'report.html').resolve()}" in capsys.readouterr().out
 
 
+@pytest.mark.smoke
 def test_parse_error_lines_and_key_suggestions():
     from types import SimpleNamespace
 

@@ -1,5 +1,6 @@
-"""The runnable examples that open every callback's docstring, and the README's figures: each
-names the command that gave it and its date, and the test count it quotes is the suite's."""
+"""The runnable examples that open every callback's docstring, and the measured figures of
+docs/results.md (moved there from the README): each names the command that gave it and its date,
+and the test count it quotes is the suite's."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import lalr_lightning.callbacks as cbs
 EXAMPLES = sorted(n for n in cbs.__all__ if inspect.isclass(getattr(cbs, n)) and ">>>" in (getattr(cbs, n).__doc__ or ""))
 
 
+@pytest.mark.smoke
 def test_every_callback_has_an_example():
     callbacks = {n for n in cbs.__all__ if inspect.isclass(getattr(cbs, n))
                  and issubclass(getattr(cbs, n), cbs.LayerwiseCallback)
@@ -25,6 +27,7 @@ def test_every_callback_has_an_example():
     assert callbacks <= set(EXAMPLES)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_docstring_example_runs(name):
     torch.manual_seed(0)
@@ -38,13 +41,13 @@ def test_docstring_example_runs(name):
 
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
+RESULTS = ROOT / "docs" / "results.md"
 DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
 
 
 def _measured_results() -> list[str]:
-    """The paragraphs of the README's "Measured results" that open with a bold title."""
-    section = README.read_text().split("\n## Measured results\n")[1].split("\n## ")[0]
+    """The paragraphs of docs/results.md's first section that open with a bold title."""
+    section = ("\n" + RESULTS.read_text()).split("\n# Measured results\n")[1].split("\n## ")[0]
     return [p for p in re.split(r"\n\s*\n", section) if p.startswith("**")]
 
 
@@ -56,14 +59,14 @@ def test_every_measured_figure_names_its_command_and_date():
         # a paragraph of one-line bullets: each bullet is a figure of its own
         figures = [line for line in paragraph.splitlines() if line.startswith("- ")] or [paragraph]
         for figure in figures:
-            where = f"README, Measured results, {title!r}: {figure[:60]!r}"
+            where = f"docs/results.md, {title!r}: {figure[:60]!r}"
             assert re.search(r"`[^`]*\b(python|pytest|du|time)\b[^`]*`", figure), f"{where} names no command"
             assert DATE.search(figure), f"{where} has no date (YYYY-MM-DD) of its measurement"
 
 
 def _quoted_test_count() -> int:
-    counts = re.findall(r"\*\*([\d,]+) tests\*\*", README.read_text())
-    assert len(counts) == 1, "the README quotes its test count once, as **N tests** (Measured results)"
+    counts = re.findall(r"\*\*([\d,]+) tests\*\*", RESULTS.read_text())
+    assert len(counts) == 1, "docs/results.md quotes the test count once, as **N tests**"
     return int(counts[0].replace(",", ""))
 
 
@@ -90,5 +93,5 @@ def _collected(request) -> int:
 def test_the_readme_test_count_is_the_suites(request):
     quoted, collected = _quoted_test_count(), _collected(request)
     assert abs(quoted - collected) <= 0.1 * collected, (
-        f"README.md says **{quoted} tests**, the suite has {collected} (python -m pytest --collect-only -q): "
-        f"update the number and its date in README.md's Measured results")
+        f"docs/results.md says **{quoted} tests**, the suite has {collected} (python -m pytest --collect-only -q): "
+        f"update the number and its date there")

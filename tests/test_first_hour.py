@@ -61,6 +61,7 @@ def readme_offline_commands(text: str) -> list[str]:
     return [c for kind, commands in readme_blocks(text) if kind == "offline" for c in commands]
 
 
+@pytest.mark.smoke
 def test_the_readme_chooses_torch_before_anything_installs_it():
     """A newcomer without a GPU runs the README top to bottom: the first install command of the
     page is the CPU build of torch, in the first block, which is marked for the test below."""
@@ -72,12 +73,18 @@ def test_the_readme_chooses_torch_before_anything_installs_it():
     assert text.rfind("<!-- install:", 0, first_block) != -1 and readme_blocks(text)[0][0] == "install"
 
 
+def _first_hour_text() -> str:
+    """The README, then the guide it sends a newcomer to next (docs/usage.md): their marked blocks
+    in that order are the first hour."""
+    return (ROOT / "README.md").read_text() + "\n" + (ROOT / "docs" / "usage.md").read_text()
+
+
 def test_readme_offline_commands_run_verbatim_in_a_fresh_copy(tmp_path):
-    """The README's blocks in its order: the install commands (pip recorded, not run: the test
-    has no network and its packages are in place), then the quickstart, analyze on its
-    checkpoint, and a pruning config from scratch, for real."""
-    blocks = readme_blocks((ROOT / "README.md").read_text())
-    commands = readme_offline_commands((ROOT / "README.md").read_text())
+    """The README's blocks in its order, then the guide's: the install commands (pip recorded, not
+    run: the test has no network and its packages are in place), then the quickstart, analyze on
+    its checkpoint, and a pruning config from scratch (docs/usage.md), for real."""
+    blocks = readme_blocks(_first_hour_text())
+    commands = readme_offline_commands(_first_hour_text())
     assert [kind for kind, _ in blocks][:2] == ["install", "offline"]
     joined = "\n".join(commands)
     assert "fit --config configs/quickstart.yaml" in joined

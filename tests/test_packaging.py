@@ -36,6 +36,7 @@ def _editable_install_of_this_clone() -> bool:
 
 @pytest.mark.skipif(not _editable_install_of_this_clone(),
                     reason="lalr_lightning is not installed editable from this clone (pip install -e .)")
+@pytest.mark.smoke
 def test_editable_install_imports_from_the_clones_parent_directory(tmp_path):
     # the natural layout: a script beside the clone, whose folder is named like the package; the
     # folder (no __init__.py at its top) is a namespace-package candidate on sys.path[0]
@@ -68,6 +69,7 @@ def test_wheel_layout_finds_its_shipped_configs(tmp_path):
     assert int(count) == len(list((ROOT / "configs").glob("*.yaml")))
 
 
+@pytest.mark.smoke
 def test_pyproject_ships_the_configs_in_the_wheel_and_builds_with_hatchling():
     import tomllib
 

@@ -1,12 +1,12 @@
 """Auto-RGN and the eb-criterion: per-tensor learning rates from gradients measured at every
 epoch start (the surgical fine-tuning authors' ``auto_tune``; baselines of
-``../shared/seeds/004_*.txt``).
+"L-MSA: Layer-wise Fine-tuning using the Method of Successive Approximations" (https://openreview.net/forum?id=xi3sDtf8A0)).
 
 * ``criterion="rgn"`` -- Auto-RGN: per *tensor* the relative gradient norm
   ``RGN = ||g||_2 / ||theta||_2`` of the training loss, averaged over the first ``n_batches``
   (5) batches of the train loader, divided by its maximum over tensors, is that tensor's
   learning-rate multiplier.
-* ``criterion="eb"`` -- the eb-criterion of the authors' code (004 only names it): per tensor
+* ``criterion="eb"`` -- the eb-criterion of the authors' code (L-MSA only names it): per tensor
   ``score = mean_k g_k^2 / (Var_0(g)_k + 1e-8)``, where ``Var_0`` is the (unbiased) variance of
   the gradient along the tensor's first dimension, broadcast back over it: a signal-to-noise
   ratio of the gradient entries, averaged over the same batches. Tensors with
@@ -52,6 +52,7 @@ from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
 from lalr_lightning.callbacks.distributed import backward_discarded, loss_through_root, sharded
 from lalr_lightning.callbacks.host import Cadence, Host, warn
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
+from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.batch_loss import batch_loss
 from lalr_lightning.core.model.layers import matrix_layers
 from lalr_lightning.core.model.taps import gradient_taps, preserve_buffers
@@ -131,7 +132,7 @@ class AutoRGN(LayerSelection):
         super().__init__(blocks=blocks, join_stem=join_stem, norm_eval=norm_eval, save_compute=False, name=name,
                          strict_resume=strict_resume)
         if criterion not in CRITERIA:
-            raise ValueError(f"unknown criterion {criterion!r}; valid: {', '.join(CRITERIA)}")
+            raise unknown("criterion", criterion, CRITERIA)
         self.reject("criterion", criterion, {"eb_threshold": eb_threshold}, {"rgn": (), "eb": ("eb_threshold",)})
         for arg, value in (("n_batches", n_batches), ("every_n_epochs", every_n_epochs)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

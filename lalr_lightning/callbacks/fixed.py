@@ -9,6 +9,7 @@ from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback
 from lalr_lightning.callbacks.host import Host
+from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.layers import find_layers
 
 __all__ = ["LayerLRMultiplier"]
@@ -45,7 +46,7 @@ class LayerLRMultiplier(LayerwiseCallback):
         if bad:
             raise ValueError(f"multipliers must be >= 0, got {bad}")
         if granularity not in ("matrix", "block"):
-            raise ValueError(f"unknown granularity {granularity!r}; valid: 'matrix', 'block'")
+            raise unknown("granularity", granularity, ("matrix", "block"), show=repr)
         self.patterns = {str(k): float(v) for k, v in patterns.items()}
         self.granularity = granularity
         self.multipliers: dict[str, float] = {}

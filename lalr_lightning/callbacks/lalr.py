@@ -1,6 +1,6 @@
 """LALR: layer-adaptive learning rates from sequential SVD / CE / CS weight metrics.
 
-``../shared/seeds/000_*.txt``. At the start of every epoch the layers' SVD, CE and CS metrics
+"LALR: Layer-Adaptive Learning Rate Fine-Tuning Using Sequential Scaling Metrics". At the start of every epoch the layers' SVD, CE and CS metrics
 are measured on the current weights (``core/spectral/lalr_metrics.py``); the epoch's phase picks one
 of them (``svd -> ce -> cs -> svd ...``) and it becomes each layer's multiplier of whatever
 learning rate the optimizer and scheduler set: ``lr_{l,e} = lr_e x scale_{l,e}`` (paper 3.2).
@@ -21,6 +21,7 @@ from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback
 from lalr_lightning.callbacks.host import Cadence, Host, warn
+from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.layers import check_kinds
 from lalr_lightning.core.spectral.lalr_metrics import (
     DEFAULT_LAYER_TYPES,
@@ -126,9 +127,9 @@ class LALRScheduleCallback(LayerwiseCallback):
     ):
         super().__init__(name=name, strict_resume=strict_resume)
         if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
+            raise unknown("mode", mode, MODES)
         if groups not in GROUPS:
-            raise ValueError(f"unknown groups {groups!r}; valid: {', '.join(GROUPS)}")
+            raise unknown("groups", groups, GROUPS)
         if weights is not None and mode != "weighted":
             raise ValueError(f"weights only apply to mode='weighted' (got mode={mode!r}); drop weights or set the mode")
         self.reject("mode", mode, {"phases": phases, "weights": weights, "hessian_delta": hessian_delta},

@@ -1,5 +1,5 @@
 """L-MSA: select blocks by the MSA metric and fine-tune them by maximizing their augmented
-Hamiltonian (``../shared/seeds/004_*.txt``; derivation for non-linear blocks: ``docs/lmsa.md``).
+Hamiltonian ("L-MSA: Layer-wise Fine-tuning using the Method of Successive Approximations" (https://openreview.net/forum?id=xi3sDtf8A0); derivation for non-linear blocks: ``docs/lmsa.md``).
 
 The measurements are pure functions in :mod:`lalr_lightning.core.selection.msa`, the block taps in
 :mod:`lalr_lightning.core.model.taps`; this callback decides when to measure, which blocks train and
@@ -23,6 +23,7 @@ from torch import nn
 from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
 from lalr_lightning.callbacks.host import Host, say, warn
 from lalr_lightning.callbacks.selection import LayerSelection
+from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.batch_loss import batch_loss
 from lalr_lightning.core.model.layers import describe_blocks
 from lalr_lightning.core.model.taps import BlockTaps
@@ -196,9 +197,9 @@ class LMSAStepper(LayerSelection):
         super().__init__(blocks=blocks, join_stem=join_stem, norm_eval=norm_eval, save_compute=save_compute,
                          optimizer_state=optimizer_state, name=name, strict_resume=strict_resume)
         if select not in SELECT:
-            raise ValueError(f"unknown select {select!r}; valid: {', '.join(SELECT)}")
+            raise unknown("select", select, SELECT)
         if update not in UPDATE:
-            raise ValueError(f"unknown update {update!r}; valid: {', '.join(UPDATE)}")
+            raise unknown("update", update, UPDATE)
         inner = ("rho", "inner_optimizer", "inner_lr", "inner_steps", "feasibility")
         self.reject("update", update, dict(zip(inner, (rho, inner_optimizer, inner_lr, inner_steps, feasibility))),
                     {"msa": inner, "optimizer": ()})

@@ -1,4 +1,4 @@
-"""NTK diagnostics of fine-tuning (``../shared/seeds/001_*.txt``): on a fixed probe batch, the
+"""NTK diagnostics of fine-tuning ("Linearization Explains Fine-Tuning in Large Language Models" (https://arxiv.org/abs/2602.08239)): on a fixed probe batch, the
 condition number of the empirical NTK (Theorem 5's predictor of the fine-tuning risk), each
 layer's ``eta_l`` (Theorem 6) and how far the model has left its linearization around the
 weights it started from (the gap and the KL divergence of the paper's Table 1). The formulas
@@ -15,6 +15,7 @@ from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, stop_on_sigterm
 from lalr_lightning.callbacks.host import Host, say
+from lalr_lightning.choices import unknown
 from lalr_lightning.core.linearization import ntk
 from lalr_lightning.core.linearization.anchor import check_anchor, snapshot, trainable
 from lalr_lightning.core.model.probe import probe_inputs
@@ -99,7 +100,7 @@ class NTKDiagnostics(LayerwiseCallback):
         if not (math.isfinite(sigma) and sigma >= 0):
             raise ValueError(f"sigma must be a finite number >= 0 (a fraction of trace(K) / M), got {sigma}")
         if kernel not in ntk.MODES:
-            raise ValueError(f"unknown kernel {kernel!r}; valid: {', '.join(map(repr, ntk.MODES))}")
+            raise unknown("kernel", kernel, ntk.MODES, show=repr)
         self.every_n_epochs = every_n_epochs
         self.probe_size = probe_size
         self.sigma = float(sigma)

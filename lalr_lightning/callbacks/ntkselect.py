@@ -1,4 +1,4 @@
-"""NTK layer selection (``../shared/seeds/001_*.txt``, Theorems 6-7): before the first step,
+"""NTK layer selection ("Linearization Explains Fine-Tuning in Large Language Models" (https://arxiv.org/abs/2602.08239), Theorems 6-7): before the first step,
 choose the layers to fine-tune greedily by their kernel's effect on the NTK spectrum
 (largest ``eta_l`` first) while the condition number of the chosen layers' kernel stays under a
 bound; the others are frozen for the whole fit. The greedy rule is
@@ -17,6 +17,7 @@ from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
 from lalr_lightning.callbacks.distributed import sharded
 from lalr_lightning.callbacks.host import Host, say
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
+from lalr_lightning.choices import unknown
 from lalr_lightning.core.linearization import ntk
 from lalr_lightning.core.linearization.anchor import trainable
 from lalr_lightning.core.model.layers import Layer, output_layer
@@ -100,7 +101,7 @@ class NTKSelect(LayerSelection):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{arg} must be an integer >= 1, got {value!r}")
         if kernel not in ntk.MODES:
-            raise ValueError(f"unknown kernel {kernel!r}; valid: {', '.join(map(repr, ntk.MODES))}")
+            raise unknown("kernel", kernel, ntk.MODES, show=repr)
         self.kappa_max = float(kappa_max)
         self.sigma = float(sigma)
         self.max_layers = max_layers

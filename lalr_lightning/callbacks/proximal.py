@@ -1,4 +1,4 @@
-"""Selective proximal regularization (``../shared/seeds/001_*.txt``, "linearization explains
+"""Selective proximal regularization ("Linearization Explains Fine-Tuning in Large Language Models" (https://arxiv.org/abs/2602.08239), "linearization explains
 fine-tuning"): after every optimizer step, pull the trained parameters toward their values at
 the start of fine-tuning, ``theta <- theta - lam * lr * (theta - theta_0)``, only where the pull
 cannot raise the training loss, ``<g, theta - theta_0> >= 0`` for the gradient ``g`` of the step
@@ -30,6 +30,7 @@ from torch import nn
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, stop_on_sigterm
 from lalr_lightning.callbacks.distributed import shard_layout, sharded
 from lalr_lightning.callbacks.host import Host, say
+from lalr_lightning.choices import unknown
 from lalr_lightning.core.linearization import proximal
 from lalr_lightning.core.linearization.anchor import check_anchor, load_anchor, snapshot, trainable
 from lalr_lightning.core.linearization.ntk import estimate_lambda_o, layer_groups
@@ -135,7 +136,7 @@ class ProximalRegularizer(LayerwiseCallback):
         if not math.isfinite(lam) or lam < 0:
             raise ValueError(f"lam must be a finite number >= 0, got {lam}")
         if granularity not in GRANULARITIES:
-            raise ValueError(f"unknown granularity {granularity!r}; valid: {', '.join(map(repr, GRANULARITIES))}")
+            raise unknown("granularity", granularity, GRANULARITIES, show=repr)
         if not isinstance(anchor, (str, os.PathLike)) or not str(anchor):
             raise ValueError(f"anchor must be 'fit_start' or the path of a checkpoint / state dict, got {anchor!r}")
         if radius is not None and not (math.isfinite(radius) and radius > 0):

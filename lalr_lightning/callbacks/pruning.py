@@ -1,6 +1,6 @@
 """HT-SR pruning: layer-wise pruning ratios from a spectral metric (AlphaPruning, thesis ch. 3).
 
-``../shared/seeds/002_*.txt`` ch. 3 and AlphaPruning. The ratios, masks and channel budgets are
+"Layerwise Training of Deep Neural Networks" (https://www2.eecs.berkeley.edu/Pubs/TechRpts/2023/EECS-2023-126.html) ch. 3 and AlphaPruning. The ratios, masks and channel budgets are
 pure functions in :mod:`lalr_lightning.core.pruning.alphapruning`; this callback decides when to prune, and
 hands the masks to :class:`~lalr_lightning.core.runtime.control.LayerControl`, which enforces them.
 """

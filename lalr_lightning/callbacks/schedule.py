@@ -1,4 +1,4 @@
-"""Block schedules: LIFT and LISA (baselines of ``../shared/seeds/004_*.txt``) -- which blocks
+"""Block schedules: LIFT and LISA (baselines of "L-MSA: Layer-wise Fine-tuning using the Method of Successive Approximations" (https://openreview.net/forum?id=xi3sDtf8A0)) -- which blocks
 train changes every ``every_n_steps`` optimizer steps.
 
 * ``lift`` -- LIFT (Zhu et al. 2023): one block trains at a time, the others are frozen; the
@@ -24,6 +24,7 @@ from torch import nn
 from lalr_lightning.callbacks.base import Decision
 from lalr_lightning.callbacks.host import Cadence, Host, say, warn
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
+from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.layers import describe_blocks, output_layer, suggest_blocks
 from lalr_lightning.core.selection.surgical import LIFT_ORDERS, lift_block, lisa_sample
 
@@ -45,7 +46,7 @@ class BlockSchedule(LayerSelection):
 
     Args:
         schedule: ``lift`` or ``lisa`` (module docstring).
-        every_n_steps: optimizer steps between switches (K). 004 describes LIFT as one block
+        every_n_steps: optimizer steps between switches (K). the L-MSA paper describes LIFT as one block
             per iteration (``every_n_steps=1``); LMFlow's LISA uses 20.
         order: ``lift`` only: ``front_to_end`` (default), ``end_to_front`` or ``random``.
         gamma: ``lisa`` only: middle blocks trained at a time (default 2).
@@ -99,7 +100,7 @@ class BlockSchedule(LayerSelection):
         switch_every: int | None = None,
     ):
         if schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
+            raise unknown("schedule", schedule, SCHEDULES)
         super().__init__(blocks=blocks, join_stem=(schedule != "lisa") if join_stem is None else join_stem,
                          norm_eval=norm_eval, save_compute=save_compute, optimizer_state=optimizer_state, name=name,
                          strict_resume=strict_resume)
@@ -109,7 +110,7 @@ class BlockSchedule(LayerSelection):
         order = "front_to_end" if order is None else order
         gamma = 2 if gamma is None else gamma
         if order not in LIFT_ORDERS:
-            raise ValueError(f"unknown LIFT order {order!r}; valid: {', '.join(LIFT_ORDERS)}")
+            raise unknown("LIFT order", order, LIFT_ORDERS)
         for arg, value in (("every_n_steps (switch_every)", every_n_steps), ("gamma", gamma)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{arg} must be an integer >= 1, got {value!r}")

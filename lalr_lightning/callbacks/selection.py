@@ -36,6 +36,8 @@ from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
 from lalr_lightning.callbacks.distributed import replaces_parameters
 from lalr_lightning.callbacks.host import Host, say
 from lalr_lightning.callbacks.lightning_host import LightningHooks
+from lalr_lightning.callbacks.summary import selection_counts, selection_summary
+from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.batch_loss import batch_loss, to_device
 from lalr_lightning.core.model.forward_blocks import Trace, trace_modules
 from lalr_lightning.core.model.layers import Layer, block_layers, suggest_blocks
@@ -83,10 +85,10 @@ class LayerSelection(LayerwiseCallback):
                  name: str | None = None, strict_resume: bool = True):
         super().__init__(name=name, strict_resume=strict_resume)
         if norm_eval not in NORM_EVAL:
-            raise ValueError(f"unknown norm_eval {norm_eval!r}; valid: {', '.join(NORM_EVAL)}")
+            raise unknown("norm_eval", norm_eval, NORM_EVAL)
         if optimizer_state not in OPTIMIZER_STATE:
-            raise ValueError(f"unknown optimizer_state {optimizer_state!r}; valid: {', '.join(OPTIMIZER_STATE)} "
-                             "('keep' matches LMFlow's LISA callback)")
+            raise unknown("optimizer_state", optimizer_state, OPTIMIZER_STATE,
+                          note=" ('keep' matches LMFlow's LISA callback)")
         self.optimizer_state = optimizer_state
         self.blocks = None if blocks is None else list(blocks)
         self.join_stem = bool(join_stem)
@@ -100,6 +102,9 @@ class LayerSelection(LayerwiseCallback):
         self._held: set[int] = set()  # ids of the parameters some optimizer holds
         self._toggle = False  # requires_grad may change after the wrap
         self._handsync: HandSync | None = None  # DDP: the switching units' gradients averaged by hand
+        self.summary: str | None = None  # the last decision's trainable / total parameters (callbacks/summary.py)
+        self.summary_counts: dict[str, int | str] = {}  # the numbers of that line
+        self._summarized = False  # this fit's summary was shown
 
     # ------------------------------------------------------------------ views
 
@@ -154,7 +159,7 @@ class LayerSelection(LayerwiseCallback):
         return None
 
     def prepare(self, host: Host) -> None:
-        self._module = host.module
+        self._module, self._summarized = host.module, False
         if self._handsync is not None:  # a fit that ended without teardown
             self._handsync.stop()
         self._handsync = None
@@ -253,6 +258,18 @@ class LayerSelection(LayerwiseCallback):
             self.follow_requires_grad()
         self.release_state(host, off)
         self.apply_norm_modes()
+        self._summarize()
+
+    def _summarize(self) -> None:
+        """After each decision, what trains as :func:`selection_summary` says it (``summary``);
+        shown once per fit, at the first, since Lightning's model summary came before it."""
+        if self._module is None:
+            return
+        self.summary_counts = selection_counts(self)
+        self.summary = selection_summary(type(self).__name__, self.summary_counts)
+        if not self._summarized:
+            self._summarized = True
+            say(self.summary)
 
     def release_state(self, host: Host, units: Sequence[Layer]) -> None:
         """With ``optimizer_state="release"``: free the optimizer state of these (frozen) units."""
@@ -395,7 +412,7 @@ class SurgicalLayerSelect(LightningHooks):
     def __new__(cls, mode: str = "blocks", **kwargs: Any):
         given = {k: v for k, v in kwargs.items() if v is not None}
         if mode not in _REGISTRY:
-            raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
+            raise unknown("mode", mode, MODES)
         target, fixed = _REGISTRY[mode]
         params = inspect.signature(target).parameters
         stray = sorted(set(given) - set(params))

@@ -15,6 +15,7 @@ from torch import nn
 from lalr_lightning.callbacks.base import Decision
 from lalr_lightning.callbacks.host import Host, say, warn
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
+from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.layers import MATRIX_KINDS, check_kinds, matrix_layers, output_layer
 from lalr_lightning.core.spectral import htsr
 from lalr_lightning.core.spectral.spectrum_snr import GROUPINGS, chosen_count, group_types, module_type, top_by_type
@@ -98,7 +99,7 @@ class SpectrumSelect(LayerSelection):
         self.top_percent = float(top_percent)
         self.types = None if types is None else {str(k): str(v) for k, v in dict(types).items()}
         if grouping not in GROUPINGS:
-            raise ValueError(f"unknown grouping {grouping!r}; valid: {', '.join(GROUPINGS)}")
+            raise unknown("grouping", grouping, GROUPINGS)
         self.grouping = grouping
         self.head = bool(head)
         self.embeddings = bool(embeddings)

@@ -1,4 +1,4 @@
-"""Surgical fine-tuning (Lee et al. 2022; a baseline of ``../shared/seeds/004_*.txt``): train a
+"""Surgical fine-tuning (Lee et al. 2022; a baseline of "L-MSA: Layer-wise Fine-tuning using the Method of Successive Approximations" (https://openreview.net/forum?id=xi3sDtf8A0)): train a
 fixed choice of blocks, freeze the rest.
 
 The reported pattern: the first block for input-level shifts (CIFAR-10-C, ImageNet-C), middle

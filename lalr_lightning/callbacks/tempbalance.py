@@ -1,6 +1,6 @@
 """TempBalance: per-layer learning rates from heavy-tailed self-regularization (HT-SR) alpha.
 
-``../shared/seeds/002_*.txt`` ch. 2. Every epoch (or every N optimizer steps) the power-law
+"Layerwise Training of Deep Neural Networks" (https://www2.eecs.berkeley.edu/Pubs/TechRpts/2023/EECS-2023-126.html) ch. 2. Every epoch (or every N optimizer steps) the power-law
 exponent ``alpha`` of each layer's ESD is measured on the current weights and mapped to a
 learning-rate multiplier on top of whatever the scheduler sets: layers whose spectra look
 less trained (larger alpha) get larger learning rates. The assignment functions and the layer
@@ -17,6 +17,7 @@ from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
 from lalr_lightning.callbacks.host import Cadence, Host
+from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.layers import DEFAULT_KINDS, check_kinds
 from lalr_lightning.core.spectral import htsr
 from lalr_lightning.core.spectral.tempbalance import ASSIGN, RANGED, SAMPLING, assign_multipliers, eligible_layers
@@ -114,9 +115,9 @@ class TempBalanceCallback(LayerwiseCallback):
     ):
         super().__init__(name=name, strict_resume=strict_resume)
         if assign not in ASSIGN:
-            raise ValueError(f"unknown assign {assign!r}; valid: {', '.join(ASSIGN)}")
+            raise unknown("assign", assign, ASSIGN)
         if fit not in htsr.FITS:
-            raise ValueError(f"unknown fit {fit!r}; valid: {', '.join(htsr.FITS)}")
+            raise unknown("fit", fit, htsr.FITS)
         ranged = ("lr_min_ratio", "lr_max_ratio")
         self.reject("assign", assign, {"lr_min_ratio": lr_min_ratio, "lr_max_ratio": lr_max_ratio, "std": std},
                     {a: ranged if a in RANGED else ("std",) if a in SAMPLING else () for a in ASSIGN})

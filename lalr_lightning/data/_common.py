@@ -17,6 +17,8 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
+from lalr_lightning.choices import unknown
+
 __all__ = [
     "CORRUPTIONS_C",
     "DownloadError",
@@ -51,7 +53,7 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 def check_choice(value: str, valid: Sequence[str], what: str) -> str:
     """Return ``value`` if it is one of ``valid``; otherwise a ValueError listing them."""
     if value not in valid:
-        raise ValueError(f"unknown {what} {value!r}; valid: {', '.join(valid)}")
+        raise unknown(what, value, valid)
     return value
 
 

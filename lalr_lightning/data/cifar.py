@@ -1,10 +1,10 @@
 """CIFAR datamodules: CIFAR-10/100 (optionally label-flipped or e^x-transformed) and CIFAR-10-C.
 
-Tasks of surgical fine-tuning / L-MSA (``004_*.txt``, appendix A.2.1):
+Tasks of surgical fine-tuning / L-MSA ("L-MSA: Layer-wise Fine-tuning using the Method of Successive Approximations" (https://openreview.net/forum?id=xi3sDtf8A0), appendix A.2.1):
 
 * **CIFAR-10 / CIFAR-100** -- the source data (:class:`CIFARDataModule`).
 * **CIFAR-Flip** -- CIFAR-10 with ``y -> 9 - y`` on every split:
-  ``CIFARDataModule(name="cifar10", label_flip=True, train_n=...)``. ``004_*.txt`` gives no
+  ``CIFARDataModule(name="cifar10", label_flip=True, train_n=...)``. "L-MSA: Layer-wise Fine-tuning using the Method of Successive Approximations" (https://openreview.net/forum?id=xi3sDtf8A0) gives no
   sample size for CIFAR-Flip; ``train_n`` takes a class-balanced subset of the training set.
 * **CIFAR-100 with the L-MSA input transform** -- every input multiplied element-wise by
   ``e^x``, ``x ~ N(0, 1)`` of shape ``(3, 32, 32)`` drawn once from ``input_transform_seed``:

@@ -3,7 +3,7 @@
 **ImageNet-C** (:class:`ImageNetCDataModule`) reads one corruption at one severity from the
 Hendrycks & Dietterich release, laid out as ``<data_dir>/<corruption>/<severity>/<wnid>/*.JPEG``
 (50 images per class, 1000 wnid folders). Class indices are the sorted wnids, which is the
-standard ImageNet order of pretrained torchvision/timm models. The paper (``004_*.txt``) tunes
+standard ImageNet order of pretrained torchvision/timm models. The paper ("L-MSA: Layer-wise Fine-tuning using the Method of Successive Approximations" (https://openreview.net/forum?id=xi3sDtf8A0)) tunes
 on 5000 images, 5 per class; by default we cut every class into 5 val, 5 train and the other
 40 test images (``val_per_class``, ``train_n``, ``test_per_class`` change that), with the same
 per-class split as CIFAR-10-C.

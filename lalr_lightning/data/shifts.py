@@ -1,6 +1,6 @@
 """Distribution shifts as pure functions, shared by the digits and CIFAR datamodules.
 
-Three kinds, matching the shift types of surgical fine-tuning / L-MSA (``004_*.txt``):
+Three kinds, matching the shift types of surgical fine-tuning / L-MSA ("L-MSA: Layer-wise Fine-tuning using the Method of Successive Approximations" (https://openreview.net/forum?id=xi3sDtf8A0)):
 
 * output-level -- :func:`label_flip`, ``y -> num_classes - 1 - y`` (CIFAR-Flip: ``9 - y``);
 * input-level, fixed -- :class:`ExpInputTransform`, element-wise ``img * e^x`` with one fixed

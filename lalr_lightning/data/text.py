@@ -33,6 +33,7 @@ from typing import Any
 import lightning as L
 from torch.utils.data import DataLoader
 
+from lalr_lightning.choices import unknown
 from lalr_lightning.data._common import SplitLoaders, check_loader_args
 from lalr_lightning.data._files import default_cache_dir, expand, split_map, write_lines_atomic
 from lalr_lightning.text_assets import is_local, resolve_model_name
@@ -188,7 +189,7 @@ class TextDataModule(SplitLoaders, L.LightningDataModule):
         key = str(dataset).strip().lower().replace("-", "_")
         key = {"sst_2": "sst2", "yelp": "yelp_polarity", "file": "files"}.get(key, key)
         if key not in _VALID:
-            raise ValueError(f"unknown dataset {dataset!r}; valid: {', '.join(repr(v) for v in _VALID)}")
+            raise unknown("dataset", dataset, _VALID, show=repr)
         named = DATASETS.get(key)
         if key == "files" and data_files is None:
             raise ValueError(

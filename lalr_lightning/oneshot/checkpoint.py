@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lalr_lightning.choices import unknown
 from lalr_lightning.core.pruning.calibration import decoder_blocks
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -316,5 +317,5 @@ def _resolve_dtype(dtype: str, device: torch.device, stored: torch.dtype | None)
     if dtype == "auto":
         return (stored or torch.float32) if device.type == "cuda" else torch.float32
     if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; valid: auto, {', '.join(DTYPES)}")
+        raise unknown("dtype", dtype, ["auto", *DTYPES])
     return DTYPES[dtype]

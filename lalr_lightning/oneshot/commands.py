@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from lalr_lightning import progress
 from lalr_lightning.choices import CRITERIA, DTYPES, PRESETS, PRUNING_METRICS
 
 
@@ -122,6 +123,7 @@ def _prune_parser(prog: str) -> _Parser:
     p.add_argument("--percdamp", type=float, default=None, help="SparseGPT's dampening, >= 0 (default 0.01); "
                                                                "sparsegpt only")
     p.add_argument("--in-memory", action="store_true", help="load the whole model instead of streaming blocks")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (none is drawn when stderr is not a terminal)")
     return p
 
 
@@ -137,6 +139,7 @@ def prune_main(argv: Sequence[str] | None = None, prog: str = "python -m lalr_li
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    progress.set_quiet(args.quiet)
     try:
         report = prune_checkpoint(
             args.model, args.out, sparsity=args.sparsity, criterion=args.criterion, n=args.n, m=args.m,
@@ -144,7 +147,7 @@ def prune_main(argv: Sequence[str] | None = None, prog: str = "python -m lalr_li
             n_samples=args.n_samples, seq_len=args.seq_len, seed=args.seed, text_field=args.text_field,
             device=args.device, dtype=args.dtype, batch_size=args.batch_size, blocksize=args.blocksize,
             percdamp=args.percdamp, in_memory=args.in_memory, owl_m=args.owl_m, owl_lambda=args.owl_lambda,
-            ratios=args.ratios, log=lambda s: print(s, file=sys.stderr),
+            ratios=args.ratios, log=progress.write,
         )
     except KeyboardInterrupt as e:
         what = "terminated" if isinstance(e, _Terminated) else "interrupted"
@@ -179,9 +182,11 @@ def perplexity_main(argv: Sequence[str] | None = None, prog: str = "python -m la
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 (default cpu)")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="compute dtype (auto: the checkpoint's on CUDA, float32 on CPU)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (none is drawn when stderr is not a terminal)")
     _semi_structured_flag(p)
     args = p.parse_args(argv)
     _quiet_transformers()
+    progress.set_quiet(args.quiet)
     from lalr_lightning.oneshot.checkpoint import _load_config, _load_tokenizer, _resolve_device
     from lalr_lightning.oneshot.evaluate import perplexity
     from lalr_lightning.oneshot.text import _encode, read_text

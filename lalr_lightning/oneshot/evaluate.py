@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lalr_lightning import progress
 from lalr_lightning.oneshot.checkpoint import _Checkpoint, _finite, _resolve_dtype, _Streamed
 
 
@@ -38,6 +39,7 @@ def perplexity(model: nn.Module, ids: torch.Tensor, seq_len: int, batch_size: in
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64)
+    tokens = progress.bar(total=windows * seq_len, desc="perplexity", unit="tok", unit_scale=True)
     try:
         for start in range(0, windows, batch_size):
             stop = min(start + batch_size, windows)
@@ -52,7 +54,9 @@ def perplexity(model: nn.Module, ids: torch.Tensor, seq_len: int, batch_size: in
                 raise ValueError(f"the loss of window(s) {start}-{stop - 1} is {nll}: the forward overflows "
                                  f"{str(dtype).replace('torch.', '')} (a perplexity would be meaningless); {fix}")
             total += nll * seq_len * (stop - start)
+            tokens.update(seq_len * (stop - start))
     finally:
+        tokens.close()
         model.train(was_training)
     ppl = math.exp(float(total) / (windows * seq_len))
     return ppl, windows

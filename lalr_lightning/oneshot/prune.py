@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lalr_lightning import progress
+from lalr_lightning.choices import unknown
 from lalr_lightning.core.pruning import criteria
 from lalr_lightning.core.pruning.calibration import (
     capture_block_inputs,
@@ -122,7 +124,7 @@ def _check_recipe(recipe: Recipe, n: int, m: int, sparsity) -> None:
         if given:
             raise ValueError(f"--ratios gives every layer's ratio; {', '.join(given)} does not apply: leave it out")
     if recipe.metric is not None and recipe.metric not in PRUNING_METRICS:
-        raise ValueError(f"unknown --metric {recipe.metric!r}; valid: {', '.join(PRUNING_METRICS)}")
+        raise unknown("--metric", recipe.metric, PRUNING_METRICS)
     if recipe.owl and (recipe.metric is not None or recipe.epsilon is not None):
         raise ValueError("--preset owl takes its ratios from the activations' outliers (--owl-m, --owl-lambda); "
                          "--metric and --epsilon are HT-SR's: leave them out")
@@ -148,7 +150,7 @@ def _check_prune_args(sparsity: float | None, criterion: str, n: int, m: int, pr
     recipe = recipe or Recipe(preset, metric, epsilon)
     n, m = criteria.check_nm(n, m)
     if criterion not in criteria.CRITERIA:
-        raise ValueError(f"unknown criterion {criterion!r}; valid: {', '.join(criteria.CRITERIA)}")
+        raise unknown("criterion", criterion, criteria.CRITERIA)
     _check_recipe(recipe, n, m, sparsity)
     if m and sparsity is not None and not math.isclose(float(sparsity), n / m):
         raise ValueError(f"N:M sparsity {n}:{m} prunes exactly n/m = {n / m:g} of every layer; --sparsity {sparsity} "
@@ -234,7 +236,7 @@ def _ratio_settings(preset, metric, epsilon):
     from lalr_lightning.core.pruning.settings import PRESETS
 
     if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; valid: {', '.join(repr(p) for p in PRESETS if p)}")
+        raise unknown("preset", preset, [p for p in PRESETS if p], show=repr)
     fill = PRESETS[preset]
     eps = fill["epsilon"] if epsilon is None else float(epsilon)
     return (fill["metric"] if metric is None else metric, eps, fill["fit"], fill["filter_zeros"],
@@ -611,7 +613,7 @@ def _streamed_ratios(sm: _Streamed, samples, settings, recipe: Recipe, sparsity:
         groups.append([f"{sm.path}.{i}.{k}" for k in mods])
         report.numels.update({f"{sm.path}.{i}.{k}": weight_matrix(mod).numel() for k, mod in mods.items()})
     if settings is not None:
-        for i in range(nb):
+        for i in progress.bar(range(nb), desc="HT-SR metrics", unit="block"):
             report.metric.update(_block_metric(sm.block(i), f"{sm.path}.{i}", settings[0], settings[2], settings[3]))
             sm.free(i)
 

@@ -1,4 +1,4 @@
-"""Empirical NTK, its spectral quantities and the linearized model (``seeds/001_*.txt``).
+"""Empirical NTK, its spectral quantities and the linearized model ("Linearization Explains Fine-Tuning in Large Language Models" (https://arxiv.org/abs/2602.08239)).
 
 Pure ``torch.func``; no Lightning. Every function takes the model, a probe batch and the
 parameters to differentiate as an ordered ``{name: tensor}`` mapping (raw
@@ -47,6 +47,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jvp, vjp, vmap
 
+from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.batch_loss import call_model, forward_module, output_tensor
 from lalr_lightning.core.model.layers import Layer, clean_name, matrix_layers
 from lalr_lightning.core.model.taps import call_with_params
@@ -339,7 +340,7 @@ def _forward(
 
 def check_positions(positions: str) -> str:
     if positions not in POSITIONS:
-        raise ValueError(f"unknown positions {positions!r}; valid: {', '.join(map(repr, POSITIONS))}")
+        raise unknown("positions", positions, POSITIONS, show=repr)
     return positions
 
 
@@ -462,7 +463,7 @@ def ntk_cost(
     project. The choice is made once per fit and stated by the callbacks.
     """
     if mode not in MODES:
-        raise ValueError(f"unknown NTK mode {mode!r}; valid: {', '.join(map(repr, MODES))}")
+        raise unknown("NTK mode", mode, MODES, show=repr)
     check_positions(positions)
     outputs = check_outputs(outputs)
     budget = DEFAULT_ENTRIES if entries is None else int(entries)
@@ -617,7 +618,7 @@ def empirical_ntk(
 
 def _check_ntk_args(mode: str, max_jacobian_numel: int, positions: str, outputs: int | None) -> None:
     if mode not in MODES:
-        raise ValueError(f"unknown NTK mode {mode!r}; valid: {', '.join(map(repr, MODES))}")
+        raise unknown("NTK mode", mode, MODES, show=repr)
     if max_jacobian_numel < 1:
         raise ValueError(f"max_jacobian_numel must be >= 1, got {max_jacobian_numel}")
     check_positions(positions)
@@ -1090,7 +1091,7 @@ def estimate_lambda_o(
     ``targets`` is then not used. ``check`` as in :func:`jacobian_spectral_norm`.
     """
     if reduction not in ("mean", "sum"):
-        raise ValueError(f"unknown reduction {reduction!r}; valid: 'mean', 'sum'")
+        raise unknown("reduction", reduction, ("mean", "sum"), show=repr)
     params = _check_params(model, params)
     inputs = _on(inputs, params)
     if loss is not None:

@@ -1,4 +1,4 @@
-"""The selective proximal step of ``seeds/001_*.txt`` as pure tensor functions.
+"""The selective proximal step of "Linearization Explains Fine-Tuning in Large Language Models" (https://arxiv.org/abs/2602.08239) as pure tensor functions.
 
 The paper splits regularized fine-tuning ``min R~(theta) + lambda/2 ||theta - theta_0||^2`` into a
 gradient step on ``R~`` followed by a gradient step on the regularizer (section 2):
@@ -29,6 +29,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
+
+from lalr_lightning.choices import unknown
 
 __all__ = ["GRANULARITIES", "GroupedStep", "coefficients", "deltas", "distances", "inner_products", "pull_decisions",
            "proximal_step_"]
@@ -137,7 +139,7 @@ def pull_decisions(
     in :func:`inner_products` (each rank then decides from the same sums).
     """
     if granularity not in GRANULARITIES:
-        raise ValueError(f"unknown granularity {granularity!r}; valid: {', '.join(map(repr, GRANULARITIES))}")
+        raise unknown("granularity", granularity, GRANULARITIES, show=repr)
     names = list(deltas)
     if not selective:
         return dict.fromkeys(names, True)
@@ -257,7 +259,7 @@ class GroupedStep:
         """Pull ``params`` in place; returns the decisions (bool, in :attr:`order`, on
         :attr:`device`). ``coefs``: ``lam * lr`` per tensor (:func:`coefficients`)."""
         if granularity not in GRANULARITIES:
-            raise ValueError(f"unknown granularity {granularity!r}; valid: {', '.join(map(repr, GRANULARITIES))}")
+            raise unknown("granularity", granularity, GRANULARITIES, show=repr)
         if granularity == "layer" and selective and self.layer_index is None:
             raise ValueError("granularity='layer' needs the layer of each tensor (GroupedStep(params, layers))")
         placed = []

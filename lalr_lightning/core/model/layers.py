@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.forward_blocks import forward_blocks
 from lalr_lightning.core.model.matrices import is_matrix_module
 
@@ -749,7 +750,7 @@ def find_layers(model: nn.Module, granularity: str = "matrix", **kwargs) -> list
         return matrix_layers(model, **kwargs)
     if granularity == "block":
         return block_layers(model, **kwargs)
-    raise ValueError(f"unknown granularity {granularity!r}; valid: 'matrix', 'block'")
+    raise unknown("granularity", granularity, ("matrix", "block"), show=repr)
 
 
 # --------------------------------------------------------------------------- output layer

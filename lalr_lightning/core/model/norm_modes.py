@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.layers import Layer
 
 __all__ = ["NORM_EVAL", "NormLayer", "norm_layers", "set_norm_modes"]
@@ -59,7 +60,7 @@ def set_norm_modes(
     """Put each norm layer in train mode iff the model trains and something of it can change
     (``trains(p)`` for its parameters, or its block in ``live_blocks`` when it has none)."""
     if policy not in NORM_EVAL:
-        raise ValueError(f"unknown norm_eval {policy!r}; valid: {', '.join(NORM_EVAL)}")
+        raise unknown("norm_eval", policy, NORM_EVAL)
     if policy == "none":
         return
     for n in norms:

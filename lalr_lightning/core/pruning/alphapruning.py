@@ -1,4 +1,4 @@
-"""HT-SR pruning, the pure part (AlphaPruning, ``002_*.txt`` ch. 3): per-layer pruning ratios
+"""HT-SR pruning, the pure part (AlphaPruning, "Layerwise Training of Deep Neural Networks" (https://www2.eecs.berkeley.edu/Pubs/TechRpts/2023/EECS-2023-126.html) ch. 3): per-layer pruning ratios
 from a metric, magnitude and channel masks, the thesis' incremental channel budget, the gradual
 schedule, and which layers are pruned. Numpy / torch only; ``callbacks/pruning.py`` decides when.
 
@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.layers import (
     DEFAULT_KINDS,
     MATRIX_KINDS,
@@ -82,7 +83,7 @@ def metric_scores(metric_values, epsilon: float = 0.3, direction: str = "more_fo
     All values equal (or a single layer): every score is 1, i.e. uniform.
     """
     if direction not in DIRECTIONS:
-        raise ValueError(f"unknown direction {direction!r}; valid: {', '.join(DIRECTIONS)}")
+        raise unknown("direction", direction, DIRECTIONS)
     m = np.asarray(metric_values, dtype=np.float64)
     if m.ndim != 1 or m.size == 0:
         raise ValueError("metric_values must be a non-empty 1-D sequence")
@@ -121,7 +122,7 @@ def pruning_ratios(
     Ratios are never negative (``r_l >= 1 - eps >= 0``).
     """
     if overflow not in OVERFLOW:
-        raise ValueError(f"unknown overflow {overflow!r}; valid: {', '.join(OVERFLOW)}")
+        raise unknown("overflow", overflow, OVERFLOW)
     if not 0.0 <= epsilon <= 1.0:
         raise ValueError(
             f"epsilon={epsilon} maps the metric onto [{1 - epsilon:g}, {1 + epsilon:g}]; it must be in [0, 1] "

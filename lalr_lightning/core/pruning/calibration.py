@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from lalr_lightning import progress
 from lalr_lightning.core.pruning.criteria import InputStats
 
 __all__ = [
@@ -235,7 +236,8 @@ def run_blocks(
             raise ValueError("run_blocks needs the block modules or a materialize function")
         materialize = blocks.__getitem__
     current = inputs
-    for index in range(n_blocks):
+    # a bar with rate and ETA on a terminal only (lalr_lightning.progress)
+    for index in progress.bar(range(n_blocks), desc="calibrating blocks" if stats else "pruning blocks", unit="block"):
         block = materialize(index)
         was_training = block.training
         block.eval()

@@ -45,6 +45,7 @@ import math
 
 import torch
 
+from lalr_lightning.choices import unknown
 from lalr_lightning.core.pruning.alphapruning import magnitude_mask
 
 __all__ = [
@@ -82,7 +83,7 @@ def needs_stats(criterion: str) -> bool:
 
 def _check_criterion(criterion: str) -> None:
     if criterion not in CRITERIA:
-        raise ValueError(f"unknown criterion {criterion!r}; valid: {', '.join(CRITERIA)}")
+        raise unknown("criterion", criterion, CRITERIA)
 
 
 def _check_ratio(ratio: float) -> float:

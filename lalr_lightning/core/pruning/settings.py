@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.layers import check_kinds
 from lalr_lightning.core.pruning.alphapruning import DIRECTIONS, OVERFLOW, PRUNING_METRICS
 from lalr_lightning.core.pruning.criteria import CRITERIA, check_nm, needs_stats
@@ -41,11 +42,11 @@ def pruning_settings(
     """The settings of ``HTSRPruning(...)`` under their own names, the preset's and the defaults
     filled in (``docs`` of the callback); a ``ValueError`` naming the fix for a bad combination."""
     if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; valid: {', '.join(repr(p) for p in PRESETS)}")
+        raise unknown("preset", preset, PRESETS, show=repr)
     given_fit = {"fit": fit, "filter_zeros": filter_zeros}
     fill = PRESETS[preset]
     if criterion not in CRITERIA:
-        raise ValueError(f"unknown criterion {criterion!r}; valid: {', '.join(CRITERIA)}")
+        raise unknown("criterion", criterion, CRITERIA)
     n, m = check_nm(n, m)
     reject_stray(who, "criterion", criterion,
                  {"n_calibration": n_calibration, "calibration": calibration, "blocksize": blocksize,
@@ -128,13 +129,13 @@ def _nm_ratios(n: int, m: int, target_sparsity: float | None, epsilon: float | N
 
 def _check_choices(metric: str, direction: str, overflow: str, fit: str | None) -> None:
     if metric not in PRUNING_METRICS:
-        raise ValueError(f"unknown metric {metric!r}; valid: {', '.join(PRUNING_METRICS)}")
+        raise unknown("metric", metric, PRUNING_METRICS)
     if direction not in DIRECTIONS:
-        raise ValueError(f"unknown direction {direction!r}; valid: {', '.join(DIRECTIONS)}")
+        raise unknown("direction", direction, DIRECTIONS)
     if overflow not in OVERFLOW:
-        raise ValueError(f"unknown overflow {overflow!r}; valid: {', '.join(OVERFLOW)}")
+        raise unknown("overflow", overflow, OVERFLOW)
     if fit is not None and fit not in htsr.FITS:
-        raise ValueError(f"unknown fit {fit!r}; valid: {', '.join(htsr.FITS)}")
+        raise unknown("fit", fit, htsr.FITS)
 
 
 def _check_ratios(max_ratio: float, target_sparsity: float, epsilon: float) -> None:

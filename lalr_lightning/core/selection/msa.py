@@ -1,7 +1,7 @@
 """The Method of Successive Approximations (MSA) on blocks: states, co-states, the L-MSA
 selection metric and the maximization of a block's augmented Hamiltonian.
 
-``../shared/seeds/004_*.txt`` (L-MSA) sec. 2-3 and app. A.1; the derivation for non-linear
+"L-MSA: Layer-wise Fine-tuning using the Method of Successive Approximations" (https://openreview.net/forum?id=xi3sDtf8A0) (L-MSA) sec. 2-3 and app. A.1; the derivation for non-linear
 blocks is in ``docs/lmsa.md``. Pure PyTorch, no Lightning import.
 
 Conventions (PMP, the paper's eq. 4): a block ``n`` maps its state ``x_n`` to

@@ -8,6 +8,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from lalr_lightning.choices import unknown
+
 __all__ = ["INNER_OPTIMIZERS", "SELECT", "UPDATE", "lmsa_settings"]
 
 SELECT = ("min", "all")
@@ -31,10 +33,8 @@ def lmsa_settings(
     rho_scale = 1.0 if rho_scale is None else rho_scale
     num_blocks = 1 if num_blocks is None else num_blocks
     if isinstance(inner_optimizer, str) and inner_optimizer not in INNER_OPTIMIZERS:
-        raise ValueError(
-            f"unknown inner_optimizer {inner_optimizer!r}; valid: {', '.join(INNER_OPTIMIZERS)} "
-            "or a callable params -> torch.optim.Optimizer"
-        )
+        raise unknown("inner_optimizer", inner_optimizer, INNER_OPTIMIZERS,
+                      note=" or a callable params -> torch.optim.Optimizer")
     if not isinstance(inner_optimizer, str) and not callable(inner_optimizer):
         raise TypeError("inner_optimizer must be 'adam', 'sgd' or a callable params -> Optimizer")
     for label, v in (("rho", rho), ("inner_lr", inner_lr), ("rho_scale", rho_scale)):

@@ -1,6 +1,6 @@
 """Which layers train, the pure part: the surgical fine-tuning authors' per-tensor criteria
 (Auto-RGN's relative gradient norm, the eb-criterion), fixed block choices, LIFT's block
-orders and LISA's draws (baselines of ``004_*.txt``). Numpy / torch only; the selection
+orders and LISA's draws (baselines of "L-MSA: Layer-wise Fine-tuning using the Method of Successive Approximations" (https://openreview.net/forum?id=xi3sDtf8A0)). Numpy / torch only; the selection
 callbacks decide when.
 """
 
@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.layers import Layer, clean_name
 
 __all__ = [
@@ -176,7 +177,7 @@ def lift_block(order: str, switch: int, n_blocks: int, seed: int = 0) -> int:
     if order == "random":
         perm = np.random.default_rng([seed, switch // n_blocks]).permutation(n_blocks)
         return int(perm[pos])
-    raise ValueError(f"unknown LIFT order {order!r}; valid: {', '.join(LIFT_ORDERS)}")
+    raise unknown("LIFT order", order, LIFT_ORDERS)
 
 
 def lisa_sample(n_middle: int, gamma: int, switch: int, seed: int = 0) -> list[int]:

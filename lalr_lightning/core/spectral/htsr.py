@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 import warnings
 import zlib
 from collections import defaultdict
@@ -55,6 +54,8 @@ import pandas as pd
 import torch
 from torch import Tensor, nn
 
+from lalr_lightning import progress
+from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.layers import Layer, matrix_layers
 from lalr_lightning.core.runtime.safetensors_checkpoints import is_checkpoint_path, load_matrix, stored_matrices
 
@@ -679,7 +680,7 @@ def _fit_many(xs: Sequence[Tensor], fit: str, xmin_pos: float | None, small_n: i
 
 def _check_fit(fit: str) -> None:
     if fit not in FITS:
-        raise ValueError(f"unknown fit {fit!r}; valid fits: {', '.join(FITS)}")
+        raise unknown("fit", fit, FITS)
 
 
 def fit_power_law(
@@ -870,11 +871,8 @@ def _check_device(device) -> torch.device | None:
 
 
 def _progress(enabled: bool, total: int):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="spectral analysis", unit="matrix", file=sys.stderr)
+    # drawn only on a terminal (lalr_lightning.progress): no bar in CI logs or redirected output
+    return progress.bar(total=total, desc="spectral analysis", unit="matrix") if enabled else None
 
 
 def _entries(source, layer_types, device) -> list[_Entry]:

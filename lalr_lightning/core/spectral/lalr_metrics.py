@@ -1,6 +1,6 @@
 """LALR's per-layer weight metrics and the learning-rate multipliers made from them.
 
-``../shared/seeds/000_*.txt`` sections 2.1-2.4 and B.1.4 (metrics), 3.0 and Appendix A
+"LALR: Layer-Adaptive Learning Rate Fine-Tuning Using Sequential Scaling Metrics" sections 2.1-2.4 and B.1.4 (metrics), 3.0 and Appendix A
 (sequential phases), B.4.4 (weighted sum) and B.4.5.3 (Hessian proxy). Pure torch / numpy /
 pandas: no Lightning here. The callback (``callbacks/lalr.py``) only decides when to call
 these and logs what they return.
@@ -75,6 +75,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.layers import MATRIX_KINDS, Layer, clean_name, matrix_layers
 
 __all__ = [
@@ -355,7 +356,7 @@ def lalr_metrics(
         ``raw_cs``, ``svd``, ``ce``, ``cs``.
     """
     if groups not in GROUPS:
-        raise ValueError(f"unknown groups {groups!r}; valid: {', '.join(GROUPS)}")
+        raise unknown("groups", groups, GROUPS)
     if int(bins) < 2:
         raise ValueError(f"bins must be >= 2, got {bins}")
     if not hist_range > 0:
@@ -501,12 +502,12 @@ def lalr_multipliers(
     the metric makes (a clip at ``floor`` would merge all layers below it).
     """
     if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
+        raise unknown("mode", mode, MODES)
     if not 0.0 <= floor <= 1.0:
         raise ValueError(f"floor must be in [0, 1], got {floor}")
     if mode == "sequential":
         if phase not in METRICS:
-            raise ValueError(f"unknown phase {phase!r}; valid: {', '.join(METRICS)}")
+            raise unknown("phase", phase, METRICS)
         f = metrics[phase].to_numpy(dtype=np.float64)
     elif mode == "weighted":
         w = check_weights(weights)

@@ -28,6 +28,8 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
+from lalr_lightning.choices import unknown
+
 __all__ = ["GROUPINGS", "module_type", "group_types", "types_of", "top_by_type", "chosen_count", "unfrozen_yaml",
            "read_unfrozen_yaml"]
 
@@ -58,7 +60,7 @@ def group_types(names: Iterable[str], kinds: Mapping[str, str] | None = None,
     choose) and not typed by ``types`` joins the other such matrices of its kind (``kinds[name]``,
     e.g. ``linear``), in a type called ``"<kind> (pooled)"``."""
     if grouping not in GROUPINGS:
-        raise ValueError(f"unknown grouping {grouping!r}; valid: {', '.join(GROUPINGS)}")
+        raise unknown("grouping", grouping, GROUPINGS)
     names = list(names)
     out = {n: module_type(n, types) for n in names}
     if grouping == "auto":

@@ -1,4 +1,4 @@
-"""TempBalance's assignment of learning-rate multipliers from HT-SR alpha (``002_*.txt`` ch. 2),
+"""TempBalance's assignment of learning-rate multipliers from HT-SR alpha ("Layerwise Training of Deep Neural Networks" (https://www2.eecs.berkeley.edu/Pubs/TechRpts/2023/EECS-2023-126.html) ch. 2),
 and which layers it balances. Pure numpy / torch; the callback (``callbacks/tempbalance.py``)
 decides when.
 """
@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from torch import nn
 
+from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.layers import Layer, block_layers, matrix_layers, num_eigenvalues, output_layer
 
 __all__ = ["ASSIGN", "FIRST", "RANGED", "SAMPLING", "assign_multipliers", "eligible_layers"]
@@ -134,7 +135,7 @@ def assign_multipliers(
 ) -> np.ndarray:
     """Learning-rate multipliers for layers with the given alphas (pure; no torch)."""
     if method not in ASSIGN:
-        raise ValueError(f"unknown assign {method!r}; valid: {', '.join(ASSIGN)}")
+        raise unknown("assign", method, ASSIGN)
     a = np.asarray(alpha, dtype=np.float64)
     if a.ndim != 1 or a.size == 0:
         raise ValueError("assign_multipliers needs a non-empty 1-D array of alphas")

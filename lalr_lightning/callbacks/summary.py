@@ -1,0 +1,40 @@
+"""The selection's own model summary: Lightning draws its summary (``Trainable params``) when the
+fit starts, before a switching selection (LISA, LIFT) has frozen anything, so after a selection
+decides it states what trains, in one line::
+
+    BlockSchedule: trainable 82.4 K of 156 K parameters (52.7%), 4 of 6 blocks
+
+Counted on this process's module: a parameter trains when an optimizer holds it and neither the
+selection nor anyone else froze it (``LayerSelection.trains``); under FSDP the counts are this
+rank's shard.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
+
+if TYPE_CHECKING:
+    from lalr_lightning.callbacks.selection import LayerSelection
+
+__all__ = ["selection_counts", "selection_summary"]
+
+
+def selection_counts(cb: LayerSelection) -> dict[str, int | str]:
+    """``trainable``, ``frozen`` and ``total`` parameters of the callback's module now, and the
+    ``selected`` of ``units`` blocks (``kind``; layers where the selection has no blocks)."""
+    params = {id(p): p for p in cb._module.parameters()} if cb._module is not None else {}
+    trainable = sum(p.numel() for p in params.values() if cb.trains(p))
+    total = sum(p.numel() for p in params.values())
+    units = cb.block_names or [u.name for u in cb.layers]
+    selected = cb.selected_blocks() if cb.block_names else list(cb.selected)
+    return {"trainable": trainable, "frozen": total - trainable, "total": total,
+            "selected": len(selected), "units": len(units), "kind": "blocks" if cb.block_names else "layers"}
+
+
+def selection_summary(who: str, c: dict[str, int | str]) -> str:
+    """The one line (module docstring) of :func:`selection_counts`' ``c``."""
+    share = 100.0 * c["trainable"] / c["total"] if c["total"] else 0.0
+    return (f"{who}: trainable {get_human_readable_count(c['trainable'])} of {get_human_readable_count(c['total'])} "
+            f"parameters ({share:.1f}%), {c['selected']} of {c['units']} {c['kind']}")

@@ -1,0 +1,102 @@
+"""The front door: the README is short and in the order a newcomer needs it, its commands are what CI
+runs, its usage example runs as written, the papers are cited by title and link (no seed file
+names anywhere), and the documentation site builds without a broken link."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+MAX_LINES = 200
+SECTIONS = ["Set up", "Methods", "On your own Trainer", "Where to go next"]
+
+
+@pytest.mark.smoke
+def test_the_readme_is_short_and_in_order():
+    lines = README.splitlines()
+    assert len(lines) <= MAX_LINES, f"README.md has {len(lines)} lines; at most {MAX_LINES} (the rest goes to docs/)"
+    assert re.findall(r"^## (.+)$", README, flags=re.M) == SECTIONS
+    assert lines[0].startswith("# ") and not re.findall(r"^### ", README, flags=re.M)
+    # what the package does, in one paragraph, before the first section
+    intro = README.split("\n## ")[0].split("\n", 1)[1].strip()
+    assert intro and "\n\n" not in intro, intro
+    setup = README.split("\n## Set up\n")[1].split("\n## ")[0]
+    # the set-up commands: the quickstart, then the tests, the quick check offered first
+    quick, smoke, suite = (setup.index(s) for s in ("fit --config configs/quickstart.yaml", "python -m pytest -m smoke",
+                                                    "python -m pytest -n 2"))
+    assert quick < smoke < suite
+    methods = README.split("\n## Methods\n")[1].split("\n## ")[0]
+    assert re.search(r"^\| callback or command \| paper \| use it when \|$", methods, flags=re.M)
+    assert "mkdocs serve" in README.split("\n## Where to go next\n")[1]
+
+
+@pytest.mark.smoke
+def test_ci_runs_the_readme_test_command():
+    """The stop hook takes the README's first pytest command (grep -Eo '(python -m )?pytest[^`]*' |
+    head -n 1): it must hold the full suite, and .ci/run must run both it and the site's build."""
+    first = re.findall(r"(?:python -m )?pytest[^`\n]*", README)[0]
+    assert "python -m pytest -n 2" in first and "-m smoke" in first, first
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "python -m pytest -m smoke" in ci and "python -m pytest -n 2" in ci and "mkdocs build --strict" in ci
+    assert 'pip install -q -e ".[dev,text]"' in ci and 'pip install -e ".[dev,text]"' in README
+
+
+def test_every_method_cites_its_paper_by_title_and_link():
+    methods = README.split("\n## Methods\n")[1].split("\n## ")[0]
+    rows = [r for r in methods.splitlines() if r.startswith("| `")]
+    assert len(rows) >= 10
+    for row in rows:
+        cells = row.strip("|").split(" | ")
+        assert len(cells) == 3 and cells[2].strip(), row
+        linked = re.findall(r"\[([^\]]{12,})\]\((https://(?:arxiv\.org/abs/\d{4}\.\d{5}|openreview\.net/forum\?id=\w+))\)",
+                            cells[1])
+        assert linked or "no public link" in cells[1], row
+
+
+SEED = re.compile(r"\b00[0-4]_[\w*]*\.txt|seeds/00[0-4]|\bseeds/\b|`00[0-4]`|\(00[0-4]\b|\b00[0-4] (?:ch\.|Thm|A\.\d|baseline)")
+
+
+def test_no_seed_file_names_in_the_package_docs_or_configs():
+    hits = []
+    for folder, pattern in (("lalr_lightning", "*.py"), ("docs", "*.md"), ("configs", "*.yaml"), (".", "README.md"),
+                            (".", "mkdocs.yml")):
+        for path in sorted((ROOT / folder).rglob(pattern) if folder != "." else [ROOT / pattern]):
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if SEED.search(line):
+                    hits.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()[:100]}")
+    assert not hits, "cite the paper by title and link instead:\n" + "\n".join(hits)
+
+
+@pytest.mark.smoke
+def test_the_usage_example_runs_as_written():
+    """The README's Python block with the user's module put in: a tiny MLP, one epoch."""
+    from tests._toys import ToyMLP
+
+    (block,) = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+    assert "max_epochs=200" in block
+    code = block.replace("max_epochs=200", "max_epochs=1, accelerator='cpu', logger=False, enable_checkpointing=False, "
+                                           "enable_progress_bar=False, enable_model_summary=False")
+    scope = {"my_module": ToyMLP(), "my_datamodule": None}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 -- the README's own example
+    assert scope["tempbalance"].multipliers and scope["tempbalance"].history
+    assert scope["trainer"].current_epoch == 1
+
+
+def test_the_documentation_site_builds_strictly(tmp_path):
+    """mkdocs build --strict, as CI runs it: a broken link or anchor, a page missing from the nav or an
+    API page whose module cannot be rendered fails. Skipped where the dev extra's mkdocs is missing."""
+    for module in ("mkdocs", "material", "mkdocstrings_handlers.python"):
+        if importlib.util.find_spec(module.split(".")[0]) is None:
+            pytest.skip(f"{module} is not installed (pip install -e '.[dev]')")
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    pages = {p.relative_to(tmp_path / "site").parent.as_posix() for p in (tmp_path / "site").rglob("index.html")}
+    assert {"usage", "results", "fsdp", "gpu", "surgical", "api/callbacks"} <= pages, sorted(pages)
