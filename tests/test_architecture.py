@@ -217,8 +217,6 @@ def _long_or_deep() -> list[tuple[str, str, int, int]]:
 # list must only shrink, to empty: the coordinator empties it when those branches merge.
 _LONG_FOR_NOW = {
     ("lalr_lightning/cli.py", "analyze_main"),
-    ("lalr_lightning/oneshot/checkpoint.py", "check_values"),
-    ("lalr_lightning/oneshot/prune.py", "prune_checkpoint"),
     ("lalr_lightning/report.py", "_read_wandb"),
 }
 

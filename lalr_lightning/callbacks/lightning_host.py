@@ -262,7 +262,11 @@ class LightningHooks(Callback):
         from lalr_lightning.callbacks import keys
 
         keys.adopt(self, trainer, checkpoint)  # an entry written under an earlier key
-        keys.warn_orphaned_masks(trainer, checkpoint)  # pruning masks no callback of this fit enforces
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        from lalr_lightning.core.runtime.checks import warn_orphaned_masks
+
+        warn_orphaned_masks(trainer.callbacks, checkpoint, rank_zero_warn)  # masks no callback of this fit enforces
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._train_start(self._host(trainer, pl_module))

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
-
 if TYPE_CHECKING:
     from lalr_lightning.callbacks.selection import LayerSelection
 
@@ -33,8 +31,17 @@ def selection_counts(cb: LayerSelection) -> dict[str, int | str]:
             "selected": len(selected), "units": len(units), "kind": "blocks" if cb.block_names else "layers"}
 
 
+def readable_count(n: int) -> str:
+    """A parameter count as Lightning's summary shows one: ``950``, ``82.4 K``, ``156 K``, ``1.2 M``."""
+    for unit, size in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            value = n / size
+            return f"{value:.1f} {unit}" if value < 100 else f"{value:.0f} {unit}"
+    return f"{n:d}"
+
+
 def selection_summary(who: str, c: dict[str, int | str]) -> str:
     """The one line (module docstring) of :func:`selection_counts`' ``c``."""
     share = 100.0 * c["trainable"] / c["total"] if c["total"] else 0.0
-    return (f"{who}: trainable {get_human_readable_count(c['trainable'])} of {get_human_readable_count(c['total'])} "
+    return (f"{who}: trainable {readable_count(c['trainable'])} of {readable_count(c['total'])} "
             f"parameters ({share:.1f}%), {c['selected']} of {c['units']} {c['kind']}")

@@ -1,19 +1,21 @@
 """Checks of what a user hands the package, each ending in one line that names the cause and the
 fix: constructor arguments against their annotations, models with lazy (not yet shaped)
-parameters, and matrices no layer listing covers. Pure Python and torch (no lightning)."""
+parameters, matrices no layer listing covers, and pruning masks a resumed checkpoint holds
+that no callback takes. Pure Python and torch (no lightning)."""
 
 from __future__ import annotations
 
 import numbers
 import types
 import typing
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["check_arguments", "coerce", "lazy_parameters", "lazy_error", "check_min_evals"]
+__all__ = ["check_arguments", "coerce", "lazy_parameters", "lazy_error", "check_min_evals", "warn_orphaned_masks"]
 
 _NUMBERS = {int: "an integer", float: "a number"}
 
@@ -136,3 +138,25 @@ def lazy_error(who: str, lazy: Mapping[str, str]) -> ValueError:
 def uninitialized(tensors: Mapping[str, torch.Tensor]) -> list[str]:
     """The names of ``tensors`` that are lazy parameters not yet materialized."""
     return [n for n, t in tensors.items() if isinstance(t, nn.parameter.UninitializedParameter)]
+
+
+def warn_orphaned_masks(callbacks: Any, checkpoint: dict, warn: Callable[..., Any] = warnings.warn) -> str | None:
+    """The warning (also returned) for a checkpoint holding HTSRPruning's masks that no callback
+    of this fit takes: the masks are then no longer enforced. Once per checkpoint."""
+    if checkpoint.get("_lalr_orphans_checked"):
+        return None
+    checkpoint["_lalr_orphans_checked"] = True
+    states = checkpoint.get("callbacks") or {}
+    claimed = {getattr(c, "state_key", None) for c in callbacks}
+    orphans = {k: len(v.get("masks") or {}) for k, v in states.items()
+               if isinstance(k, str) and k.split("{")[0].split("[")[0] == "HTSRPruning" and isinstance(v, dict)
+               and v.get("masks") and k not in claimed}
+    if not orphans:
+        return None
+    shown = ", ".join(f"{k} ({n} masked parameters)" for k, n in orphans.items())
+    msg = (f"the checkpoint holds HTSRPruning masks ({shown}) that no callback of this fit takes: the pruned weights "
+           "are zero now, but the masks are no longer enforced and training revives them; add the HTSRPruning "
+           "callback with the settings of the run that pruned to keep them (make_permanent=True there drops them "
+           "on purpose)")
+    warn(msg, category=UserWarning)
+    return msg
