@@ -653,3 +653,6 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         self._load_state(state_dict)
         self.restored = True
         self.resumed(late=self._wrapped)
+        # a host that restores after the start (a state loaded by hand after on_fit_start): the
+        # checkpoint's state is applied at the train start instead
+        self._started = False
