@@ -9,7 +9,7 @@ and the process group on gloo, so a multi-GPU FSDP config runs on ``--trainer.ac
 FSDP2 needs nothing of the kind: ``ModelParallelStrategy(data_parallel_size=N,
 tensor_parallel_size=1, process_group_backend="gloo")`` runs ``fully_shard`` on CPU as it is.
 
-Two things ``FSDPStrategy`` does that fail on CPU processes, done differently here:
+What ``FSDPStrategy`` does that fails on CPU processes, done differently here:
 
 * Saving: Lightning gathers the whole model (and the optimizer state) with ``offload_to_cpu=True``.
   On a CPU compute device that "offload" moves nothing, and torch 2.13 then cloned freed memory in
@@ -68,7 +68,6 @@ def _leave_at_exit() -> None:
 _leave_registered = False
 
 
-
 class CPUFSDPStrategy(FSDPStrategy):
     """``FSDPStrategy`` on CPU processes with gloo (module docstring); every argument is
     ``FSDPStrategy``'s. Use it with ``accelerator="cpu"``."""
@@ -101,7 +100,7 @@ class CPUFSDPStrategy(FSDPStrategy):
         super().on_exception(exception)
         if dist.is_available() and dist.is_initialized():
             print(f"lalr_lightning: rank {self.global_rank} stopped ({type(exception).__name__}: {exception}); "
-                  "leaving the process group so the other ranks stop too", file=sys.stderr, flush=True)
+                  "it leaves the process group, and the other ranks stop when this process ends", file=sys.stderr, flush=True)
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001,S110 -- the fit's own error is what propagates

@@ -195,8 +195,11 @@ class WholeCopy:
         from torch.distributed.fsdp import FullStateDictConfig, StateDictType
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+        # no "offload" from a CPU compute device (CPUFSDPStrategy): there it moves nothing, and
+        # torch 2.13 cloned freed memory after it (SIGSEGV, strategies.py)
+        on_cpu = all(p.device.type == "cpu" for p in model.parameters())
         with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
-                                  FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
+                                  FullStateDictConfig(offload_to_cpu=not on_cpu, rank0_only=True)):
             return model.state_dict()
 
     def run(self, host: Host, module: nn.Module, fn: Callable[[nn.Module], Any],
