@@ -19,6 +19,8 @@ import inspect
 import warnings
 from typing import Any
 
+from lalr_lightning.core.checks import orphaned_masks
+
 __all__ = ["adopt", "distinct_settings", "state_key", "warn_orphaned_masks"]
 
 #: settings of what is only logged (base._LOGGING_SETTINGS): never part of a key
@@ -92,24 +94,11 @@ def adopt(cb: Any, trainer: Any, checkpoint: dict) -> None:
 
 
 def warn_orphaned_masks(trainer: Any, checkpoint: dict) -> str | None:
-    """The warning (also returned) for a checkpoint holding HTSRPruning's masks that no callback
-    of this fit takes: the masks are then no longer enforced. Once per checkpoint."""
-    if checkpoint.get("_lalr_orphans_checked"):
-        return None
-    checkpoint["_lalr_orphans_checked"] = True
-    states = checkpoint.get("callbacks") or {}
-    claimed = {c.state_key for c in trainer.callbacks}
-    orphans = {k: len(v.get("masks") or {}) for k, v in states.items()
-               if isinstance(k, str) and k.split("{")[0].split("[")[0] == "HTSRPruning" and isinstance(v, dict)
-               and v.get("masks") and k not in claimed}
-    if not orphans:
-        return None
-    from lightning.pytorch.utilities import rank_zero_warn
+    """Warn (and return the line) when the checkpoint holds HTSRPruning masks that no callback of
+    this fit takes (:func:`~lalr_lightning.core.checks.orphaned_masks`)."""
+    msg = orphaned_masks(checkpoint, {c.state_key for c in trainer.callbacks})
+    if msg is not None:
+        from lightning.pytorch.utilities import rank_zero_warn
 
-    shown = ", ".join(f"{k} ({n} masked parameters)" for k, n in orphans.items())
-    msg = (f"the checkpoint holds HTSRPruning masks ({shown}) that no callback of this fit takes: the pruned weights "
-           "are zero now, but the masks are no longer enforced and training revives them; add the HTSRPruning "
-           "callback with the settings of the run that pruned to keep them (make_permanent=True there drops them "
-           "on purpose)")
-    rank_zero_warn(msg, category=UserWarning)
+        rank_zero_warn(msg, category=UserWarning)
     return msg

@@ -17,9 +17,8 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
+from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, _NoFit, renamed
 from lalr_lightning.callbacks.distributed import WholeCopy, shard_layout, sharded
-from lalr_lightning.callbacks.planning import _NoFit
 from lalr_lightning.core import spectral
 from lalr_lightning.core.criterion_pruning import criterion_prune, load_weights, sample_count, take_samples
 from lalr_lightning.core.layers import DEFAULT_KINDS, inside_attention

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["check_arguments", "coerce", "lazy_parameters", "lazy_error", "check_min_evals"]
+__all__ = ["check_arguments", "check_min_evals", "coerce", "lazy_error", "lazy_parameters", "orphaned_masks",
+           "uninitialized"]
 
 _NUMBERS = {int: "an integer", float: "a number"}
 
@@ -136,3 +137,26 @@ def lazy_error(who: str, lazy: Mapping[str, str]) -> ValueError:
 def uninitialized(tensors: Mapping[str, torch.Tensor]) -> list[str]:
     """The names of ``tensors`` that are lazy parameters not yet materialized."""
     return [n for n, t in tensors.items() if isinstance(t, nn.parameter.UninitializedParameter)]
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def orphaned_masks(checkpoint: dict, claimed: set) -> str | None:
+    """The one-line warning for a checkpoint whose HTSRPruning masks no callback of the resuming fit
+    takes (``claimed``: the fit's callbacks' state keys): the masks are then no longer enforced.
+    Once per loaded checkpoint (whichever component of the package sees it first says it)."""
+    if checkpoint.get("_lalr_orphans_checked"):
+        return None
+    checkpoint["_lalr_orphans_checked"] = True
+    states = checkpoint.get("callbacks") or {}
+    orphans = {k: len(v.get("masks") or {}) for k, v in states.items()
+               if isinstance(k, str) and k.split("{")[0].split("[")[0] == "HTSRPruning" and isinstance(v, dict)
+               and v.get("masks") and k not in claimed}
+    if not orphans:
+        return None
+    shown = ", ".join(f"{k} ({n} masked parameters)" for k, n in orphans.items())
+    return (f"the checkpoint holds HTSRPruning masks ({shown}) that no callback of this fit takes: the pruned "
+            "weights are zero now, but the masks are no longer enforced and training revives them; add the "
+            "HTSRPruning callback with the settings of the run that pruned to keep them (make_permanent=True "
+            "there drops them on purpose)")

@@ -155,9 +155,13 @@ class ClassifierModule(pl.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self._trainer is not None:  # resuming a fit: pruning masks without their callback are a warning
-            from lalr_lightning.callbacks.keys import warn_orphaned_masks
+            from lightning.pytorch.utilities import rank_zero_warn
 
-            warn_orphaned_masks(self._trainer, checkpoint)
+            from lalr_lightning.core.checks import orphaned_masks
+
+            msg = orphaned_masks(checkpoint, {c.state_key for c in self._trainer.callbacks})
+            if msg is not None:
+                rank_zero_warn(msg, category=UserWarning)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
