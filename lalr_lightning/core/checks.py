@@ -4,6 +4,7 @@ parameters, and matrices no layer listing covers. Pure Python and torch (no ligh
 
 from __future__ import annotations
 
+import math
 import numbers
 import types
 import typing
@@ -29,8 +30,15 @@ def _number(value: Any, kind: type) -> Any:
         try:
             return int(text) if kind is int else float(text)
         except ValueError:
-            return None
-    if kind is int:
+            try:
+                value = float(text)  # "1e8" for an integer: read on as the float it is
+            except ValueError:
+                return None
+            if kind is float:
+                return value
+    if kind is int:  # 1e8 (a float written as a power of ten) is the integer it names; 1.5 is none
+        if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
+            return int(value) if math.isfinite(value) and float(value).is_integer() else None
         return int(value) if isinstance(value, numbers.Integral) else None
     return value if isinstance(value, numbers.Real) else None
 
