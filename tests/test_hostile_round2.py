@@ -168,6 +168,20 @@ def test_numbers_given_as_text_are_read_as_a_command_line_gives_them():
     assert HTSRPruning(target_sparsity="0.3").target_sparsity == 0.3
 
 
+def test_coerce_reads_numbers_as_their_annotation_says():
+    from collections.abc import Mapping
+
+    from lalr_lightning.core.runtime.checks import coerce
+
+    assert coerce("C", "k", "1e8", int) == 10**8 and coerce("C", "k", 2.0, int) == 2
+    assert coerce("C", "k", None, int | None) is None and coerce("C", "k", "0.25", float | None) == 0.25
+    assert coerce("C", "k", {"a": "2"}, Mapping[str, float] | None) == {"a": 2.0}
+    assert coerce("C", "k", "anything", str) == "anything"  # other annotations pass through
+    for value, hint in ((True, int), (1.5, int), ("1.5", int), ("x", float), (None, float), ([1], float | None)):
+        with pytest.raises(TypeError, match=r"^C: k must be"):
+            coerce("C", "k", value, hint)
+
+
 def test_a_string_step_count_trains_as_the_number():
     tb = TempBalanceCallback(every_n_steps="2", min_evals=2)
     make_trainer([tb], max_steps=4).fit(ToyMLP())

@@ -264,9 +264,11 @@ class LightningHooks(Callback):
         keys.adopt(self, trainer, checkpoint)  # an entry written under an earlier key
         from lightning.pytorch.utilities import rank_zero_warn
 
-        from lalr_lightning.core.runtime.checks import warn_orphaned_masks
+        from lalr_lightning.core.runtime.checks import orphaned_masks
 
-        warn_orphaned_masks(trainer.callbacks, checkpoint, rank_zero_warn)  # masks no callback of this fit enforces
+        msg = orphaned_masks(checkpoint, {c.state_key for c in trainer.callbacks})  # masks no callback enforces
+        if msg is not None:
+            rank_zero_warn(msg, category=UserWarning)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._train_start(self._host(trainer, pl_module))

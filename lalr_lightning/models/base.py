@@ -157,9 +157,11 @@ class ClassifierModule(pl.LightningModule):
         if self._trainer is not None:  # resuming a fit: pruning masks without their callback are a warning
             from lightning.pytorch.utilities import rank_zero_warn
 
-            from lalr_lightning.core.runtime.checks import warn_orphaned_masks
+            from lalr_lightning.core.runtime.checks import orphaned_masks
 
-            warn_orphaned_masks(self._trainer.callbacks, checkpoint, rank_zero_warn)
+            msg = orphaned_masks(checkpoint, {c.state_key for c in self._trainer.callbacks})
+            if msg is not None:
+                rank_zero_warn(msg, category=UserWarning)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)

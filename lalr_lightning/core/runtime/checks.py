@@ -5,17 +5,18 @@ that no callback takes. Pure Python and torch (no lightning)."""
 
 from __future__ import annotations
 
+import math
 import numbers
 import types
 import typing
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["check_arguments", "coerce", "lazy_parameters", "lazy_error", "check_min_evals", "warn_orphaned_masks"]
+__all__ = ["check_arguments", "check_min_evals", "coerce", "lazy_error", "lazy_parameters", "orphaned_masks",
+           "uninitialized"]
 
 _NUMBERS = {int: "an integer", float: "a number"}
 
@@ -30,8 +31,15 @@ def _number(value: Any, kind: type) -> Any:
         try:
             return int(text) if kind is int else float(text)
         except ValueError:
-            return None
-    if kind is int:
+            try:
+                value = float(text)  # "1e8" for an integer: read on as the float it is
+            except ValueError:
+                return None
+            if kind is float:
+                return value
+    if kind is int:  # 1e8 (a float written as a power of ten) is the integer it names; 1.5 is none
+        if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
+            return int(value) if math.isfinite(value) and float(value).is_integer() else None
         return int(value) if isinstance(value, numbers.Integral) else None
     return value if isinstance(value, numbers.Real) else None
 
@@ -140,23 +148,24 @@ def uninitialized(tensors: Mapping[str, torch.Tensor]) -> list[str]:
     return [n for n, t in tensors.items() if isinstance(t, nn.parameter.UninitializedParameter)]
 
 
-def warn_orphaned_masks(callbacks: Any, checkpoint: dict, warn: Callable[..., Any] = warnings.warn) -> str | None:
-    """The warning (also returned) for a checkpoint holding HTSRPruning's masks that no callback
-    of this fit takes: the masks are then no longer enforced. Once per checkpoint."""
+# --------------------------------------------------------------------------- checkpoints
+
+
+def orphaned_masks(checkpoint: dict, claimed: set) -> str | None:
+    """The one-line warning for a checkpoint whose HTSRPruning masks no callback of the resuming fit
+    takes (``claimed``: the fit's callbacks' state keys): the masks are then no longer enforced.
+    Once per loaded checkpoint (whichever component of the package sees it first says it)."""
     if checkpoint.get("_lalr_orphans_checked"):
         return None
     checkpoint["_lalr_orphans_checked"] = True
     states = checkpoint.get("callbacks") or {}
-    claimed = {getattr(c, "state_key", None) for c in callbacks}
     orphans = {k: len(v.get("masks") or {}) for k, v in states.items()
                if isinstance(k, str) and k.split("{")[0].split("[")[0] == "HTSRPruning" and isinstance(v, dict)
                and v.get("masks") and k not in claimed}
     if not orphans:
         return None
     shown = ", ".join(f"{k} ({n} masked parameters)" for k, n in orphans.items())
-    msg = (f"the checkpoint holds HTSRPruning masks ({shown}) that no callback of this fit takes: the pruned weights "
-           "are zero now, but the masks are no longer enforced and training revives them; add the HTSRPruning "
-           "callback with the settings of the run that pruned to keep them (make_permanent=True there drops them "
-           "on purpose)")
-    warn(msg, category=UserWarning)
-    return msg
+    return (f"the checkpoint holds HTSRPruning masks ({shown}) that no callback of this fit takes: the pruned "
+            "weights are zero now, but the masks are no longer enforced and training revives them; add the "
+            "HTSRPruning callback with the settings of the run that pruned to keep them (make_permanent=True "
+            "there drops them on purpose)")
