@@ -18,6 +18,15 @@ pruned model. Usage::
     python benchmarks/llm_pruning.py                       # a few minutes per run on 2 cores
     python benchmarks/llm_pruning.py --layers 2 --hidden 512 --intermediate 1376 --vocab 8000   # quick
 
+``--recipes`` compares instead the per-layer ratio recipes on one small trained model, in one table:
+uniform, OWL (``--preset owl``) and AlphaPruning (``--preset alphapruning``), Wanda at 50% and 70%;
+perplexity on held-out text of the offline grammar, and zero-shot accuracy (``zeroshot``) on a generated
+local task (the answer of ``a plus b is`` among four numbers: ``acc`` and ``acc_norm``). The model is a
+LLaMA (``--hidden 128 --layers 4`` by default) trained here on the offline corpus for ``--train-steps``
+steps, or ``--model DIR``::
+
+    python benchmarks/llm_pruning.py --recipes --hidden 128 --intermediate 344 --layers 4 --vocab 0
+
 ``--peak`` measures instead what sets the peak memory of a streamed prune (issue 23, item 6), this
 checkout against ``--before REF`` (another commit's ``lalr_lightning``, extracted with ``git
 archive``), side by side in one run: on CUDA ``torch.cuda.max_memory_allocated`` of the prune; on
@@ -203,6 +212,93 @@ def peak_main(args, root: Path, ckpt: Path, calib: Path) -> list:
     return rows
 
 
+_NUMBERS = "zero one two three four five six seven eight nine ten".split()
+
+
+def _arith_task(path: Path, n: int, seed: int) -> None:
+    """``a plus b is`` -> the sum among four numbers (the grammar's own sentences: a trained model knows)."""
+    import random
+
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            a, b = rng.randint(0, 5), rng.randint(0, 5)
+            wrong = rng.sample([x for x in range(11) if x != a + b], 3)
+            choices = [_NUMBERS[x] for x in [a + b, *wrong]]
+            rng.shuffle(choices)
+            f.write(json.dumps({"context": f"{_NUMBERS[a]} plus {_NUMBERS[b]} is", "choices": choices,
+                                "label": choices.index(_NUMBERS[a + b])}) + "\n")
+
+
+def _train(out: Path, args) -> None:
+    """A small LLaMA trained on the offline corpus (AdamW, windows of 64 tokens), saved with its tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lalr_lightning.data.causal_lm import offline_corpus, word_tokenizer
+
+    tok = word_tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=args.hidden, intermediate_size=args.intermediate,
+                      num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 32),
+                      num_key_value_heads=max(1, args.hidden // 32), max_position_embeddings=256,
+                      pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    ids = torch.tensor(tok(" ".join(offline_corpus(20000, seed=0)))["input_ids"])
+    windows = ids[: ids.numel() // 64 * 64].reshape(-1, 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    for step in range(args.train_steps):
+        batch = windows[torch.randint(0, windows.shape[0], (32,), generator=g)]
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step % 100 == 0:
+            print(f"train step {step}: loss {loss.item():.3f}", flush=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+def recipes_main(args, root: Path) -> list:
+    """The uniform / OWL / AlphaPruning table (module docstring)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lalr_lightning.data.causal_lm import offline_corpus
+    from lalr_lightning.oneshot import perplexity, prune_checkpoint, read_task, zeroshot
+
+    model = Path(args.model) if args.model else root / "trained"
+    if not args.model:
+        _train(model, args)
+    calib, heldout, task = root / "calib.txt", root / "heldout.txt", root / "task.jsonl"
+    calib.write_text(" ".join(offline_corpus(4000, seed=1)))
+    heldout.write_text(" ".join(offline_corpus(2000, seed=2)))
+    _arith_task(task, 200, seed=3)
+    docs = read_task(task)
+    tok = AutoTokenizer.from_pretrained(model)
+    ids = torch.tensor(tok(heldout.read_text())["input_ids"])
+
+    def evaluate(folder: Path) -> tuple[float, dict]:
+        lm = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        return perplexity(lm, ids, 64, 8)[0], zeroshot(lm, tok, docs, 32)
+
+    rows = [("dense", "-", *evaluate(model))]
+    for sparsity in (0.5, 0.7):
+        for recipe in ("uniform", "owl", "alphapruning"):
+            out = root / f"{recipe}_{sparsity}"
+            shutil.rmtree(out, ignore_errors=True)
+            prune_checkpoint(model, out, sparsity=sparsity, criterion="wanda", calibration=calib,
+                             preset=None if recipe == "uniform" else recipe, n_samples=args.samples,
+                             seq_len=args.seq_len)
+            rows.append((recipe, f"{sparsity:.0%}", *evaluate(out)))
+            print(f"{recipe} {sparsity}: done", flush=True)
+    print(f"\n{'recipe':<13} {'sparsity':>8} {'perplexity':>10} {'acc':>6} {'acc_norm':>8}")
+    for recipe, sp, ppl, z in rows:
+        print(f"{recipe:<13} {sp:>8} {ppl:10.3f} {z['acc']:6.3f} {z['acc_norm']:8.3f}")
+    return rows
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=2048)
@@ -223,6 +319,9 @@ def main(argv=None) -> None:
     p.add_argument("--dir", default=None, help="work directory (default: a new temporary one)")
     p.add_argument("--keep", action="store_true")
     p.add_argument("--peak", action="store_true", help="measure the peak memory of a streamed prune instead")
+    p.add_argument("--recipes", action="store_true", help="compare uniform, OWL and AlphaPruning ratios instead")
+    p.add_argument("--model", default=None, help="--recipes: a trained model directory (default: train one here)")
+    p.add_argument("--train-steps", type=int, default=600, help="--recipes: training steps (default 600)")
     p.add_argument("--before", default=None, help="--peak: the commit to compare with (e.g. 7ede6bb)")
     p.add_argument("--device", default="cpu", help="--peak: cpu (tensor bytes) or cuda (max_memory_allocated)")
     p.add_argument("--compute-dtype", default="bfloat16", help="--peak: prune_checkpoint's dtype (default bfloat16)")
@@ -232,6 +331,14 @@ def main(argv=None) -> None:
 
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="llm_pruning_"))
     ckpt = root / "model"
+    if args.recipes:
+        args.samples = int(args.samples)
+        try:
+            recipes_main(args, root)
+        finally:
+            if not args.keep:
+                shutil.rmtree(root, ignore_errors=True)
+        return
     try:
         if not (ckpt / "config.json").exists():
             params, size = _generate(ckpt, args)
