@@ -110,8 +110,6 @@ def test_base_and_dashboards_do_not_import_each_other_at_import_time():
 #: the timeline owner and the Lightning host: the only files of the method layer that implement
 #: Lightning's hooks or read the strategy's restore order
 OWNERS = {"base.py", "lightning_host.py"}
-#: method files not yet free of their own whole-copy / restore flags (issue 30; shrinking)
-FLAGGED = {"pruning.py", "lmsa.py", "ntk.py", "proximal.py"}
 METHODS = [p for p in CALLBACKS if p.name not in OWNERS | {"__init__.py"}]
 HOOKS = ("setup", "teardown", "load_state_dict", "state_dict")
 
@@ -136,11 +134,10 @@ def test_method_files_leave_the_timeline_to_its_owner(path):
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     lightning = sorted(m for m in imported if m == "lightning" or m.startswith(("lightning.", "pytorch_lightning")))
     assert not lightning, f"{path.name} imports {lightning}: ask the Host (callbacks/host.py)"
-    if path.name not in FLAGGED:
-        import re
+    import re
 
-        flags = sorted(set(re.findall(r"self\.(_whole|_late|_early|_started|_restored_late)\b", path.read_text())))
-        assert not flags, f"{path.name} keeps restore-order flags {flags}: the owner restores at the right point"
+    flags = sorted(set(re.findall(r"self\.(_whole|_late|_early|_started|_restored_late|_wrapped)\b", path.read_text())))
+    assert not flags, f"{path.name} keeps restore-order flags {flags}: the owner restores at the right point"
 
 
 def _functions(path: Path):

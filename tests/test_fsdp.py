@@ -16,11 +16,11 @@ import math
 import re
 import warnings
 
+import _own_method
 import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-import _own_method
 from _dist import ddp, fsdp1, fsdp2, run_pair_once
 from _lm import tiny_lm
 from lightning.pytorch.callbacks import ModelCheckpoint

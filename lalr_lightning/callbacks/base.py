@@ -268,10 +268,11 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         self.commit(host, decision)
         return decision
 
-    def decide_everywhere(self, host: Host, measured: Any) -> Decision:
-        """Decide on rank zero from ``measured`` and broadcast: the same decision on every rank
-        (not yet stored or applied). An error on rank zero is raised on every rank."""
-        return distributed.decide_on_zero(host, self.decide, measured)
+    def decide_everywhere(self, host: Host, measured: Any, decide: Callable[[Any], Decision] | None = None) -> Decision:
+        """Decide on rank zero from ``measured`` (with ``decide``, else :meth:`decide`) and broadcast:
+        the same decision on every rank (not yet stored or applied). An error on rank zero is
+        raised on every rank."""
+        return distributed.decide_on_zero(host, decide or self.decide, measured)
 
     def commit(self, host: Host, decision: Decision) -> None:
         self.receive(decision)
@@ -494,6 +495,11 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         LayerControl.restore_requires_grad(self.state_key)
         self.release(host)
         self._whole_copy = None
+
+    @property
+    def whole(self) -> distributed.WholeCopy | None:
+        """Under FSDP, the whole copy the owner keeps for ``needs_whole_model`` (None elsewhere)."""
+        return self._whole_copy
 
     def with_whole_model(self, host: Host, fn: Callable[[nn.Module], Any], frozen: bool = False) -> Any:
         """``fn(module)`` on the whole model: the live one, or under FSDP a whole copy on rank zero,

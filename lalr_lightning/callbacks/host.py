@@ -137,8 +137,9 @@ class Host(ABC):
         """The context the loop runs the model's forward in (autocast)."""
 
     @abstractmethod
-    def batches(self) -> Iterable:
-        """The training loader, to draw measurement batches from."""
+    def batches(self, as_given: bool = False) -> Iterable | None:
+        """The training loader, to draw measurement batches from (``as_given``: as the user gave
+        it, without the distributed sampler the host adds, or None without one)."""
 
     @abstractmethod
     def log(self, metrics: Mapping[str, float], step: int | None = None) -> None:

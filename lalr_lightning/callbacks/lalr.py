@@ -7,8 +7,8 @@ learning rate the optimizer and scheduler set: ``lr_{l,e} = lr_e x scale_{l,e}``
 
 The paper's Appendix A as a Lightning callback::
 
-    host = Trainer(max_epochs=3, callbacks=[LALRScheduleCallback()])
-    host.fit(my_module)   # any LightningModule, its own AdamW / scheduler unchanged
+    trainer = Trainer(max_epochs=3, callbacks=[LALRScheduleCallback()])
+    trainer.fit(my_module)   # any LightningModule, its own AdamW / scheduler unchanged
 """
 
 from __future__ import annotations
@@ -50,10 +50,10 @@ class LALRScheduleCallback(LayerwiseCallback):
         >>> from lalr_lightning.data import DigitsDataModule
         >>> from lalr_lightning.models import SmallCNN
         >>> lalr = LALRScheduleCallback(groups="histogram", floor=0.1)
-        >>> host = pl.Trainer(max_epochs=3, limit_train_batches=1, limit_val_batches=0, logger=False,
+        >>> trainer = pl.Trainer(max_epochs=3, limit_train_batches=1, limit_val_batches=0, logger=False,
         ...                      enable_checkpointing=False, enable_progress_bar=False,
         ...                      enable_model_summary=False, callbacks=[lalr])
-        >>> host.fit(SmallCNN(width=16, in_channels=1), DigitsDataModule(batch_size=32))
+        >>> trainer.fit(SmallCNN(width=16, in_channels=1), DigitsDataModule(batch_size=32))
         >>> [h["phase"] for h in lalr.history]
         ['svd', 'ce', 'cs']
         >>> min(lalr.multipliers.values())  # min-max gives 0 to one layer; the floor keeps it learning

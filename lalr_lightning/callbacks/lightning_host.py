@@ -41,18 +41,11 @@ def sharding_of(trainer: Any) -> str:
 
 
 class LightningHost(Host):
-    """The host of a Lightning fit. Attributes it does not define are read from the trainer: a
-    bridge for the method files not yet written against the host alone (the shrinking list in
-    tests/test_architecture.py); the converted ones use only what :class:`Host` declares."""
+    """The host of a Lightning fit: every answer from the trainer and the LightningModule."""
 
     def __init__(self, trainer: pl.Trainer, module: pl.LightningModule):
         self.trainer, self.module = trainer, module
         self.sharding = sharding_of(trainer)
-
-    def __getattr__(self, attr: str) -> Any:
-        if attr.startswith("__") or attr == "trainer":
-            raise AttributeError(attr)
-        return getattr(self.trainer, attr)
 
     # ---------------------------------------------------------------- counters, world, model
 
@@ -105,11 +98,13 @@ class LightningHost(Host):
     def forward_context(self) -> contextlib.AbstractContextManager:
         return self.trainer.precision_plugin.forward_context()
 
-    def batches(self) -> Any:
+    def batches(self, as_given: bool = False) -> Any:
+        source = self.trainer.fit_loop._data_source
+        if as_given:
+            return source.dataloader() if source.instance is not None and source.is_defined() else None
         loader = self.trainer.train_dataloader
-        if loader is None:  # before the fit loop set it up (setup): the data source's own
-            loader = self.trainer.fit_loop._data_source.dataloader()
-        return loader
+        # before the fit loop set it up (setup): the data source's own
+        return source.dataloader() if loader is None else loader
 
     # ---------------------------------------------------------------- logs
 

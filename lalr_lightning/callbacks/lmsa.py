@@ -21,7 +21,6 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
-from lalr_lightning.callbacks.distributed import WholeCopy, sharded
 from lalr_lightning.callbacks.host import Host, say, warn
 from lalr_lightning.callbacks.selection import LayerSelection
 from lalr_lightning.core import msa
@@ -46,10 +45,10 @@ class LMSAStepper(LayerSelection):
         >>> from lalr_lightning.data import DigitsDataModule
         >>> from lalr_lightning.models import SmallResNet
         >>> lmsa = LMSAStepper(rho=1.0, inner_lr=1e-3, inner_steps=2)
-        >>> host = pl.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=0, logger=False,
+        >>> trainer = pl.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=0, logger=False,
         ...                      enable_checkpointing=False, enable_progress_bar=False,
         ...                      enable_model_summary=False, callbacks=[lmsa])
-        >>> host.fit(SmallResNet(width=4, blocks_per_group=1, in_channels=1), DigitsDataModule(batch_size=32))
+        >>> trainer.fit(SmallResNet(width=4, blocks_per_group=1, in_channels=1), DigitsDataModule(batch_size=32))
         >>> len(lmsa.selected), lmsa.selected[0] == min(lmsa.scores, key=lmsa.scores.get)
         (1, True)
 
@@ -227,7 +226,6 @@ class LMSAStepper(LayerSelection):
         self._last_h: list[float] = []
         self._block_params: set[int] = set()
         self._selected_params: set[int] = set()
-        self._whole: WholeCopy | None = None
         self._paths: dict[str, tuple] = {}
         self._held_back = False  # FSDP: a new choice frozen for the step of the batch that chose it
 
@@ -276,9 +274,13 @@ class LMSAStepper(LayerSelection):
                            "blocks with blocks=[...]")
         self._block_params = {id(p) for b in self.layers for p in b.params.values()}
         self.taps = BlockTaps(module, self.layers, want_input_costate=self.feasibility > 0, seed=self.seed)
-        # FSDP: the metric on a whole copy of the model on rank zero (the live taps capture nothing)
-        self._whole = WholeCopy(module, type(self).__name__) if sharded(host) else None
-        self._paths = layer_paths(module, self.layers) if self._whole is not None else {}
+
+    # FSDP: the metric on a whole copy of the model on rank zero (the live taps capture nothing)
+    needs_whole_model = True
+
+    def prepare(self, host: Host) -> None:
+        super().prepare(host)
+        self._paths = layer_paths(host.module, self.layers) if self.whole is not None else {}
 
     def resumed(self, late: bool) -> None:
         super().resumed(late)
@@ -330,7 +332,7 @@ class LMSAStepper(LayerSelection):
         lets it change): the backward then skips the other blocks' weight gradients."""
         if not (self.save_compute and self._toggle and self.feasibility == 0):
             return
-        if self._whole is not None and not self.selected:
+        if self.whole is not None and not self.selected:
             return  # FSDP: the first backward needs something that requires grad (the live taps anchor none)
         on = set(names)
         self.set_requires_grad([b for b in self.layers if b.name in on], True)
@@ -358,7 +360,7 @@ class LMSAStepper(LayerSelection):
     # ------------------------------------------------------------------ hooks
 
     def _capture_names(self) -> list[str]:
-        if self._whole is not None:
+        if self.whole is not None:
             return []
         if self._measuring:
             return self.block_names
@@ -379,7 +381,7 @@ class LMSAStepper(LayerSelection):
         self._batch = batch
         self.taps.context = batch
         self.taps.seed = self.seed * 1_000_003 + host.global_step
-        if not self.taps.discovered and self._whole is None:
+        if not self.taps.discovered and self.whole is None:
             self.taps.discover(lambda: self._loss(module, batch))
             self._report_cost(module)
         self.taps.set_capture(self._capture_names())
@@ -407,7 +409,7 @@ class LMSAStepper(LayerSelection):
 
     def after_backward(self, host: Host) -> None:
         module = host.module
-        if self._whole is not None:
+        if self.whole is not None:
             if self._measuring:
                 self._measure_on_copy(host)
             return
@@ -509,7 +511,7 @@ class LMSAStepper(LayerSelection):
             return total
 
         before = set(self.selected)
-        self._add(host, self._whole.run(host, host.module, on_copy, frozen=True))
+        self._add(host, self.whole.run(host, host.module, on_copy, frozen=True))
         if self._measuring or set(self.selected) <= before:
             return
         # a new choice: this batch's backward computed its gradients (under DDP it computed none)

@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, stop_on_sigterm
-from lalr_lightning.callbacks.distributed import WholeCopy, sharded
 from lalr_lightning.callbacks.host import Host, say
 from lalr_lightning.core import ntk
 from lalr_lightning.core.anchor import check_anchor, snapshot, trainable
@@ -35,10 +34,10 @@ class NTKDiagnostics(LayerwiseCallback):
         >>> from lalr_lightning.data import DigitsDataModule
         >>> from lalr_lightning.models import SmallCNN
         >>> diag = NTKDiagnostics(probe_size=8)
-        >>> host = pl.Trainer(max_epochs=2, limit_train_batches=2, limit_val_batches=0, logger=False,
+        >>> trainer = pl.Trainer(max_epochs=2, limit_train_batches=2, limit_val_batches=0, logger=False,
         ...                      enable_checkpointing=False, enable_progress_bar=False,
         ...                      enable_model_summary=False, callbacks=[diag])
-        >>> host.fit(SmallCNN(width=8, in_channels=1), DigitsDataModule(batch_size=32))
+        >>> trainer.fit(SmallCNN(width=8, in_channels=1), DigitsDataModule(batch_size=32))
         >>> [round(h["gap"], 6) for h in diag.history][0], diag.gap > 0, diag.kappa >= 1
         (0.0, True, True)
 
@@ -114,19 +113,19 @@ class NTKDiagnostics(LayerwiseCallback):
         self._params: dict[str, torch.nn.Parameter] = {}
         self._groups: dict[str, list[str]] = {}
         self._anchor: dict[str, torch.Tensor] | None = None
-        self._whole: WholeCopy | None = None  # under FSDP: the model whole on rank zero, to measure
+
+    needs_whole_model = True  # under FSDP: measured on the model whole on rank zero
 
     def configure(self, host: Host, module: nn.Module) -> None:
         self._params = trainable(module, type(self).__name__)
         self._groups = ntk.layer_groups(module, self._params)
         self._chosen = "unset"  # chosen at the first measurement (a checkpoint loaded after this restores it)
-        self._whole = WholeCopy(module, type(self).__name__) if sharded(host) else None
 
     def _whole_params(self) -> dict[str, torch.Tensor]:
         """The parameters the kernel is taken over, whole (under FSDP: the skeleton's, meta)."""
-        if self._whole is None:
+        if self.whole is None:
             return self._params
-        live = dict(self._whole.skeleton.named_parameters())
+        live = dict(self.whole.skeleton.named_parameters())
         return {n: live[n] for n in self._params}
 
     def after_start(self, host: Host) -> None:
@@ -140,15 +139,15 @@ class NTKDiagnostics(LayerwiseCallback):
         self.update(host, host.module)
 
     def _take_anchor(self, host: Host) -> None:
-        if self._whole is not None:  # theta_0 whole, on rank zero's CPU (the state gather is collective)
-            state = self._whole.state(host)
+        if self.whole is not None:  # theta_0 whole, on rank zero's CPU (the state gather is collective)
+            state = self.whole.state(host)
             self._anchor = {n: state[n].clone() for n in self._params} if host.is_global_zero else None
         else:
             self._anchor = snapshot(self._params)
 
     def _restore_anchor(self) -> None:
-        check_anchor(self._anchor, self._whole_params(), "the checkpoint")
-        if self._whole is None:
+        check_anchor(self._anchor, self.whole_params(), "the checkpoint")
+        if self.whole is None:
             self._anchor = follow({n: self._anchor[n] for n in self._params}, self._params)
 
     def after_epoch(self, host: Host) -> None:
@@ -158,8 +157,8 @@ class NTKDiagnostics(LayerwiseCallback):
     def measure(self, host: Host, module: nn.Module) -> dict[str, Any]:
         """Every rank computes the same numbers (same probe, same weights); rank zero's are used.
         Under FSDP rank zero computes them on a whole copy of the model and broadcasts them."""
-        if self._whole is not None:
-            measured = self._whole.run(host, module, lambda whole: self._measure_on(
+        if self.whole is not None:
+            measured = self.whole.run(host, module, lambda whole: self._measure_on(
                 host, whole, {n: p for n, p in whole.named_parameters() if n in self._params}))
             self._chosen = measured.pop("outputs")  # chosen on rank zero: every rank keeps it
             return measured
@@ -187,7 +186,7 @@ class NTKDiagnostics(LayerwiseCallback):
         eig = torch.linalg.eigvalsh(k.K)
         # theta_0 where the weights are now (Lightning moves the model after the snapshot); under FSDP
         # a placed copy, the kept one stays on rank zero's CPU
-        anchor = follow(dict(self._anchor) if self._whole is not None else self._anchor, live)
+        anchor = follow(dict(self._anchor) if self.whole is not None else self._anchor, live)
         gap = ntk.linearization_gap(*ntk.linearize(module, x, anchor, params, positions=self.positions))
         return {"etas": ntk.layer_etas(k.K, k.S, sigma), "kappa": ntk.condition_number(k.K, sigma),
                 "gap": gap.gap, "kl": gap.kl, "lambda_max": float(eig[-1]), "lambda_min": float(eig[0]),

@@ -35,10 +35,10 @@ class NTKSelect(LayerSelection):
         >>> from lalr_lightning.data import DigitsDataModule
         >>> from lalr_lightning.models import SmallCNN
         >>> sel = SurgicalLayerSelect(mode="ntk", kappa_max=1e3, max_layers=2, probe_size=16)
-        >>> host = pl.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=0, logger=False,
+        >>> trainer = pl.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=0, logger=False,
         ...                      enable_checkpointing=False, enable_progress_bar=False,
         ...                      enable_model_summary=False, callbacks=[sel])
-        >>> host.fit(SmallCNN(width=8, in_channels=1), DigitsDataModule(batch_size=32))
+        >>> trainer.fit(SmallCNN(width=8, in_channels=1), DigitsDataModule(batch_size=32))
         >>> type(sel).__name__, len(sel.selected), sel.kappa <= 1e3
         ('NTKSelect', 2, True)
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, stop_on_sigterm
-from lalr_lightning.callbacks.distributed import WholeCopy, shard_layout, sharded
+from lalr_lightning.callbacks.distributed import shard_layout, sharded
 from lalr_lightning.callbacks.host import Host, say
 from lalr_lightning.core import proximal
 from lalr_lightning.core.anchor import check_anchor, load_anchor, snapshot, trainable
@@ -55,10 +55,10 @@ class ProximalRegularizer(LayerwiseCallback):
         >>> from lalr_lightning.data import DigitsDataModule
         >>> from lalr_lightning.models import SmallCNN
         >>> prox = ProximalRegularizer(lam=1.0, granularity="global")
-        >>> host = pl.Trainer(max_epochs=1, limit_train_batches=3, limit_val_batches=0, logger=False,
+        >>> trainer = pl.Trainer(max_epochs=1, limit_train_batches=3, limit_val_batches=0, logger=False,
         ...                      enable_checkpointing=False, enable_progress_bar=False,
         ...                      enable_model_summary=False, callbacks=[prox])
-        >>> host.fit(SmallCNN(width=8, in_channels=1), DigitsDataModule(batch_size=32))
+        >>> trainer.fit(SmallCNN(width=8, in_channels=1), DigitsDataModule(batch_size=32))
         >>> sorted(prox.distances) == sorted(prox.regularized_fraction)  # {layer: ||theta - theta_0||}, {layer: share}
         True
         >>> all(0 <= f <= 1 for f in prox.regularized_fraction.values()), prox.lambda_o > 0
@@ -168,16 +168,17 @@ class ProximalRegularizer(LayerwiseCallback):
         self._unit_lambda_o: float | None = None  # lambda_o at r = 1 (it scales as 1 / r)
         self._installed: set[int] = set()
         self._sharded = False  # the strategy shards the weights (FSDP): sums over the ranks' pieces
-        self._whole: WholeCopy | None = None
         self._layout = ShardLayout(torch.nn.Module())
 
     # ------------------------------------------------------------------ setup
 
+    @property
+    def needs_whole_model(self) -> bool:  # lambda_o through torch.func: under FSDP on rank zero's whole copy
+        return self.every_n_epochs is not None
+
     def configure(self, host: Host, module: nn.Module) -> None:
         self._sharded = sharded(host)
         # lambda_o runs the whole model through torch.func: under FSDP on a whole copy on rank zero
-        lambda_o = self._sharded and self.every_n_epochs is not None
-        self._whole = WholeCopy(module, type(self).__name__) if lambda_o else None
         params = trainable(module, type(self).__name__)
         groups = layer_groups(module, params)
         if self.include is not None:
@@ -285,11 +286,11 @@ class ProximalRegularizer(LayerwiseCallback):
         rank zero computes it on a whole copy of the model, from the whole ``theta_0``."""
         if self._unit_lambda_o is None:
             anchor = self._placed_anchor()
-            if self._whole is None:
+            if self.whole is None:
                 self._unit_lambda_o = self._unit_lambda_o_on(host, module, anchor)
             else:  # the anchor's pieces put together (collective, the same order on every rank)
                 theta0 = {n: self._layout.whole(p, anchor[n]) for n, p in self._params.items()}
-                self._unit_lambda_o = self._whole.run(
+                self._unit_lambda_o = self.whole.run(
                     host, module, lambda whole: self._unit_lambda_o_on(host, whole, theta0))
         return self._unit_lambda_o / r if r > 0 else math.nan
 

@@ -8,6 +8,7 @@ hands the masks to :class:`~lalr_lightning.core.control.LayerControl`, which enf
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from collections.abc import Iterable, Sequence
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
-from lalr_lightning.callbacks.distributed import WholeCopy, shard_layout, sharded
+from lalr_lightning.callbacks.distributed import shard_layout, sharded
 from lalr_lightning.callbacks.host import Host, warn
 from lalr_lightning.core import spectral
 from lalr_lightning.core.criterion_pruning import criterion_prune, load_weights, sample_count, take_samples
@@ -50,10 +51,10 @@ class HTSRPruning(LayerwiseCallback):
         >>> from lalr_lightning.data import DigitsDataModule
         >>> from lalr_lightning.models import SmallCNN
         >>> pruner = HTSRPruning(metric="alpha", target_sparsity=0.5, epsilon=0.3, min_evals=5)
-        >>> host = pl.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=0, logger=False,
+        >>> trainer = pl.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=0, logger=False,
         ...                      enable_checkpointing=False, enable_progress_bar=False,
         ...                      enable_model_summary=False, callbacks=[pruner])
-        >>> host.fit(SmallCNN(width=16, in_channels=1), DigitsDataModule(batch_size=32))
+        >>> trainer.fit(SmallCNN(width=16, in_channels=1), DigitsDataModule(batch_size=32))
         >>> round(pruner.overall_sparsity(), 2)  # parameter-weighted over the pruned layers
         0.5
 
@@ -231,9 +232,7 @@ class HTSRPruning(LayerwiseCallback):
         self._level = 1.0
         self._fresh = False
         self._weights: dict[str, torch.Tensor] = {}  # SparseGPT's updated weights, from rank zero
-        self._whole: WholeCopy | None = None  # FSDP, a criterion during training: the model whole on rank zero
         self._paths: dict[str, tuple] = {}  # where each layer sits in the model (core.shards.layer_paths)
-        self._masks_later = False  # FSDP, during training: decide() leaves the masks to _prune_sharded
 
     metric_values = renamed("scores")  # deprecated name of ``scores`` (the metric per pruned layer)
 
@@ -255,14 +254,15 @@ class HTSRPruning(LayerwiseCallback):
             )
         self._params = {n: p for layer in self.layers for n, p in layer.params.items()}
 
+    @property
+    def needs_whole_model(self) -> bool:  # under FSDP, masks from whole layers, run during training
+        return self.when != "fit_start" and (self.criterion != "magnitude" or bool(self.m))
+
     def prepare(self, host: Host) -> None:
-        self._whole = None
-        if sharded(host):
-            if self.when == "fit_start":
-                self._prune_whole(host)
-            elif self.criterion != "magnitude" or self.m:  # masks from whole layers, run: on a whole copy
-                self._whole = WholeCopy(host.module, type(self).__name__)
-                self._paths = layer_paths(host.module, self.layers)
+        if self.whole is not None:
+            self._paths = layer_paths(host.module, self.layers)
+        elif sharded(host) and self.when == "fit_start":
+            self._prune_whole(host)
 
     def _prune_whole(self, host: Host) -> None:
         """Under FSDP: the pruning event of ``when="fit_start"`` on the whole weights, here in
@@ -333,7 +333,7 @@ class HTSRPruning(LayerwiseCallback):
         self._level = float(level)
         self._trainer = host  # for the calibration data; only during the event
         try:
-            if self._whole is not None:
+            if self.whole is not None:
                 self._prune_on_copy(host)
             elif sharded(host):
                 self._prune_sharded(host)
@@ -348,11 +348,9 @@ class HTSRPruning(LayerwiseCallback):
         rank computes the masks of its share of the layers on their whole weights (one
         threshold per layer, as on one device) and the masks are all-gathered; each rank then
         enforces its piece of every mask (``apply``)."""
-        self._masks_later = True  # rank zero's decide leaves the masks to the ranks
-        try:
-            decision = self.decide_everywhere(host, self.measure(host, self._model))
-        finally:
-            self._masks_later = False
+        # rank zero decides the ratios alone: the ranks compute the masks after the broadcast
+        decision = self.decide_everywhere(host, self.measure(host, self._model),
+                                          lambda metric: self._decide(metric, self._model, self.layers, masks=False))
         layout = shard_layout(host, self._model)
         shapes = {k: layout.shape(p) for k, p in self._params.items()}
         real = {la.name: la for la in self.layers}
@@ -378,17 +376,11 @@ class HTSRPruning(LayerwiseCallback):
         metric = self.measure(host, self._model)
 
         def on_copy(whole: torch.nn.Module) -> Decision:
-            own = self._model, self.layers, self._params
-            self._model, self.layers = whole, layers_in(whole, self.layers, self._paths)
-            self._params = {n: p for la in self.layers for n, p in la.params.items()}
-            try:
-                decision = self.decide(metric)
-            finally:
-                self._model, self.layers, self._params = own
+            decision = self._decide(metric, whole, layers_in(whole, self.layers, self._paths))
             masks, channels, weights = decision.payload
             return dataclasses.replace(decision, payload=({k: v.cpu() for k, v in masks.items()}, channels, weights))
 
-        self.commit(host, self._whole.run(host, self._model, on_copy))
+        self.commit(host, self.with_whole_model(host, on_copy))
 
     def measure(self, host: Host, module: nn.Module) -> dict[str, float] | None:
         """The metric of every pruned layer on the current weights (block-averaged if asked);
@@ -451,7 +443,12 @@ class HTSRPruning(LayerwiseCallback):
                         scores=metric)
 
     def decide(self, metric: dict[str, float] | None) -> Decision:
-        names = [layer.name for layer in self.layers]
+        return self._decide(metric, self._model, self.layers)
+
+    def _decide(self, metric: dict[str, float] | None, module: nn.Module, layers: list, masks: bool = True) -> Decision:
+        """The decision on ``module`` (the live model, or rank zero's whole copy of it) and its
+        ``layers``; without ``masks``, the ratios alone (the ranks compute the masks)."""
+        names = [layer.name for layer in layers]
         if metric is None:  # later events of a gradual schedule: the ratios stand
             metric, ratios = dict(self.scores), dict(self.ratios)
         else:
@@ -459,19 +456,21 @@ class HTSRPruning(LayerwiseCallback):
             ratios = dict(zip(names, r.tolist()))
         record: dict = {"level": self._level}
         weights: dict[str, torch.Tensor] = {}
-        if self._masks_later:  # sharded weights: the ranks compute the masks after the broadcast
-            masks, channels = {}, {}
+        if not masks:
+            found, channels = {}, {}
         elif self.criterion == "magnitude" and not self.m:
-            masks, channels = layer_masks(self.layers, ratios, self._level, structured=self.structured,
+            found, channels = layer_masks(layers, ratios, self._level, structured=self.structured,
                                           channel_step=self.channel_step, previous=self.masks)
         else:
-            masks, channels = self._criterion_masks(ratios, record), {}
+            found, channels = self._criterion_masks(ratios, record, module, layers), {}
             if self.criterion == "sparsegpt" and self._trainer.world_size > 1:
                 # it moved the kept weights too: the other ranks copy them
-                weights = {k: self._params[k].detach().cpu().clone() for k in masks}
-        return Decision(values=ratios, scores=metric, record=record, payload=(masks, channels, weights))
+                params = {n: p for la in layers for n, p in la.params.items()}
+                weights = {k: params[k].detach().cpu().clone() for k in found}
+        return Decision(values=ratios, scores=metric, record=record, payload=(found, channels, weights))
 
-    def _criterion_masks(self, ratios: dict[str, float], record: dict) -> dict[str, torch.Tensor]:
+    def _criterion_masks(self, ratios: dict[str, float], record: dict, module: nn.Module,
+                         layers: list) -> dict[str, torch.Tensor]:
         """Rank zero: Wanda / SparseGPT / N:M masks. Calibrating block by block needs each block
         pruned before the next is measured, so this prunes rank zero's weights in place as it
         goes; the other ranks get the masks (and SparseGPT's weights) in the broadcast decision."""
@@ -484,24 +483,23 @@ class HTSRPruning(LayerwiseCallback):
                                f"calibration data has; n_calibration={self.n_calibration} asked for more",
                                category=UserWarning)
             record["calibration_samples"] = got
-        self.check_finite(self._trainer, {la.name: la.weight for la in self.layers}, "the weights")
-        return criterion_prune(self._model, self.layers, ratios, self.criterion, batches, n=self.n, m=self.m,
+        self.check_finite(self._trainer, {la.name: la.weight for la in layers}, "the weights")
+        return criterion_prune(module, layers, ratios, self.criterion, batches, n=self.n, m=self.m,
                                blocksize=self.blocksize or 128, percdamp=0.01 if self.percdamp is None else
-                               self.percdamp, forward=self._forward, convolutions=True)
+                               self.percdamp, forward=functools.partial(self._forward, module), convolutions=True)
 
     def _calibration_source(self):
         if self.calibration is not None:
             return self.calibration
         # the training loader as the user gave it (datamodule, module or fit() argument), without the
         # DistributedSampler a DDP run adds: rank zero calibrates on the same data at any world size
-        source = getattr(self._trainer.fit_loop, "_data_source", None)
-        loader = source.dataloader() if source is not None and source.instance is not None and source.is_defined() else None
+        loader = self._trainer.batches(as_given=True)
         if loader is None:
             raise ValueError(f"HTSRPruning(criterion={self.criterion!r}) needs calibration data: the fit has no "
                              "training loader; pass calibration=<a DataLoader>")
         return loader
 
-    def _forward(self, batch) -> None:
+    def _forward(self, module: nn.Module, batch) -> None:
         """Run a model without transformer blocks on one calibration batch: its inputs (``x`` of a
         ``(x, ...)`` batch, a tensor batch, a dict's entries but ``labels`` as keyword arguments)
         through its ``forward`` (or the one child holding its parameters), else its own
@@ -509,14 +507,14 @@ class HTSRPruning(LayerwiseCallback):
         batch = self.device_batch(self._trainer, batch)
         try:
             try:
-                call_model(self._model, split_batch(self._model, batch)[0])
+                call_model(module, split_batch(module, batch)[0])
             except TypeError:  # no forward to call with these inputs: the step the module trains with
-                if not callable(getattr(self._model, "training_step", None)):
+                if not callable(getattr(module, "training_step", None)):
                     raise
-                step_loss(self._model, batch)
+                step_loss(module, batch)
         except Exception as err:  # noqa: BLE001 -- any failure means the batches do not fit the model
             raise ValueError(
-                f"HTSRPruning(criterion={self.criterion!r}) could not run {type(self._model).__name__} on a "
+                f"HTSRPruning(criterion={self.criterion!r}) could not run {type(module).__name__} on a "
                 f"calibration batch ({type(err).__name__}: {err}); pass calibration=<a loader whose batches are "
                 "(x, ...) tuples of the model's input>"
             ) from err

@@ -25,6 +25,7 @@ costs less (``save_compute``, ``optimizer_state``):
 from __future__ import annotations
 
 import inspect
+import typing
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -61,6 +62,7 @@ def register_mode(mode: str, cls: type, **fixed: Any) -> None:
     global MODES
     _REGISTRY[mode] = (cls, fixed)
     MODES = tuple(sorted(_REGISTRY, key=lambda m: (_ORDER.index(m) if m in _ORDER else len(_ORDER), m)))
+    SurgicalLayerSelect.__new__.__signature__ = _modes_signature()
 
 
 class LayerSelection(LayerwiseCallback):
@@ -376,53 +378,18 @@ class SurgicalLayerSelect(LightningHooks):
         >>> surgical = SurgicalLayerSelect(mode="blocks", select="first")
         >>> type(surgical).__name__  # the callback of that mode
         'SurgicalBlocks'
-        >>> host = pl.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=0, logger=False,
+        >>> trainer = pl.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=0, logger=False,
         ...                      enable_checkpointing=False, enable_progress_bar=False,
         ...                      enable_model_summary=False, callbacks=[surgical])
-        >>> host.fit(SmallCNN(width=16, in_channels=1), DigitsDataModule(batch_size=32))
+        >>> trainer.fit(SmallCNN(width=16, in_channels=1), DigitsDataModule(batch_size=32))
         >>> surgical.selected == surgical.block_names[:1]  # the first block trains, the others are frozen
         True
         >>> type(SurgicalLayerSelect(mode="lisa", gamma=1, every_n_steps=5)).__name__
         'BlockSchedule'
     """
 
-    def __new__(  # explicit arguments, so LightningCLI (jsonargparse) can read them
-        cls,
-        mode: str = "blocks",
-        select: str | int | Sequence[str | int] | None = None,
-        blocks: Sequence[str | Sequence[str]] | None = None,
-        join_stem: bool | None = None,
-        order: str | None = None,
-        every_n_steps: int | None = None,
-        gamma: int | None = None,
-        n_batches: int | None = None,
-        every_n_epochs: int | None = None,
-        exclude: Sequence[str] | None = None,
-        excluded_multiplier: float | None = None,
-        eb_threshold: float | None = None,
-        loss_fn: Any = None,
-        norm_eval: str | None = None,
-        save_compute: bool | None = None,
-        optimizer_state: str | None = None,
-        seed: int | None = None,
-        kappa_max: float | None = None,
-        sigma: float | None = None,
-        max_layers: int | None = None,
-        probe_size: int | None = None,
-        kernel: str | None = None,
-        top_percent: float | None = None,
-        types: dict[str, str] | None = None,
-        grouping: str | None = None,
-        head: bool | None = None,
-        embeddings: bool | None = None,
-        layer_types: Sequence[str] | None = None,
-        figures: int | str | None = None,
-        plot_every_n_epochs: int | None = None,
-        name: str | None = None,
-        strict_resume: bool | None = None,
-        switch_every: int | None = None,
-    ):
-        given = {k: v for k, v in locals().items() if k not in ("cls", "mode") and v is not None}
+    def __new__(cls, mode: str = "blocks", **kwargs: Any):
+        given = {k: v for k, v in kwargs.items() if v is not None}
         if mode not in _REGISTRY:
             raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
         target, fixed = _REGISTRY[mode]
@@ -433,3 +400,19 @@ class SurgicalLayerSelect(LightningHooks):
             raise ValueError(f"SurgicalLayerSelect(mode={mode!r}) builds {target.__name__}, which does not take "
                              f"{', '.join(stray)}; it takes: {', '.join(valid)}")
         return target(**fixed, **given)
+
+
+def _modes_signature() -> inspect.Signature:
+    """``SurgicalLayerSelect``'s arguments: ``mode`` and every argument of the registered modes'
+    own constructors (None: not given), so LightningCLI (jsonargparse) reads them; a new mode adds
+    its own by registering."""
+    out = {"cls": inspect.Parameter("cls", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+           "mode": inspect.Parameter("mode", inspect.Parameter.POSITIONAL_OR_KEYWORD, default="blocks",
+                                     annotation=str)}
+    for target, fixed in (_REGISTRY[m] for m in MODES):
+        hints = typing.get_type_hints(target.__init__)
+        for name, p in inspect.signature(target).parameters.items():
+            if name not in out and name not in fixed and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                out[name] = inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                              annotation=typing.Optional[hints.get(name, p.annotation)])  # noqa: UP045
+    return inspect.Signature(list(out.values()))

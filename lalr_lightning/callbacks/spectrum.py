@@ -32,10 +32,10 @@ class SpectrumSelect(LayerSelection):
         >>> from lalr_lightning.data import DigitsDataModule
         >>> from lalr_lightning.models import SmallCNN
         >>> spectrum = SpectrumSelect(top_percent=50)
-        >>> host = pl.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=0, logger=False,
+        >>> trainer = pl.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=0, logger=False,
         ...                      enable_checkpointing=False, enable_progress_bar=False,
         ...                      enable_model_summary=False, callbacks=[spectrum])
-        >>> host.fit(SmallCNN(width=16, in_channels=1), DigitsDataModule(batch_size=32))
+        >>> trainer.fit(SmallCNN(width=16, in_channels=1), DigitsDataModule(batch_size=32))
         >>> len(spectrum.selected) < len(spectrum.layers)  # trained matrices: the head + top SNR per type
         True
         >>> all(spectrum.scores[n] > 0 for n in spectrum.scores)  # SNR of every ranked matrix

@@ -34,10 +34,10 @@ class TempBalanceCallback(LayerwiseCallback):
         >>> from lalr_lightning.data import DigitsDataModule
         >>> from lalr_lightning.models import SmallCNN
         >>> tb = TempBalanceCallback(assign="linear_map", lr_min_ratio=0.5, lr_max_ratio=1.5)
-        >>> host = pl.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=0, logger=False,
+        >>> trainer = pl.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=0, logger=False,
         ...                      enable_checkpointing=False, enable_progress_bar=False,
         ...                      enable_model_summary=False, callbacks=[tb])
-        >>> host.fit(SmallCNN(width=16, in_channels=1), DigitsDataModule(batch_size=32))
+        >>> trainer.fit(SmallCNN(width=16, in_channels=1), DigitsDataModule(batch_size=32))
         >>> sorted(tb.multipliers) == sorted(tb.scores)  # {layer: multiplier}, {layer: alpha}
         True
         >>> 0.5 <= min(tb.multipliers.values()) <= max(tb.multipliers.values()) <= 1.5
