@@ -148,10 +148,10 @@ class HFHost(Host):
     def forward_context(self) -> contextlib.AbstractContextManager:
         return self.trainer.autocast_smart_context_manager()
 
-    def batches(self) -> Iterable:
+    def batches(self, as_given: bool = False) -> Iterable | None:
         """The training data as the Trainer collates it, in order (its own loader is accelerate's,
         whose iteration drives gradient accumulation: a measurement must not draw from it); under
-        DDP each rank its share."""
+        DDP each rank its share (``as_given``: every rank all of it)."""
         from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 
         trainer = self.trainer
@@ -168,7 +168,7 @@ class HFHost(Host):
         except ImportError:  # pragma: no cover
             pass
         sampler = DistributedSampler(data, self.world_size, self.global_rank, shuffle=False) \
-            if self.world_size > 1 else SequentialSampler(data)
+            if self.world_size > 1 and not as_given else SequentialSampler(data)
         return DataLoader(data, batch_size=trainer.args.per_device_train_batch_size, sampler=sampler,
                           collate_fn=collate)
 
@@ -202,14 +202,9 @@ class HFHost(Host):
         """Tables and figures go to Lightning's loggers only; the numbers reach the Trainer's."""
 
     def stop_check(self) -> Callable[[], None]:
-        """Raises once the Trainer was asked to stop (a callback set ``should_training_stop``)."""
-        trainer = self.trainer
-
-        def check() -> None:
-            if getattr(getattr(trainer, "control", None), "should_training_stop", False):
-                raise KeyboardInterrupt("the Trainer was asked to stop")
-
-        return check
+        """Nothing to check: the Trainer stops between steps (its ``should_training_stop``, also set
+        when ``max_steps`` is reached), and Ctrl-C raises between chunks by itself."""
+        return lambda: None
 
 
 def _find_trainer() -> Any:
