@@ -219,12 +219,27 @@ def _find_trainer() -> Any:
     return None
 
 
-def _refuse_unsupported(trainer: Any, who: str) -> None:
+def _refuse_unsupported(trainer: Any, cb: LayerwiseCallback) -> None:
+    who = type(cb).__name__
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
         engine = "DeepSpeed" if trainer.is_deepspeed_enabled else "FSDP"
         raise RuntimeError(f"{who} under the Trainer's {engine} is not supported (it owns and shards the parameters "
                            "and optimizer groups); train on one device or DDP, or shard with Lightning's "
                            "FSDPStrategy (lalr_lightning's supported sharded way)")
+    model = trainer.model
+    through_func = who in ("NTKDiagnostics", "NTKSelect") or (
+        who == "ProximalRegularizer" and getattr(cb, "every_n_epochs", None) is not None)
+    if through_func and (getattr(model, "is_activation_checkpointing", False)
+                         or getattr(model, "is_gradient_checkpointing", False)):
+        raise RuntimeError(f"{who} differentiates the model's outputs again (torch.func, a second backward), which "
+                           "the model's gradient checkpointing breaks; pass gradient_checkpointing=False to the "
+                           "Trainer's arguments (TRL's SFTConfig turns it on by default)")
+    if who == "LMSAStepper" and any(c.__module__.startswith("trl.") and c.__name__ == "SFTTrainer"
+                                    for c in type(trainer).__mro__):
+        # TRL's fused LM head: the loss comes from lm_head.weight in tiles, the head never runs as a module
+        raise RuntimeError("LMSAStepper under TRL's SFTTrainer: its fused LM head computes the loss from "
+                           "lm_head.weight directly, so L-MSA cannot capture the head block's states; run L-MSA on "
+                           "transformers.Trainer (or Lightning)")
 
 
 class _Session:
@@ -277,7 +292,7 @@ class _Session:
             return inner(*args, **kwargs)
         self.begun = True
         for cb in self.methods:
-            _refuse_unsupported(self.trainer, type(cb).__name__)
+            _refuse_unsupported(self.trainer, cb)
         model = self.trainer.model
         before = {id(p): p.requires_grad for p in model.parameters()}
         for cb in self.methods:

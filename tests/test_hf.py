@@ -108,7 +108,8 @@ CASES = {
     "nm": lambda: C.HTSRPruning(n=2, m=4, **PRUNE),
 }
 #: under SFTTrainer (slower to build): one of each kind of method
-SFT_CASES = ["tempbalance", "lalr", "spectrum", "lisa", "autorgn", "proximal_lambda_o", "lmsa", "wanda"]
+SFT_CASES = ["tempbalance", "lalr", "layer_lr", "spectrum", "surgical", "lift", "lisa", "autorgn", "ntkselect", "ntk",
+             "proximal_lambda_o", "magnitude", "wanda", "sparsegpt", "nm"]
 
 
 def _check_run(name, cb, trainer, logs, before):
@@ -149,17 +150,37 @@ def test_every_method_runs_under_the_trainer(tmp_path, name):
 def test_methods_run_under_trl_sft_trainer(tmp_path, name):
     pytest.importorskip("trl")
     cb = CASES[name]()
-    trainer, logs = _trainer(tmp_path, [trainer_callback(cb)], sft=True)
+    # TRL turns gradient checkpointing on by default; torch.func and double backward need it off
+    trainer, logs = _trainer(tmp_path, [trainer_callback(cb)], sft=True, gradient_checkpointing=False)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     _check_run(name, cb, trainer, logs, before)
 
 
-def test_lmsa_hamiltonian_update_runs_or_is_refused(tmp_path):
+def test_lmsa_hamiltonian_update_runs_under_the_trainer(tmp_path):
     cb = C.LMSAStepper(update="msa", every_n_epochs=1)
     trainer, logs = _trainer(tmp_path, [trainer_callback(cb)], steps=2)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     assert cb.history and cb.selected
+    moved = {n for n, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before[n])}
+    assert any(n.startswith(("model.layers.", "model.embed", "model.norm", "lm_head")) for n in moved)
+
+
+@pytest.mark.parametrize("name", ["ntk", "ntkselect", "proximal_lambda_o"])
+def test_second_derivatives_under_gradient_checkpointing_are_refused_in_one_line(tmp_path, name):
+    pytest.importorskip("trl")
+    trainer, _ = _trainer(tmp_path, [trainer_callback(CASES[name]())], sft=True, steps=1)
+    with pytest.raises(RuntimeError, match=r"gradient checkpointing breaks; pass gradient_checkpointing=False"):
+        trainer.train()
+
+
+@pytest.mark.parametrize("update", ["optimizer", "msa"])
+def test_lmsa_under_sft_trainer_is_refused_in_one_line(tmp_path, update):
+    pytest.importorskip("trl")
+    trainer, _ = _trainer(tmp_path, [trainer_callback(C.LMSAStepper(update=update))], sft=True, steps=1)
+    with pytest.raises(RuntimeError, match=r"^LMSAStepper under TRL's SFTTrainer: .*run L-MSA on transformers\.Trainer"):
+        trainer.train()
 
 
 def test_a_frozen_selection_gets_no_optimizer_state_and_no_gradient(tmp_path):
@@ -231,7 +252,7 @@ def _lightning_first_decision(cb, model):
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     trainer = pl.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[cb])
     trainer.fit(Wrap(), DataLoader(_rows(), batch_size=4))
     return cb.history[0]
 
@@ -375,3 +396,34 @@ def test_lisa_steps_as_lmflows_callback(tmp_path):
     held_our = {n for n, p in runs[1].model.named_parameters() if p in _torch_opt(runs[1]).state}
     assert held_ref == held_our
     np.testing.assert_equal(len(held_ref) > 0, True)
+
+
+# ---------------------------------------------------------------------- two processes
+
+
+@pytest.mark.parametrize("name", ["spectrum", "lisa", "tempbalance", "autorgn"])
+def test_two_ranks_decide_alike_and_frozen_parameters_get_no_gradient_nor_ddp_bucket(tmp_path, name):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("_hf_ddp.py")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          "--master_port", str(29500 + hash(name) % 400), str(script), str(tmp_path), name],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    a, b = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert a["is_ddp"] == "DistributedDataParallel" and a["world"] == 2
+    assert a["history"] and a["history"] == b["history"]
+    for n in a["weights"]:
+        assert torch.equal(a["weights"][n], b["weights"][n]), n
+    for rank in (a, b):  # at every step, what did not require grad then got no gradient
+        assert len(rank["grads"]) == 4
+        assert all(not set(frozen) & set(g) for g, frozen in rank["grads"]), "a frozen parameter got a gradient"
+    if name in ("spectrum", "lisa"):
+        assert all(frozen for _, frozen in a["grads"])
+    if name == "spectrum":  # frozen from the start: outside DDP's buckets
+        assert a["frozen"] and a["reduced"] == sum(v for n, v in a["bytes"].items() if n not in set(a["frozen"]))
+    if name == "lisa":  # the switching blocks are kept out of DDP; stem and head reduce in its buckets
+        stem_head = sum(v for n, v in a["bytes"].items() if ".layers." not in n)
+        assert a["reduced"] == stem_head
