@@ -40,13 +40,13 @@ __all__ = ["SpawnHandoff", "WholeCopy", "backward_discarded", "decide_on_zero", 
 
 def sharded(host: Host) -> bool:
     """Whether the strategy holds the parameters in shards across the ranks (FSDP1 or FSDP2)."""
-    return host.sharding in ("fsdp1", "fsdp2")
+    return getattr(host, "sharding", "none") in ("fsdp1", "fsdp2")  # None: no host (a bare configure)
 
 
 def replaces_parameters(host: Host) -> bool:
     """Whether the model's parameters are replaced after the callbacks' ``setup``: FSDP2's
     ``fully_shard`` puts a new, sharded parameter in place of every one it shards."""
-    return host.sharding == "fsdp2"
+    return getattr(host, "sharding", "none") == "fsdp2"
 
 
 def parameter_names(module: torch.nn.Module) -> dict[int, str]:

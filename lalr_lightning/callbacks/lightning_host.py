@@ -7,7 +7,7 @@ that drive the timeline owner's events (the one module of the method layer that 
   optimizer state before any callback state is back;
 * :class:`LightningHooks` is the ``Callback`` half of every method: each hook Lightning calls is
   one event of :class:`~lalr_lightning.callbacks.base.LayerwiseCallback`'s timeline, and the
-  restore order of each strategy is read here (``restore_pending``), nowhere else.
+  restore order of each strategy is read here (``restores_after_wrap``), nowhere else.
 """
 
 from __future__ import annotations
@@ -71,9 +71,10 @@ class LightningHost(Host):
         return strategy._ddp_kwargs if isinstance(strategy, DDPStrategy) else None
 
     @property
-    def restore_pending(self) -> bool:
-        """Whether the checkpoint's model and callback state come after ``on_fit_start`` (FSDP)."""
-        return self.trainer.ckpt_path is not None and self.trainer.strategy.restore_checkpoint_after_setup
+    def restores_after_wrap(self) -> bool:
+        """Whether a checkpoint's model and callback state come after ``on_fit_start`` (FSDP; which
+        checkpoint, if any, no hook learns before it loads)."""
+        return self.trainer.strategy.restore_checkpoint_after_setup
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return self.trainer.strategy.broadcast(obj, src=src)
@@ -252,7 +253,7 @@ class LightningHooks(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         OptimizerResume.prepare(trainer)  # FSDP2 loads the optimizer state right after this
         host = self._host(trainer, pl_module)
-        self._wrapped_now(host, final=not host.restore_pending)
+        self._wrapped_now(host, final=not host.restores_after_wrap)
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._restore(state_dict)

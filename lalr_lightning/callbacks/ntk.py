@@ -146,7 +146,7 @@ class NTKDiagnostics(LayerwiseCallback):
             self._anchor = snapshot(self._params)
 
     def _restore_anchor(self) -> None:
-        check_anchor(self._anchor, self.whole_params(), "the checkpoint")
+        check_anchor(self._anchor, self._whole_params(), "the checkpoint")
         if self.whole is None:
             self._anchor = follow({n: self._anchor[n] for n in self._params}, self._params)
 
