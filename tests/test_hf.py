@@ -258,8 +258,8 @@ def _lightning_first_decision(cb, model):
 
 
 def _strip(d: dict) -> dict:
-    return {k.removeprefix("model.", ) if k.startswith("model.model.") or k == "model.lm_head" else k: v
-            for k, v in d.items()}
+    """The Lightning side's names without the wrapper's ``model.`` (in each ``+``-joined part)."""
+    return {"+".join(part.removeprefix("model.") for part in k.split("+")): v for k, v in d.items()}
 
 
 @pytest.mark.parametrize("name", ["tempbalance", "spectrum", "lisa", "autorgn", "magnitude", "lalr"])
