@@ -232,8 +232,9 @@ def _refuse_unsupported(trainer: Any, cb: LayerwiseCallback) -> None:
     if through_func and (getattr(model, "is_activation_checkpointing", False)
                          or getattr(model, "is_gradient_checkpointing", False)):
         raise RuntimeError(f"{who} differentiates the model's outputs again (torch.func, a second backward), which "
-                           "the model's gradient checkpointing breaks; pass gradient_checkpointing=False to the "
-                           "Trainer's arguments (TRL's SFTConfig turns it on by default)")
+                           "the model's activation checkpointing breaks; pass activation_checkpointing=False to the "
+                           "Trainer's arguments (gradient_checkpointing=False before transformers 5; TRL's "
+                           "SFTConfig turns it on by default)")
     if who == "LMSAStepper" and any(c.__module__.startswith("trl.") and c.__name__ == "SFTTrainer"
                                     for c in type(trainer).__mro__):
         # TRL's fused LM head: the loss comes from lm_head.weight in tiles, the head never runs as a module

@@ -151,7 +151,7 @@ def test_methods_run_under_trl_sft_trainer(tmp_path, name):
     cb = CASES[name]()
     # TRL turns gradient checkpointing on by default (torch.func and double backward need it off), and bf16
     # autocast (float32 here, as the Trainer's runs: NTK's torch.func Jacobians are not run under autocast)
-    trainer, logs = _trainer(tmp_path, [trainer_callback(cb)], sft=True, gradient_checkpointing=False, bf16=False)
+    trainer, logs = _trainer(tmp_path, [trainer_callback(cb)], sft=True, activation_checkpointing=False, bf16=False)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     _check_run(name, cb, trainer, logs, before)
@@ -171,7 +171,7 @@ def test_lmsa_hamiltonian_update_runs_under_the_trainer(tmp_path):
 def test_second_derivatives_under_gradient_checkpointing_are_refused_in_one_line(tmp_path, name):
     pytest.importorskip("trl")
     trainer, _ = _trainer(tmp_path, [trainer_callback(CASES[name]())], sft=True, steps=1)
-    with pytest.raises(RuntimeError, match=r"gradient checkpointing breaks; pass gradient_checkpointing=False"):
+    with pytest.raises(RuntimeError, match=r"activation checkpointing breaks; pass activation_checkpointing=False"):
         trainer.train()
 
 
