@@ -430,3 +430,13 @@ def test_two_ranks_decide_alike_and_frozen_parameters_get_no_gradient_nor_ddp_bu
     if name == "lisa":  # the switching blocks are kept out of DDP; stem and head reduce in its buckets
         stem_head = sum(v for n, v in a["bytes"].items() if ".layers." not in n)
         assert a["reduced"] == stem_head
+
+
+def test_a_batch_loss_is_the_models_own_outputs_loss_from_a_batch_with_labels():
+    from lalr_lightning.core.loss import batch_loss
+
+    model = _model()
+    batch = {"input_ids": torch.tensor(_ids(4)), "labels": torch.tensor(_ids(4))}
+    assert float(batch_loss(model, batch)) == pytest.approx(float(model(**batch).loss))
+    with pytest.raises(TypeError, match="pass loss_fn=f"):
+        batch_loss(model, {"input_ids": batch["input_ids"]})  # no labels: no loss of its own
