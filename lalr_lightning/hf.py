@@ -462,11 +462,6 @@ def trainer_callback(callback: LayerwiseCallback | Iterable[LayerwiseCallback]) 
     constructed exactly as for Lightning) on the Trainer it is passed to; a list gives a list.
     Pass it in ``Trainer(..., callbacks=[...])`` (module docstring: where each event happens)."""
     if isinstance(callback, LayerwiseCallback):
-        refusal = getattr(callback, "hf_refusal", None)
-        if callable(refusal):
-            refusal = refusal()
-        if refusal:
-            raise ValueError(f"{type(callback).__name__} on Hugging Face's Trainer: {refusal}")
         return LayerwiseTrainerCallback(callback)
     if isinstance(callback, (list, tuple)):
         return [trainer_callback(c) for c in callback]
