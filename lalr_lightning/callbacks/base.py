@@ -182,7 +182,8 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         self._sizes: dict[str, int] | None = None
         self._names_before_wrap: dict[int, str] | None = None  # FSDP2: the parameters setup saw, by name
         self.early: Decision | None = None  # decided in ``prepare``, committed at the start
-        self._wrapped = self._started = False  # the timeline's own: the model is wrapped; the start ran
+        # the timeline's own: the model is wrapped; the start ran; a fresh fit's first decision ran
+        self._wrapped = self._started = self._first_done = False
         self._whole_copy: distributed.WholeCopy | None = None
         self._handoff: str | None = None
         self._handoff_pending = False
@@ -380,11 +381,10 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         """The checkpoint's state is back (``late``: after the wrap, before the optimizer state)."""
 
     def first_decision(self, host: Host) -> None:
-        """A fresh fit's first decision (the model wrapped, nothing restored): the one made in
+        """A fresh fit's first decision (at the train start, nothing restored): the one made in
         ``prepare`` (``self.early``), or a measurement where the cadence starts at the fit's start."""
-        early, self.early = self.early, None
-        if early is not None:
-            self.commit(host, early)
+        if self.early is not None:
+            self.commit(host, self.early)
         elif self.cadence.start:
             self.update(host, host.module)
 
@@ -424,7 +424,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         return self._wrapped
 
     def _begin(self, host: Host) -> None:
-        self._wrapped = self._started = False
+        self._wrapped = self._started = self._first_done = False
         self.early = None
         self.configure(host, host.module)
         # sizes while the weights are whole (before any FSDP wrap), to share work out evenly
@@ -450,15 +450,21 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
     def _train_start(self, host: Host) -> None:
         if not self._started:  # the checkpoint's state came after the wrap, or never came
             self._start(host)
+        if not self.restored and not self._first_done:
+            # a fresh fit's first decision: here, where the host can stop a long measurement
+            self._first_done = True
+            self.first_decision(host)
+            self.early = None
+            self.after_start(host)
 
     def _start(self, host: Host) -> None:
+        """The checkpoint's state is final: a resumed fit continues with its decision (before the
+        optimizer state loads where the host restores it before the wrap)."""
         self._started = True
-        if self.restored:  # continue with the checkpoint's decision
+        if self.restored:
             self.early = None
             self.apply(host)
-        else:
-            self.first_decision(host)
-        self.after_start(host)
+            self.after_start(host)
 
     def _due(self, host: Host, where: str) -> bool:
         now = host.current_epoch if where == "epoch" else host.global_step
@@ -653,3 +659,6 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         self._load_state(state_dict)
         self.restored = True
         self.resumed(late=self._wrapped)
+        # a host that restores after the start (a state loaded by hand after on_fit_start): the
+        # checkpoint's state is applied at the train start instead
+        self._started = False

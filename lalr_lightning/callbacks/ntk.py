@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, stop_on_sigterm
-from lalr_lightning.callbacks.host import Host, say
+from lalr_lightning.callbacks.host import Host, say, warn
 from lalr_lightning.core import ntk
 from lalr_lightning.core.anchor import check_anchor, snapshot, trainable
 from lalr_lightning.core.placement import follow
@@ -175,8 +175,8 @@ class NTKDiagnostics(LayerwiseCallback):
             cost = ntk.ntk_cost(module, x, params, mode=self.kernel, positions=self.positions,
                                 outputs=self.outputs, max_jacobian_numel=self.max_jacobian_numel,
                                 check=stop_on_sigterm(host))
-            text, warn = cost.report(type(self).__name__, self.outputs)
-            (warn if warn else say)(text)
+            text, too_big = cost.report(type(self).__name__, self.outputs)
+            (warn if too_big else say)(text)
             self._chosen = cost.outputs
         k = ntk.empirical_ntk(module, x, params, self._groups, mode=self.kernel,
                               max_jacobian_numel=self.max_jacobian_numel, positions=self.positions,

@@ -15,7 +15,7 @@ from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
 from lalr_lightning.callbacks.distributed import sharded
-from lalr_lightning.callbacks.host import Host, say
+from lalr_lightning.callbacks.host import Host, say, warn
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.core import ntk
 from lalr_lightning.core.anchor import trainable
@@ -179,8 +179,8 @@ class NTKSelect(LayerSelection):
         params = {n: p.detach() for n, p in self._params.items()}
         cost = ntk.ntk_cost(module, x, params, mode=self.kernel, positions=self.positions, outputs=self.outputs,
                             check=stop_on_sigterm(host))
-        text, warn = cost.report(type(self).__name__, self.outputs)  # stated before computing J
-        (warn if warn else say)(text)
+        text, too_big = cost.report(type(self).__name__, self.outputs)  # stated before computing J
+        (warn if too_big else say)(text)
         k = ntk.empirical_ntk(module, x, params, self._groups, mode=self.kernel, positions=self.positions,
                               outputs=cost.outputs, check=stop_on_sigterm(host))
         self.check_finite(host, k.S, "the per-layer NTK on the probe batch")
