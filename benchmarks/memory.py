@@ -282,8 +282,95 @@ def build_callbacks(args, arm: str) -> list[Callback]:
     return []
 
 
+def hf_meter(out: str):
+    """:class:`Meter`'s counts on Hugging Face's ``Trainer`` (a ``TrainerCallback``): gradients at
+    ``on_pre_optimizer_step`` (after the backward and the clip), optimizer state after the step."""
+    from transformers import TrainerCallback
+
+    class HFMeter(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+            self.model, self.opt = model, getattr(optimizer, "optimizer", optimizer)
+            params = list(model.parameters())
+            self.steps, self.setup_s = [], time.perf_counter() - self.t_init
+            self.param_bytes, self.n_params = sum(_nbytes(p) for p in params), sum(p.numel() for p in params)
+            self.registered = sum(p.numel() for p in params if p.requires_grad)
+            self.rss_fit_start = hwm_kb("VmRSS")
+
+        def _state(self) -> int:
+            return sum(_nbytes(v) for st in self.opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            with torch.no_grad():
+                self._sums = [p.detach().sum() for p in self.model.parameters()]
+            self._cur, self._t0 = {}, time.perf_counter()
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            params = list(self.model.parameters())
+            self._cur["grads"] = sum(_nbytes(p.grad) for p in params if p.grad is not None)
+            self._cur["with_grad"] = sum(p.numel() for p in params if p.grad is not None)
+            self._with = {id(p) for p in params if p.grad is not None}
+
+        def on_step_end(self, args, state, control, **kwargs):
+            params = list(self.model.parameters())
+            with torch.no_grad():
+                changed = [bool(s != p.detach().sum()) for s, p in zip(self._sums, params)]
+            trained = sum(p.numel() for p, c in zip(params, changed) if c or id(p) in self._with)
+            self._cur.update(time=time.perf_counter() - self._t0, trained=trained, state=self._state(),
+                             transient=0, loss=float("nan"))
+            self.steps.append(self._cur)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs and self.steps:
+                self.steps[-1]["loss"] = float(logs["loss"])
+
+        def on_train_end(self, args, state, control, **kwargs):
+            res = dict(rank=0, world=1, threads=torch.get_num_threads(), params=self.n_params,
+                       param_bytes=self.param_bytes, registered=self.registered, ddp_bucket_bytes=None,
+                       cuda_max_allocated=None, steps=self.steps, rss_fit_start_kb=self.rss_fit_start,
+                       peak_rss_kb=hwm_kb(), setup_s=self.setup_s)
+            with open(out.format(rank=0), "w") as f:
+                json.dump(res, f)
+
+    meter = HFMeter()
+    meter.t_init = time.perf_counter()
+    return meter
+
+
+def run_arm_hf(args, arm: str, out_dir: str) -> dict:
+    """One arm on Hugging Face's ``Trainer`` (one process): the same model, batch, AdamW and
+    callbacks (``lalr_lightning.hf.trainer_callback``); LoRA through peft's ``get_peft_model``."""
+    from transformers import Trainer, TrainingArguments
+
+    from lalr_lightning.hf import trainer_callback
+
+    model = build_module(args, "full").model  # the same LlamaForCausalLM, seed and attention
+    if arm.startswith("lora"):
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=int(arm[4:]), lora_alpha=16, lora_dropout=0.0,
+                                                 target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    out = os.path.join(out_dir, f"{arm}-hf-{{rank}}.json")
+    meter = hf_meter(out)
+    data = Batches(MODELS[args.model]["vocab_size"], args.batch, args.seq, args.steps, 1, args.seed)
+    rows = [{**data[i], "labels": data[i]["input_ids"]} for i in range(len(data))]
+    targs = TrainingArguments(output_dir=os.path.join(out_dir, "hf"), max_steps=args.steps, learning_rate=args.lr,
+                              weight_decay=0.0, lr_scheduler_type="constant", per_device_train_batch_size=1,
+                              report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
+                              use_cpu=args.accelerator == "cpu", max_grad_norm=0.0)
+    # each row already is a batch: the collator unwraps the Trainer's batch of one
+    trainer = Trainer(model=model, args=targs, train_dataset=rows, data_collator=lambda items: items[0],
+                      callbacks=[meter, *trainer_callback(build_callbacks(args, arm))])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    return summarize(args, arm, "hf", [json.load(open(out.format(rank=0)))], main_kb=hwm_kb())
+
+
 def run_arm(args, arm: str, mode: str, out_dir: str) -> dict:
-    """Train one arm (in this process; ``ddp``: spawning the ranks) and return its figures."""
+    """Train one arm (in this process; ``ddp``: spawning the ranks; ``hf``: on Hugging Face's
+    Trainer) and return its figures."""
+    if mode == "hf":
+        return run_arm_hf(args, arm, out_dir)
     for name in ("lightning.pytorch", "lightning.fabric", "lalr_lightning"):
         logging.getLogger(name).setLevel(logging.WARNING)
     world = 2 if mode == "ddp" else 1
@@ -366,6 +453,10 @@ def _gib(kb) -> str:
     return f"{kb / 2**20:.2f}"
 
 
+def _mode(r: dict) -> str:
+    return "HF Trainer" if r["mode"] == "hf" else "1 process" if r["world"] == 1 else f"{r['world']} ranks"
+
+
 def table(results: list[dict]) -> list[str]:
     head = ("| arm | mode | trained params | need (12 B each), MB | grads, MB | AdamW state, MB | (grads + state) / need "
             "| params, MB | DDP buckets, MB | peak RSS, GiB (main; ranks) | RSS at fit start, GiB | tokens/s | vs full | loss |")
@@ -382,7 +473,7 @@ def table(results: list[dict]) -> list[str]:
         if r.get("cuda_max_allocated"):
             rss += " (cuda " + ", ".join(_mb(b) for b in r["cuda_max_allocated"]) + " MB)"
         rows.append(
-            f"| {r['arm']} | {'1 process' if r['world'] == 1 else str(r['world']) + ' ranks'} | {_m(r['trained'])} "
+            f"| {r['arm']} | {_mode(r)} | {_m(r['trained'])} "
             f"| {_mb(r['need'])} | {_mb(r['grads'])} | {_mb(r['state'])} | {r['ratio']:.3f} | {_mb(r['param_bytes'])} "
             f"| {_mb(r['ddp_bucket_bytes'])} | {rss} | {', '.join(_gib(k) for k in r['fit_start_rss_kb'])} "
             f"| {r['tokens_per_s']:,.0f} | {vs} | {r['loss']:.4f} |")
@@ -391,17 +482,17 @@ def table(results: list[dict]) -> list[str]:
 
 def verdict(results: list[dict]) -> list[str]:
     out = []
-    for mode in ("single", "ddp"):
+    for mode in ("single", "ddp", "hf"):
         sel = [r for r in results if r.get("mode") == mode and r["arm"] in SELECTION_ARMS and "error" not in r]
         if sel:
             bad = [f"{r['arm']} ({r['ratio']:.2f})" for r in sel if r["ratio"] > 1.10]
-            out.append(f"- {'1 process' if mode == 'single' else '2 ranks'}: grads + state within 10% of need for "
+            out.append(f"- {dict(single='1 process', ddp='2 ranks', hf='HF Trainer')[mode]}: grads + state within 10% of need for "
                        f"{len(sel) - len(bad)} of {len(sel)} selection arms" + (f"; over: {', '.join(bad)}" if bad else ""))
         full = next((r for r in results if r.get("mode") == mode and r["arm"] == "full" and "error" not in r), None)
         s25 = next((r for r in results if r.get("mode") == mode and r["arm"] == "spectrum25" and "error" not in r),
                    None)
         if full and s25:
-            out.append(f"- {'1 process' if mode == 'single' else '2 ranks'}: Spectrum 25 "
+            out.append(f"- {dict(single='1 process', ddp='2 ranks', hf='HF Trainer')[mode]}: Spectrum 25 "
                        f"{s25['tokens_per_s']:,.0f} tokens/s against full fine-tuning's {full['tokens_per_s']:,.0f}: "
                        f"{s25['tokens_per_s'] / full['tokens_per_s']:.2f}x")
     return out
@@ -411,7 +502,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=list(MODELS), default="0.2b")
     p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
-    p.add_argument("--modes", nargs="+", choices=["single", "ddp"], default=["single", "ddp"])
+    p.add_argument("--modes", nargs="+", choices=["single", "ddp", "hf"], default=["single", "ddp"],
+                   help="single: one process on Lightning; ddp: 2 ranks on Lightning; hf: one process on Hugging "
+                        "Face's Trainer (every arm but lmsa, through lalr_lightning.hf.trainer_callback)")
     p.add_argument("--steps", type=int, default=6, help="optimizer steps per arm (default 6)")
     p.add_argument("--batch", type=int, default=1, help="sequences per batch per rank (default 1)")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
@@ -435,11 +528,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--from-json", nargs="+", default=None, metavar="FILE",
                    help="run nothing: write the table of earlier runs' --json files (arms in the order given)")
     p.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
-    p.add_argument("--child-mode", choices=["single", "ddp"], help=argparse.SUPPRESS)
+    p.add_argument("--child-mode", choices=["single", "ddp", "hf"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
         # LISA draws at both steps, so its release and keep modes differ already
-        args.model, args.steps, args.modes, args.seq, args.lisa_every = "tiny", 2, ["single"], 16, 1
+        hf = ["hf"] if "hf" in args.modes else []
+        args.model, args.steps, args.modes, args.seq, args.lisa_every = "tiny", 2, ["single", *hf], 16, 1
     if args.child:
         child(args)
         return []
@@ -467,6 +561,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     t_all = time.perf_counter()
     for mode in args.modes:
         for arm in args.arms:
+            if mode == "hf" and arm == "lmsa":  # its inner Adam and directions are metered on Lightning only
+                continue
             t = time.perf_counter()
             if args.inline:
                 with tempfile.TemporaryDirectory(prefix="memory_bench_") as d:

@@ -55,6 +55,24 @@ def test_memory_benchmark_quick_counts_what_each_arm_trains(tmp_path):
     assert "| spectrum25 | 1 process |" in text and "(grads + state) / need" in text
 
 
+def test_memory_benchmark_hf_arm_holds_what_the_lightning_host_holds(tmp_path):
+    """The Hugging Face Trainer arm: the same model, batch and AdamW as the Lightning arm, so the
+    same bytes of gradients and optimizer state and the same loss, arm by arm."""
+    pytest.importorskip("transformers")
+    bench = _load("memory")
+    arms = ["full", "lora8", "spectrum25", "lisa", "surgical"]
+    res = bench.main(["--quick", "--inline", "--modes", "single", "hf", "--arms", *arms,
+                      "--out", str(tmp_path / "m.md")])
+    by = {(r["mode"], r["arm"]): r for r in res}
+    assert not any("error" in r for r in res) and len(by) == 2 * len(arms)
+    for arm in arms:
+        pl_, hf = by[("single", arm)], by[("hf", arm)]
+        for key in ("trained", "grads", "state", "params"):
+            assert hf[key] == pl_[key], (arm, key, hf[key], pl_[key])
+        assert hf["loss"] == pytest.approx(pl_["loss"], rel=1e-4), arm
+    assert "| spectrum25 | HF Trainer |" in (tmp_path / "m.md").read_text()
+
+
 def test_selection_shards_fsdp_counts_what_each_strategy_holds(monkeypatch):
     """benchmarks/selection_shards.py's FSDP table, checked against the model's own sizes: both
     strategies halve the parameters and keep AdamW state for what trains only; FSDP2 allocates

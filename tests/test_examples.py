@@ -42,3 +42,23 @@ def test_lalr_example_fine_tunes_with_dropout_active():
     assert trainer.global_step == 1
     # the dropout layers the forward calls (attention dropout is inside SDPA) ran in training mode
     assert len(seen) >= 10 and all(seen)
+
+
+def test_hf_trainer_lisa_example_switches_blocks_on_the_trainer(tmp_path):
+    pytest.importorskip("transformers")
+    example = _load_example("hf_trainer_lisa")
+    trainer, lisa = example.main(["--steps", "4", "--every", "2", "--output-dir", str(tmp_path)])
+    assert trainer.state.global_step == 4
+    assert [h["step"] for h in lisa.history] == [0, 2]
+    assert all(sum(h["selected"].values()) == 2 + 2 for h in lisa.history)  # gamma middle blocks + stem + head
+
+
+def test_sft_spectrum_example_trains_a_quarter_on_trl(tmp_path):
+    pytest.importorskip("trl")
+    example = _load_example("sft_spectrum")
+    trainer, spectrum = example.main(["--steps", "2", "--output-dir", str(tmp_path)])
+    assert trainer.state.global_step == 2
+    assert 0 < len(spectrum.selected) < len(spectrum.layers)
+    opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    frozen = {id(p) for u in spectrum.layers if u.name not in set(spectrum.selected) for p in u.params.values()}
+    assert frozen and not frozen & {id(p) for p in opt.state}

@@ -253,7 +253,7 @@ class LMSAStepper(LayerSelection):
     # ------------------------------------------------------------------ setup
 
     def configure(self, host: Host, module: nn.Module) -> None:
-        if not module.automatic_optimization:
+        if not getattr(module, "automatic_optimization", True):  # a LightningModule may opt out
             raise RuntimeError("LMSAStepper needs automatic optimization (it acts around Lightning's optimizer step)")
         try:
             self.layers = self.find_blocks(module, head=self.head, min_blocks=1, host=host)

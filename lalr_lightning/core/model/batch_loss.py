@@ -10,7 +10,9 @@ The loss of a batch (:func:`batch_loss`), in this order:
 3. the module's own ``training_step(batch, batch_idx)`` (a scalar, or a dict's ``"loss"``),
    with its ``self.log`` / ``self.log_dict`` calls silenced and its torchmetrics states and the
    global random state put back afterwards (:func:`step_loss`), so that it neither fails
-   outside the loop nor changes what the training logs.
+   outside the loop nor changes what the training logs;
+4. a Hugging Face model's own ``outputs.loss`` on a dict batch with ``labels`` (the loss
+   ``transformers.Trainer`` trains with).
 
 The outputs of a batch (:func:`call_model`, :func:`output_tensor`): a dict batch goes to the
 model as keyword arguments without its ``labels``, a tuple/list batch is ``(inputs, targets)``
@@ -203,7 +205,17 @@ def loss_source(module: nn.Module, loss_fn: LossFn | None = None) -> str:
         return f"{name}.loss(output, target)"
     if callable(getattr(module, "training_step", None)):
         return f"{name}.training_step"
-    return "none"
+    return f"{name}(**batch).loss"
+
+
+def _own_loss(module: nn.Module, batch: Any) -> torch.Tensor | None:
+    """A Hugging Face model's own loss: ``model(**batch).loss`` of a dict batch with ``labels``
+    (what ``transformers.Trainer`` trains on); None for any other model or batch."""
+    if not (isinstance(batch, Mapping) and batch.get("labels") is not None):
+        return None
+    out = forward_module(module)(**batch)
+    loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+    return loss.reshape(()) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
 
 
 def batch_loss(module: nn.Module, batch: Any, loss_fn: LossFn | None = None, *, batch_idx: int = 0) -> torch.Tensor:
@@ -234,6 +246,9 @@ def batch_loss(module: nn.Module, batch: Any, loss_fn: LossFn | None = None, *, 
             return value
     if callable(getattr(module, "training_step", None)):
         return step_loss(module, batch, batch_idx)
+    own = _own_loss(module, batch)
+    if own is not None:
+        return own
     raise TypeError(
         f"{type(module).__name__} has no training_step and no loss(output, target) method to measure a batch's loss "
         "with; pass loss_fn=f with f(module, batch) -> the scalar training loss"

@@ -1,0 +1,469 @@
+"""The package's callbacks on Hugging Face's ``transformers.Trainer`` (and what is built on it: TRL's
+``SFTTrainer``, ...): the second :class:`~lalr_lightning.callbacks.host.Host`.
+
+    from lalr_lightning.callbacks import BlockSchedule
+    from lalr_lightning.hf import trainer_callback
+
+    lisa = BlockSchedule(schedule="lisa", gamma=2, every_n_steps=20)   # constructed as for Lightning
+    trainer = transformers.Trainer(model, args, train_dataset=..., callbacks=[trainer_callback(lisa)])
+    trainer.train()
+
+:func:`trainer_callback` wraps any callback of the package (or a list: a list back, whose
+multipliers multiply as under Lightning) in a ``transformers.TrainerCallback`` that drives the
+same method object through the owner's timeline events (``callbacks/base.py``) on an
+:class:`HFHost`. No method file knows which trainer runs it.
+
+Where the timeline's events happen under the Trainer (``Trainer.train`` in transformers 5):
+
+* ``_begin`` (configure, prepare: a static selection freezes) and the checkpoint's state
+  (``_restore``) run when the Trainer creates its optimizer (``create_optimizer``, wrapped for the
+  fit): after the model's checkpoint is loaded, before the optimizer exists and before the model
+  is wrapped in DDP, so frozen parameters get no optimizer state and no DDP bucket. The optimizer
+  is built over the parameters the user left trainable (a switching selection needs all of
+  them in it), the selection's flags put back right after;
+* the wrap (``_wrapped_now``): before the Trainer loads the optimizer state on a resume, else at
+  ``on_train_begin``;
+* every micro-batch (``training_step``, wrapped): the batch's start before, ``after_backward``
+  after; ``after_batch`` at ``on_substep_end`` / ``on_step_end``;
+* before the optimizer step: before gradient clipping (``_clip_grad_norm``, wrapped), else at
+  ``on_pre_optimizer_step``;
+* ``on_epoch_begin`` / ``on_epoch_end`` / ``on_train_end``; the state goes to
+  ``<checkpoint>/lalr_lightning.pt`` at ``on_save``.
+
+The Trainer's FSDP and DeepSpeed are refused (Lightning's FSDP is the supported sharded way).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from lalr_lightning.callbacks.base import LayerwiseCallback
+from lalr_lightning.callbacks.host import Host
+from lalr_lightning.core.model.batch_loss import to_device
+from lalr_lightning.core.runtime.shards import gather_objects
+
+__all__ = ["STATE_FILE", "HFHost", "trainer_callback"]
+
+#: the file of the callbacks' states in each of the Trainer's checkpoint folders
+STATE_FILE = "lalr_lightning.pt"
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as err:  # pragma: no cover - the text extra installs it
+        raise ImportError("lalr_lightning.hf needs transformers: pip install 'lalr_lightning[text]'") from err
+    return transformers
+
+
+class HFHost(Host):
+    """A ``transformers.Trainer`` fit as a :class:`Host` (module docstring)."""
+
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
+        self.epoch: int | None = None  # set at each epoch's start (the Trainer's own is a float)
+        self.sharding = "ddp" if trainer.args.world_size > 1 else "none"
+        self._ddp_options: dict | None = None
+
+    # ---------------------------------------------------------------- counters, world, model
+
+    module = property(lambda self: self.trainer.model)
+    global_step = property(lambda self: int(self.trainer.state.global_step))
+    log_step = property(lambda self: int(self.trainer.state.global_step))
+    global_rank = property(lambda self: int(self.trainer.args.process_index))
+    world_size = property(lambda self: int(self.trainer.args.world_size))
+    is_global_zero = property(lambda self: self.trainer.is_world_process_zero())
+    device = property(lambda self: self.trainer.args.device)
+    accumulate = property(lambda self: int(self.trainer.args.gradient_accumulation_steps))
+    loggers = True  # the Trainer's log reaches its report_to integrations and its log_history
+
+    @property
+    def current_epoch(self) -> int:
+        if self.epoch is not None:
+            return self.epoch
+        return int(math.floor(self.trainer.state.epoch or 0))
+
+    @property
+    def root(self) -> nn.Module:
+        wrapped = getattr(self.trainer, "model_wrapped", None)
+        return wrapped if isinstance(wrapped, nn.Module) else self.trainer.model
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        opt = self.trainer.optimizer
+        if opt is None:
+            return []
+        # accelerate's AcceleratedOptimizer steps the torch optimizer inside it: that one owns the hooks
+        return [getattr(opt, "optimizer", opt)]
+
+    @property
+    def ddp_options(self) -> dict | None:
+        """The options accelerate wraps the model in DDP with (a method may ask for
+        ``find_unused_parameters`` before the wrap; the session hands it on)."""
+        if self.sharding != "ddp":
+            return None
+        if self._ddp_options is None:
+            handler = getattr(self.trainer.accelerator, "ddp_handler", None)
+            self._ddp_options = {k: getattr(handler, k) for k in ("find_unused_parameters", "static_graph")
+                                 if handler is not None and hasattr(handler, k)}
+        return self._ddp_options
+
+    @property
+    def grad_scaler(self) -> Any:
+        return getattr(self.trainer.accelerator, "scaler", None)
+
+    # ---------------------------------------------------------------- collectives
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if self.world_size == 1 or not torch.distributed.is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        return gather_objects(obj)
+
+    def mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1 or not torch.distributed.is_initialized():
+            return tensor
+        out = tensor.detach().clone()
+        torch.distributed.all_reduce(out)
+        return out / self.world_size
+
+    # ---------------------------------------------------------------- batches
+
+    def to_device(self, batch: Any, precision: bool = True) -> Any:
+        return to_device(batch, self.device)  # the Trainer hands the model its batches as collated
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return self.trainer.autocast_smart_context_manager()
+
+    def batches(self, as_given: bool = False) -> Iterable | None:
+        """The training data as the Trainer collates it, in order (its own loader is accelerate's,
+        whose iteration drives gradient accumulation: a measurement must not draw from it); under
+        DDP each rank its share (``as_given``: every rank all of it)."""
+        from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
+
+        trainer = self.trainer
+        data, collate = trainer.train_dataset, trainer.data_collator
+        if data is None:
+            raise ValueError("the Trainer has no train_dataset to measure on; pass train_dataset=...")
+        try:
+            import datasets
+
+            if isinstance(data, datasets.Dataset):
+                data = trainer._remove_unused_columns(data, description="training")
+            else:
+                collate = trainer._get_collator_with_removed_columns(collate, description="training")
+        except ImportError:  # pragma: no cover
+            pass
+        sampler = DistributedSampler(data, self.world_size, self.global_rank, shuffle=False) \
+            if self.world_size > 1 and not as_given else SequentialSampler(data)
+        return DataLoader(data, batch_size=trainer.args.per_device_train_batch_size, sampler=sampler,
+                          collate_fn=collate)
+
+    # ---------------------------------------------------------------- logs
+
+    def log(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        # the Trainer's log: its report_to integrations (TensorBoard, W&B, ...) at its global step
+        if not metrics or not self.is_global_zero:
+            return
+        from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+        # the integrations only (TensorBoard, W&B, ...): not the console, not trainer_state.json
+        logs = {**metrics, "epoch": float(self.trainer.state.epoch or 0.0)}
+        trainer = self.trainer
+        for cb in trainer.callback_handler.callbacks:
+            if not isinstance(cb, (PrinterCallback, ProgressCallback)):
+                cb.on_log(trainer.args, trainer.state, trainer.control, logs=dict(logs),
+                          model=trainer.model, processing_class=trainer.processing_class,
+                          optimizer=trainer.optimizer, lr_scheduler=trainer.lr_scheduler)
+
+    def should_log(self) -> bool:
+        args = self.trainer.args
+        strategy = str(getattr(args.logging_strategy, "value", args.logging_strategy))
+        if strategy != "steps":
+            return False
+        every = args.logging_steps
+        every = max(1, math.ceil(every * self.trainer.state.max_steps)) if every < 1 else int(every)
+        return self.global_step % every == 0
+
+    def publish(self, method: Any, event: str, decision: Any = None) -> None:
+        """Tables and figures go to Lightning's loggers only; the numbers reach the Trainer's."""
+
+    def stop_check(self) -> Callable[[], None]:
+        """Nothing to check: the Trainer stops between steps (its ``should_training_stop``, also set
+        when ``max_steps`` is reached), and Ctrl-C raises between chunks by itself."""
+        return lambda: None
+
+
+def _find_trainer() -> Any:
+    """The ``transformers.Trainer`` whose ``__init__`` (or training loop) is calling us."""
+    trainer_cls = _transformers().Trainer
+    frame = sys._getframe(1)
+    while frame is not None:
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, trainer_cls):
+            return obj
+        frame = frame.f_back
+    return None
+
+
+def _refuse_unsupported(trainer: Any, cb: LayerwiseCallback) -> None:
+    who = type(cb).__name__
+    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
+        engine = "DeepSpeed" if trainer.is_deepspeed_enabled else "FSDP"
+        raise RuntimeError(f"{who} under the Trainer's {engine} is not supported (it owns and shards the parameters "
+                           "and optimizer groups); train on one device or DDP, or shard with Lightning's "
+                           "FSDPStrategy (lalr_lightning's supported sharded way)")
+    model = trainer.model
+    through_func = who in ("NTKDiagnostics", "NTKSelect") or (
+        who == "ProximalRegularizer" and getattr(cb, "every_n_epochs", None) is not None)
+    if through_func and (getattr(model, "is_activation_checkpointing", False)
+                         or getattr(model, "is_gradient_checkpointing", False)):
+        raise RuntimeError(f"{who} differentiates the model's outputs again (torch.func, a second backward), which "
+                           "the model's activation checkpointing breaks; pass activation_checkpointing=False to the "
+                           "Trainer's arguments (gradient_checkpointing=False before transformers 5; TRL's "
+                           "SFTConfig turns it on by default)")
+    if who == "LMSAStepper" and any(c.__module__.startswith("trl.") and c.__name__ == "SFTTrainer"
+                                    for c in type(trainer).__mro__):
+        # TRL's fused LM head: the loss comes from lm_head.weight in tiles, the head never runs as a module
+        raise RuntimeError("LMSAStepper under TRL's SFTTrainer: its fused LM head computes the loss from "
+                           "lm_head.weight directly, so L-MSA cannot capture the head block's states; run L-MSA on "
+                           "transformers.Trainer (or Lightning)")
+
+
+class _Session:
+    """The methods on one Trainer and the Trainer methods wrapped for its fit (module docstring)."""
+
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
+        self.host = HFHost(trainer)
+        self.methods: list[LayerwiseCallback] = []
+        self.resume: str | None = None
+        self.begun = False
+        self.stepped = False  # the before-step event ran for this optimizer step
+        self.last: tuple[Any, Any] = (None, None)  # (loss, inputs) of the last micro-batch
+        self._wrap("train", self._train)
+        self._wrap("create_optimizer", self._create_optimizer)
+        self._wrap("training_step", self._training_step)
+        self._wrap("_clip_grad_norm", self._clip_grad_norm)
+        self._wrap("_load_optimizer_and_scheduler", self._load_optimizer)
+        self._wrap("_wrap_model", self._wrap_model)
+
+    @classmethod
+    def of(cls, trainer: Any) -> _Session:
+        session = trainer.__dict__.get("_lalr_session")
+        if session is None:
+            session = trainer.__dict__["_lalr_session"] = cls(trainer)
+        return session
+
+    def _wrap(self, name: str, around: Callable) -> None:
+        inner = getattr(self.trainer, name)
+        self.trainer.__dict__[name] = functools.wraps(inner)(functools.partial(around, inner))
+
+    # ---------------------------------------------------------------- the wrapped Trainer methods
+
+    def _train(self, inner, resume_from_checkpoint=None, *args, **kwargs):
+        if isinstance(resume_from_checkpoint, bool):
+            if resume_from_checkpoint:
+                from transformers.trainer_utils import get_last_checkpoint
+
+                found = get_last_checkpoint(self.trainer.args.output_dir)
+                resume_from_checkpoint = found if found is not None else resume_from_checkpoint
+            else:
+                resume_from_checkpoint = None
+        self.resume = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
+        self.begun = False
+        self.host.epoch = None
+        return inner(resume_from_checkpoint, *args, **kwargs)
+
+    def _create_optimizer(self, inner, *args, **kwargs):
+        if self.begun:
+            return inner(*args, **kwargs)
+        self.begun = True
+        for cb in self.methods:
+            _refuse_unsupported(self.trainer, cb)
+        model = self.trainer.model
+        before = {id(p): p.requires_grad for p in model.parameters()}
+        for cb in self.methods:
+            cb._handoff_pending = False
+            cb._begin(self.host)
+        self._restore()
+        # the optimizer holds every parameter the user left trainable (a switching selection turns
+        # them on later); those the selection froze get no gradient, hence no optimizer state
+        after = {id(p): p.requires_grad for p in model.parameters()}
+        for p in model.parameters():
+            p.requires_grad_(before[id(p)])
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            for p in model.parameters():
+                p.requires_grad_(after[id(p)])
+
+    def _wrap_model(self, inner, *args, **kwargs):
+        options = self.host._ddp_options
+        handler = getattr(self.trainer.accelerator, "ddp_handler", None)
+        if options and options.get("find_unused_parameters") and handler is not None:
+            handler.find_unused_parameters = True
+        return inner(*args, **kwargs)
+
+    def _restore(self) -> None:
+        if self.resume is None:
+            return
+        path = os.path.join(self.resume, STATE_FILE)
+        states = torch.load(path, map_location="cpu", weights_only=True) if os.path.isfile(path) else {}
+        for cb in self.methods:
+            if cb.state_key in states:
+                cb._restore(states[cb.state_key])
+
+    def _wrapped(self) -> None:
+        for cb in self.methods:
+            if not cb.is_wrapped:
+                cb._wrapped_now(self.host, final=True)
+
+    def _load_optimizer(self, inner, *args, **kwargs):
+        self._wrapped()  # as Lightning: the decision is applied before the optimizer state comes back
+        return inner(*args, **kwargs)
+
+    def _training_step(self, inner, model, inputs, *args, **kwargs):
+        for cb in self.methods:
+            cb._batch_start(self.host, inputs)
+        loss = inner(model, inputs, *args, **kwargs)
+        for cb in self.methods:
+            cb.after_backward(self.host)
+        self.last = (loss, inputs)
+        return loss
+
+    def before_step(self) -> None:
+        if self.stepped:
+            return
+        self.stepped = True
+        for opt in self.host.optimizers:
+            for cb in self.methods:
+                cb._before_step(self.host, opt)
+
+    def _clip_grad_norm(self, inner, *args, **kwargs):
+        self.before_step()  # gradients final (accelerate unscales in the clip), not yet clipped
+        return inner(*args, **kwargs)
+
+    def after_batch(self, step_end: bool) -> None:
+        loss, inputs = self.last
+        for cb in self.methods:
+            cb.after_batch(self.host, loss, inputs)
+        if step_end:
+            self.stepped = False
+
+    def save(self, folder: str) -> None:
+        if self.host.is_global_zero and os.path.isdir(folder):
+            torch.save({cb.state_key: cb.state_dict() for cb in self.methods}, os.path.join(folder, STATE_FILE))
+
+
+def _event(fn: Callable) -> Callable:
+    """A TrainerCallback hook that does nothing until the adapter is bound to its Trainer."""
+
+    @functools.wraps(fn)
+    def hook(self: LayerwiseTrainerCallback, args, state, control, **kwargs):
+        if self.session is not None:
+            fn(self, args, state, control, **kwargs)
+        return None
+
+    return hook
+
+
+def _callback_base() -> type:
+    return _transformers().TrainerCallback
+
+
+class LayerwiseTrainerCallback(_callback_base()):
+    """A ``transformers.TrainerCallback`` driving one method of the package (:func:`trainer_callback`)."""
+
+    def __init__(self, method: LayerwiseCallback):
+        self.method = method
+        self.session: _Session | None = None
+
+    def __repr__(self) -> str:
+        return f"trainer_callback({type(self.method).__name__})"
+
+    def on_init_end(self, args, state, control, **kwargs):
+        trainer = _find_trainer()
+        if trainer is None:  # pragma: no cover - Trainer.__init__ is always the caller
+            raise RuntimeError("trainer_callback(...) found no transformers.Trainer calling on_init_end")
+        self._bind(trainer)
+
+    def _bind(self, trainer: Any) -> None:
+        if self.session is not None and self.session.trainer is trainer:
+            return
+        self.session = _Session.of(trainer)
+        if self.method not in self.session.methods:
+            self.session.methods.append(self.method)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.session is None or not self.session.begun:
+            raise RuntimeError(f"trainer_callback({type(self.method).__name__}) joined the Trainer after it was "
+                               "built (add_callback), too late to freeze before the optimizer exists; pass it as "
+                               "Trainer(..., callbacks=[trainer_callback(...)])")
+        if not self.method.is_wrapped:
+            self.method._wrapped_now(self.session.host, final=True)
+        self.method._train_start(self.session.host)
+
+    @_event
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        host = self.session.host
+        if self.session.methods[0] is self.method:
+            host.epoch = int(math.floor(state.epoch or 0))
+        self.method._epoch_start(host)
+
+    @_event
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.session.before_step()
+
+    @_event
+    def on_substep_end(self, args, state, control, **kwargs):
+        if self.session.methods[-1] is self.method:
+            self.session.after_batch(step_end=False)
+
+    @_event
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.session.methods[-1] is self.method:
+            self.session.after_batch(step_end=True)
+
+    @_event
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self.method.after_epoch(self.session.host)
+
+    @_event
+    def on_save(self, args, state, control, **kwargs):
+        if self.session.methods[-1] is self.method:
+            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+            self.session.save(os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))
+
+    @_event
+    def on_train_end(self, args, state, control, **kwargs):
+        host = self.session.host
+        self.method._end(host)
+        self.method._teardown(host)
+        self.session.begun = False
+
+
+def trainer_callback(callback: LayerwiseCallback | Iterable[LayerwiseCallback]) -> Any:
+    """A ``transformers.TrainerCallback`` running ``callback`` (any callback of the package,
+    constructed exactly as for Lightning) on the Trainer it is passed to; a list gives a list.
+    Pass it in ``Trainer(..., callbacks=[...])`` (module docstring: where each event happens)."""
+    if isinstance(callback, LayerwiseCallback):
+        return LayerwiseTrainerCallback(callback)
+    if isinstance(callback, (list, tuple)):
+        return [trainer_callback(c) for c in callback]
+    raise TypeError(f"trainer_callback takes a callback of lalr_lightning (or a list of them), got "
+                    f"{type(callback).__name__}")
