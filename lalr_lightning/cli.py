@@ -654,8 +654,9 @@ def main(argv: list[str] | None = None) -> None:
         print(_usage())
         raise SystemExit(0 if args else 2)
     command, rest, prog = args[0], args[1:], f"{_prog()} {args[0]}"
+    # not for timm names or torch files (they may need torchvision), nor --pruning (HTSRPruning: Lightning)
     if argv is None and (command in ("prune", "perplexity", "zeroshot") or command == "analyze" and rest
-                         and _streamed(rest[0])):  # timm names and torch files may need torchvision
+                         and _streamed(rest[0]) and not any(a.startswith("--pruning") for a in rest)):
         _hide_torchvision()
     if command == "analyze":
         raise SystemExit(analyze_main(rest))

@@ -88,6 +88,10 @@ def test_one_shot_commands_never_import_lightning_or_torchvision(tmp_path):
         assert "torch" in loaded  # they did run
         assert not set(loaded) & {"lightning", "lightning.pytorch", "pytorch_lightning", "torchvision"}, \
             f"{args[0]} imported {loaded}"
+    # analyze --pruning asks HTSRPruning (Lightning, torchmetrics, torchvision): it keeps them
+    code, loaded, err = _probe(["analyze", str(model), "--out", str(tmp_path / "b"), "--no-plots", "--pruning", "0.5"],
+                               cwd=tmp_path)
+    assert code == 0 and "lightning" in loaded, err
 
 
 def test_import_lalr_lightning_is_lazy():
