@@ -11,14 +11,13 @@ rank's shard.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
-
-from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
 
 if TYPE_CHECKING:
     from lalr_lightning.callbacks.selection import LayerSelection
 
-__all__ = ["selection_counts", "selection_summary"]
+__all__ = ["human_count", "selection_counts", "selection_summary"]
 
 
 def selection_counts(cb: LayerSelection) -> dict[str, int | str]:
@@ -33,8 +32,19 @@ def selection_counts(cb: LayerSelection) -> dict[str, int | str]:
             "selected": len(selected), "units": len(units), "kind": "blocks" if cb.block_names else "layers"}
 
 
+def human_count(n: int) -> str:
+    """``n`` as Lightning's summary writes counts (``950``, ``82.4 K``, ``156 K``, ``6.7 B``), so the
+    two lines read alike (written here: method files leave Lightning to the host)."""
+    labels = ["", "K", "M", "B", "T"]
+    groups = min(max(math.ceil((math.floor(math.log10(n)) + 1) / 3), 1), len(labels)) if n > 0 else 1
+    value = n / 1000 ** (groups - 1)
+    if groups == 1 or value >= 100:
+        return f"{int(value):,d} {labels[groups - 1]}".rstrip()
+    return f"{value:,.1f} {labels[groups - 1]}"
+
+
 def selection_summary(who: str, c: dict[str, int | str]) -> str:
     """The one line (module docstring) of :func:`selection_counts`' ``c``."""
     share = 100.0 * c["trainable"] / c["total"] if c["total"] else 0.0
-    return (f"{who}: trainable {get_human_readable_count(c['trainable'])} of {get_human_readable_count(c['total'])} "
+    return (f"{who}: trainable {human_count(c['trainable'])} of {human_count(c['total'])} "
             f"parameters ({share:.1f}%), {c['selected']} of {c['units']} {c['kind']}")
