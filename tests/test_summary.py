@@ -43,3 +43,12 @@ def test_the_selection_summary_counts_what_one_step_moved(make, caplog):
     units = cb.block_names or [u.name for u in cb.layers]
     assert int(n) == len(units) and int(k) == (len(cb.selected_blocks()) if cb.block_names else len(cb.selected))
     assert kind == ("blocks" if cb.block_names else "layers") == counts["kind"]
+
+
+@pytest.mark.parametrize("n", [0, 7, 950, 1000, 12_300, 82_431, 99_999, 100_000, 156_000, 1_234_567, 6_738_415_616])
+def test_counts_read_as_lightnings_summary_writes_them(n):
+    from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
+
+    from lalr_lightning.callbacks.summary import human_count
+
+    assert human_count(n) == get_human_readable_count(n).rstrip()
