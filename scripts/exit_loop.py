@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -61,13 +62,19 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [args.python, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                    "--master_port", str(_free_port()), *cmd[1:]]
         t0 = time.time()
+        # a session of its own: on a timeout the whole run goes (Lightning's launcher leaves its
+        # second rank behind when only the first is killed)
+        proc = subprocess.Popen(cmd, env=env, cwd=clone, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
         try:
-            proc = subprocess.run(cmd, env=env, cwd=clone, capture_output=True, text=True, timeout=args.timeout_s)
-            rc, text = proc.returncode, proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as err:
-            rc, text = "timeout", f"{err.stdout or ''}{err.stderr or ''}"
+            text, _ = proc.communicate(timeout=args.timeout_s)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            text, _ = proc.communicate()
+            rc = "timeout"
         out.mkdir(parents=True, exist_ok=True)
-        (out / "log.txt").write_text(text if isinstance(text, str) else text.decode(errors="replace"))
+        (out / "log.txt").write_text(text or "")
         done = (out / "done.json").is_file()
         aborted = "terminate called" in str(text)
         codes[rc] += 1
