@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from lalr_lightning.callbacks.selection import LayerSelection
 
-__all__ = ["human_count", "selection_counts", "selection_summary"]
+__all__ = ["readable_count", "selection_counts", "selection_summary"]
 
 
 def selection_counts(cb: LayerSelection) -> dict[str, int | str]:
