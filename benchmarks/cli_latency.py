@@ -98,6 +98,8 @@ def main(argv=None) -> None:
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--quick", action="store_true", help="only --help, prune's argument error, the import and the "
+                                                        "whole prune (a loaded machine)")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="cli_latency_"))
     versions = {"before": _tree(args.before, work / "before"), "after": ROOT}
@@ -112,19 +114,25 @@ def main(argv=None) -> None:
         "configs (extra argument)": ["configs", "a", "b"],
         "prune --help (import baseline)": ["prune", "--help"],
     }
+    if args.quick:
+        cases = {k: v for k, v in cases.items() if k in ("--help", "prune (no --out)")}
     rows = []
+    print(f"{'case':<58} {'before s':>8} {'after s':>8} {'ratio':>6}  {'before GiB':>10} {'after GiB':>9}  "
+          "after imported", flush=True)
     for label, cmd in cases.items():
         row = {"case": label}
         for name, tree in versions.items():
             runs = [_child(tree, _PROBE, [json.dumps(cmd)], work) for _ in range(args.repeat)]
             row[name] = min(runs)  # best wall; RSS is the same run's
         rows.append(row)
+        _show(row)
     row = {"case": "import lalr_lightning"}
     for name, tree in versions.items():
         code = f"import sys, json, lalr_lightning; sys.stderr.write('PROBE ' + json.dumps([m for m in {HEAVY!r} if " \
                "sys.modules.get(m) is not None]) + '\\n')"
         row[name] = min(_child(tree, code, [], work) for _ in range(args.repeat))
     rows.append(row)
+    _show(row)
     prune = {"case": f"prune wanda 50% ({params / 1e6:.1f} M params, {args.samples} x {args.seq_len})"}
     for i, (name, tree) in enumerate(versions.items()):
         cmd = ["prune", str(model), "--out", str(work / f"out{i}"), "--calibration", str(calib), "--n-samples",
@@ -133,12 +141,13 @@ def main(argv=None) -> None:
         if prune[name][2] != 0:
             raise SystemExit(f"prune failed under {name} (exit {prune[name][2]})")
     rows.append(prune)
-    print(f"{'case':<58} {'before s':>8} {'after s':>8} {'ratio':>6}  {'before GiB':>10} {'after GiB':>9}  "
-          "after imported")
-    for r in rows:
-        (bw, bm, bc, _), (aw, am, ac, heavy) = r["before"], r["after"]
-        print(f"{r['case']:<58} {bw:8.2f} {aw:8.2f} {aw / bw:6.2f}  {bm:10.3f} {am:9.3f}  "
-              f"{','.join(heavy) or '-'} (exit {bc}/{ac})")
+    _show(prune)
+
+
+def _show(r: dict) -> None:
+    (bw, bm, bc, _), (aw, am, ac, heavy) = r["before"], r["after"]
+    print(f"{r['case']:<58} {bw:8.2f} {aw:8.2f} {aw / bw:6.2f}  {bm:10.3f} {am:9.3f}  "
+          f"{','.join(heavy) or '-'} (exit {bc}/{ac})", flush=True)
 
 
 if __name__ == "__main__":
