@@ -43,7 +43,9 @@ try:
 except SystemExit as e:
     code = e.code
 sys.stdout.flush()
+hwm = next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith("VmHWM:"))
 sys.stderr.write("PROBE " + json.dumps([m for m in {HEAVY!r} if sys.modules.get(m) is not None]) + "\\n")
+sys.stderr.write(f"HWM {{hwm}}\\n")
 """
 
 
@@ -58,7 +60,8 @@ def _tree(ref: str, dest: Path) -> Path:
 
 
 def _child(tree: Path, code: str, args: list[str], cwd: Path) -> tuple[float, float, int, list[str]]:
-    """(wall seconds, peak RSS GiB, exit code, heavy modules imported) of one child process."""
+    """(wall seconds, peak RSS GiB, exit code, heavy modules imported) of one child process. The peak is the
+    child's own ``VmHWM`` (``ru_maxrss`` of a forked child starts at its parent's, this script's, size)."""
     env = dict(os.environ, PYTHONPATH=str(tree), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     t0 = time.perf_counter()
     p = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -68,7 +71,8 @@ def _child(tree: Path, code: str, args: list[str], cwd: Path) -> tuple[float, fl
     wall = time.perf_counter() - t0
     p.returncode = os.waitstatus_to_exitcode(status)
     line = next((ln for ln in err.splitlines() if ln.startswith("PROBE ")), "PROBE []")
-    return wall, usage.ru_maxrss / 2**20, p.returncode, json.loads(line[6:])
+    hwm = next((int(ln.split()[1]) for ln in err.splitlines() if ln.startswith("HWM ")), 0)
+    return wall, hwm / 2**20, p.returncode, json.loads(line[6:])
 
 
 def _generate(root: Path, hidden: int, layers: int) -> tuple[Path, Path, int]:
@@ -129,7 +133,8 @@ def main(argv=None) -> None:
     row = {"case": "import lalr_lightning"}
     for name, tree in versions.items():
         code = f"import sys, json, lalr_lightning; sys.stderr.write('PROBE ' + json.dumps([m for m in {HEAVY!r} if " \
-               "sys.modules.get(m) is not None]) + '\\n')"
+               "sys.modules.get(m) is not None]) + '\\n'); sys.stderr.write('HWM ' + next(ln.split()[1] for ln in " \
+               "open('/proc/self/status') if ln.startswith('VmHWM:')) + '\\n')"
         row[name] = min(_child(tree, code, [], work) for _ in range(args.repeat))
     rows.append(row)
     _show(row)
