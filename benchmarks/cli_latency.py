@@ -43,7 +43,9 @@ try:
 except SystemExit as e:
     code = e.code
 sys.stdout.flush()
+hwm = next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith("VmHWM:"))
 sys.stderr.write("PROBE " + json.dumps([m for m in {HEAVY!r} if sys.modules.get(m) is not None]) + "\\n")
+sys.stderr.write(f"HWM {{hwm}}\\n")
 """
 
 
@@ -58,7 +60,8 @@ def _tree(ref: str, dest: Path) -> Path:
 
 
 def _child(tree: Path, code: str, args: list[str], cwd: Path) -> tuple[float, float, int, list[str]]:
-    """(wall seconds, peak RSS GiB, exit code, heavy modules imported) of one child process."""
+    """(wall seconds, peak RSS GiB, exit code, heavy modules imported) of one child process. The peak is the
+    child's own ``VmHWM`` (``ru_maxrss`` of a forked child starts at its parent's, this script's, size)."""
     env = dict(os.environ, PYTHONPATH=str(tree), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     t0 = time.perf_counter()
     p = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -68,7 +71,8 @@ def _child(tree: Path, code: str, args: list[str], cwd: Path) -> tuple[float, fl
     wall = time.perf_counter() - t0
     p.returncode = os.waitstatus_to_exitcode(status)
     line = next((ln for ln in err.splitlines() if ln.startswith("PROBE ")), "PROBE []")
-    return wall, usage.ru_maxrss / 2**20, p.returncode, json.loads(line[6:])
+    hwm = next((int(ln.split()[1]) for ln in err.splitlines() if ln.startswith("HWM ")), 0)
+    return wall, hwm / 2**20, p.returncode, json.loads(line[6:])
 
 
 def _generate(root: Path, hidden: int, layers: int) -> tuple[Path, Path, int]:
@@ -98,6 +102,8 @@ def main(argv=None) -> None:
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--quick", action="store_true", help="only --help, prune's argument error, the import and the "
+                                                        "whole prune (a loaded machine)")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="cli_latency_"))
     versions = {"before": _tree(args.before, work / "before"), "after": ROOT}
@@ -112,19 +118,26 @@ def main(argv=None) -> None:
         "configs (extra argument)": ["configs", "a", "b"],
         "prune --help (import baseline)": ["prune", "--help"],
     }
+    if args.quick:
+        cases = {k: v for k, v in cases.items() if k in ("--help", "prune (no --out)")}
     rows = []
+    print(f"{'case':<58} {'before s':>8} {'after s':>8} {'ratio':>6}  {'before GiB':>10} {'after GiB':>9}  "
+          "after imported", flush=True)
     for label, cmd in cases.items():
         row = {"case": label}
         for name, tree in versions.items():
             runs = [_child(tree, _PROBE, [json.dumps(cmd)], work) for _ in range(args.repeat)]
             row[name] = min(runs)  # best wall; RSS is the same run's
         rows.append(row)
+        _show(row)
     row = {"case": "import lalr_lightning"}
     for name, tree in versions.items():
         code = f"import sys, json, lalr_lightning; sys.stderr.write('PROBE ' + json.dumps([m for m in {HEAVY!r} if " \
-               "sys.modules.get(m) is not None]) + '\\n')"
+               "sys.modules.get(m) is not None]) + '\\n'); sys.stderr.write('HWM ' + next(ln.split()[1] for ln in " \
+               "open('/proc/self/status') if ln.startswith('VmHWM:')) + '\\n')"
         row[name] = min(_child(tree, code, [], work) for _ in range(args.repeat))
     rows.append(row)
+    _show(row)
     prune = {"case": f"prune wanda 50% ({params / 1e6:.1f} M params, {args.samples} x {args.seq_len})"}
     for i, (name, tree) in enumerate(versions.items()):
         cmd = ["prune", str(model), "--out", str(work / f"out{i}"), "--calibration", str(calib), "--n-samples",
@@ -133,12 +146,13 @@ def main(argv=None) -> None:
         if prune[name][2] != 0:
             raise SystemExit(f"prune failed under {name} (exit {prune[name][2]})")
     rows.append(prune)
-    print(f"{'case':<58} {'before s':>8} {'after s':>8} {'ratio':>6}  {'before GiB':>10} {'after GiB':>9}  "
-          "after imported")
-    for r in rows:
-        (bw, bm, bc, _), (aw, am, ac, heavy) = r["before"], r["after"]
-        print(f"{r['case']:<58} {bw:8.2f} {aw:8.2f} {aw / bw:6.2f}  {bm:10.3f} {am:9.3f}  "
-              f"{','.join(heavy) or '-'} (exit {bc}/{ac})")
+    _show(prune)
+
+
+def _show(r: dict) -> None:
+    (bw, bm, bc, _), (aw, am, ac, heavy) = r["before"], r["after"]
+    print(f"{r['case']:<58} {bw:8.2f} {aw:8.2f} {aw / bw:6.2f}  {bm:10.3f} {am:9.3f}  "
+          f"{','.join(heavy) or '-'} (exit {bc}/{ac})", flush=True)
 
 
 if __name__ == "__main__":
