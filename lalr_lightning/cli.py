@@ -477,7 +477,7 @@ _FIT_NOTES = {
 }
 
 
-def analyze_main(argv: list[str] | None = None) -> int:
+def _analyze_parser() -> argparse.ArgumentParser:
     from lalr_lightning.choices import FITS, PRESETS
 
     p = argparse.ArgumentParser(
@@ -507,39 +507,57 @@ def analyze_main(argv: list[str] | None = None) -> int:
     p.add_argument("--unsafe-load", action="store_true",
                    help="read torch files that hold Python objects besides tensors (torch.load weights_only=False); "
                         "this runs code named in the file: only for files you trust")
-    args = p.parse_args(argv)
+    return p
+
+
+def _analyze_args_error(args: argparse.Namespace) -> str | None:
+    """The one-line error for arguments that need no file (checked before the work), or None."""
     if args.spectrum is not None and not 0 <= args.spectrum <= 100:
-        print(f"{p.prog}: error: --spectrum takes a percentage in [0, 100], got {args.spectrum:g}", file=sys.stderr)
-        return 2
+        return f"--spectrum takes a percentage in [0, 100], got {args.spectrum:g}"
     if args.preset is not None and args.pruning is None or args.pruning is not None and not 0 <= args.pruning < 1:
-        print(f"{p.prog}: error: --pruning takes a target sparsity in [0, 1) (--preset goes with it), got "
-              f"{args.pruning}", file=sys.stderr)
-        return 2
+        return f"--pruning takes a target sparsity in [0, 1) (--preset goes with it), got {args.pruning}"
     out = Path(args.out)
-    if out.exists() and not out.is_dir():  # checked before the work, which would end in FileExistsError
-        print(f"{p.prog}: error: --out {out} is an existing file; --out names a directory (created if missing) for "
-              "spectral.csv and the plots: pass another path", file=sys.stderr)
-        return 2
+    if out.exists() and not out.is_dir():  # the work would end in FileExistsError
+        return (f"--out {out} is an existing file; --out names a directory (created if missing) for "
+                "spectral.csv and the plots: pass another path")
+    return None
+
+
+def _analyze_model(args: argparse.Namespace):
+    """(table, ESDs, the model or None when streamed, layer kinds, the head's name) of ``args.model``."""
     import torch
 
-    from lalr_lightning import viz
     from lalr_lightning.core.spectral import htsr
 
     kw = dict(fit=args.fit, min_evals=args.min_evals, dtype=torch.float64 if args.float64 else torch.float32)
-    try:
-        if _streamed(args.model):  # every stored matrix, lm_head included, under the checkpoint's own names
-            model = None
-            df, esds = htsr._analyze(args.model, device=args.device, progress=not args.quiet, **kw)
-            kinds = dict(zip(df["name"], df["kind"]))
-            head = "lm_head" if "lm_head" in kinds else next((n for n, k in kinds.items() if k == "embedding"), None)
-        else:
-            model = load_for_analysis(args.model, pretrained=args.pretrained, weights_only=not args.unsafe_load)
-            df, esds = htsr._analyze(model, device=args.device, progress=not args.quiet, **kw)
-            from lalr_lightning.core.model.layers import output_layer
+    if _streamed(args.model):  # every stored matrix, lm_head included, under the checkpoint's own names
+        model = None
+        df, esds = htsr._analyze(args.model, device=args.device, progress=not args.quiet, **kw)
+        kinds = dict(zip(df["name"], df["kind"]))
+        head = "lm_head" if "lm_head" in kinds else next((n for n, k in kinds.items() if k == "embedding"), None)
+    else:
+        model = load_for_analysis(args.model, pretrained=args.pretrained, weights_only=not args.unsafe_load)
+        df, esds = htsr._analyze(model, device=args.device, progress=not args.quiet, **kw)
+        from lalr_lightning.core.model.layers import output_layer
 
-            kinds = dict(zip(df["name"], df["kind"]))
-            out_layer = output_layer(model)
-            head = None if out_layer is None else out_layer.name
+        kinds = dict(zip(df["name"], df["kind"]))
+        out_layer = output_layer(model)
+        head = None if out_layer is None else out_layer.name
+    return df, esds, model, kinds, head
+
+
+def analyze_main(argv: list[str] | None = None) -> int:
+    p = _analyze_parser()
+    args = p.parse_args(argv)
+    error = _analyze_args_error(args)
+    if error is not None:
+        print(f"{p.prog}: error: {error}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    from lalr_lightning import viz
+
+    try:
+        df, esds, model, kinds, head = _analyze_model(args)
     except (OSError, ValueError, ImportError, RuntimeError) as e:  # ValueError includes CheckpointFileError
         print(f"{p.prog}: error: {_first_line(e)}", file=sys.stderr)
         return 2

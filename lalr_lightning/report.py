@@ -128,27 +128,31 @@ def _read_wandb(folder: Path) -> RunData:
     run = RunData("wandb", folder)
     records = wandb_records(logs[0])
     run.config = {k: v for k, v in wandb_config(logs[0], records).items() if k != "_wandb"}
-    files = folder / "files"
     for record in records:
-        if record.WhichOneof("record_type") != "history":
-            continue
-        values = wandb_items(record.history.item)
-        step = int(values.get("trainer/global_step", values.get("_step", 0)))
-        for key, v in values.items():
-            if key.startswith("_") or key == "trainer/global_step":
-                continue
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                run.scalars[key].append((step, float(v)))
-            elif isinstance(v, dict) and v.get("_type") == "images/separated":
-                captions = v.get("captions") or [""] * len(v["filenames"])
-                for name, cap in zip(v["filenames"], captions):
-                    run.images[key].append((step, str(cap), (files / name).read_bytes()))
-            elif isinstance(v, dict) and v.get("_type") == "image-file":
-                run.images[key].append((step, str(v.get("caption", "")), (files / v["path"]).read_bytes()))
-            elif isinstance(v, dict) and v.get("_type") == "table-file":
-                table = json.loads((files / v["path"]).read_text())
-                run.tables[key].append((step, list(table["columns"]), table["data"]))
+        if record.WhichOneof("record_type") == "history":
+            _add_wandb_row(run, folder / "files", wandb_items(record.history.item))
     return run
+
+
+def _add_wandb_row(run: RunData, files: Path, values: dict) -> None:
+    """One W&B history row into ``run``: numbers as scalars, image and table files as such."""
+    step = int(values.get("trainer/global_step", values.get("_step", 0)))
+    for key, v in values.items():
+        if key.startswith("_") or key == "trainer/global_step":
+            continue
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            run.scalars[key].append((step, float(v)))
+            continue
+        kind = v.get("_type") if isinstance(v, dict) else None
+        if kind == "images/separated":
+            captions = v.get("captions") or [""] * len(v["filenames"])
+            for name, cap in zip(v["filenames"], captions):
+                run.images[key].append((step, str(cap), (files / name).read_bytes()))
+        elif kind == "image-file":
+            run.images[key].append((step, str(v.get("caption", "")), (files / v["path"]).read_bytes()))
+        elif kind == "table-file":
+            table = json.loads((files / v["path"]).read_text())
+            run.tables[key].append((step, list(table["columns"]), table["data"]))
 
 
 # ----------------------------------------------------------------------------- TensorBoard, CSV

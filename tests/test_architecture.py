@@ -213,21 +213,10 @@ def _long_or_deep() -> list[tuple[str, str, int, int]]:
     return found
 
 
-# Functions still being shortened on other branches of issue 30 when this test was written. This
-# list must only shrink, to empty: the coordinator empties it when those branches merge.
-_LONG_FOR_NOW = {
-    ("lalr_lightning/cli.py", "analyze_main"),
-    ("lalr_lightning/report.py", "_read_wandb"),
-}
-
-
 def test_no_function_over_80_lines_or_nested_deeper_than_4():
     found = _long_or_deep()
-    bad = [f"{file}:{name} ({lines} lines, depth {depth})" for file, name, lines, depth in found
-           if (file, name) not in _LONG_FOR_NOW]
+    bad = [f"{file}:{name} ({lines} lines, depth {depth})" for file, name, lines, depth in found]
     assert not bad, "split into named helpers: " + "; ".join(bad)
-    done = _LONG_FOR_NOW - {(file, name) for file, name, _, _ in found}
-    assert not done, f"now short enough, take them off _LONG_FOR_NOW: {sorted(done)}"
 
 
 def test_the_length_check_sees_long_and_deep_functions():
