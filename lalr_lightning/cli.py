@@ -532,12 +532,12 @@ def _analyze_model(args: argparse.Namespace):
     kw = dict(fit=args.fit, min_evals=args.min_evals, dtype=torch.float64 if args.float64 else torch.float32)
     if _streamed(args.model):  # every stored matrix, lm_head included, under the checkpoint's own names
         model = None
-        df, esds = htsr._analyze(args.model, device=args.device, progress=not args.quiet, **kw)
+        df, esds = htsr._analyze(args.model, device=args.device, progress=False if args.quiet else None, **kw)
         kinds = dict(zip(df["name"], df["kind"]))
         head = "lm_head" if "lm_head" in kinds else next((n for n, k in kinds.items() if k == "embedding"), None)
     else:
         model = load_for_analysis(args.model, pretrained=args.pretrained, weights_only=not args.unsafe_load)
-        df, esds = htsr._analyze(model, device=args.device, progress=not args.quiet, **kw)
+        df, esds = htsr._analyze(model, device=args.device, progress=False if args.quiet else None, **kw)
         from lalr_lightning.core.model.layers import output_layer
 
         kinds = dict(zip(df["name"], df["kind"]))
@@ -616,7 +616,9 @@ def _usage() -> str:
              f"Commands: {', '.join(COMMANDS)} ({prog} COMMAND --help for each).", ""]
     lines += [f"  {name:<{width}}  {what}" for name, what in COMMANDS.items()]
     lines += ["", "Errors are one line; --traceback (or LALR_TRACEBACK=1) shows the traceback.",
-              f"Start here: {prog} fit --config quickstart"]
+              f"Start here: {prog} fit --config quickstart, then {prog} analyze "
+              "lightning_logs/quickstart/version_0/checkpoints/last.ckpt; the shipped configs: "
+              f"{prog} configs"]
     return "\n".join(lines)
 
 

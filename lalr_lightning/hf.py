@@ -41,11 +41,13 @@ import math
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
 
+from lalr_lightning.callbacks import keys
 from lalr_lightning.callbacks.base import LayerwiseCallback
 from lalr_lightning.callbacks.host import Host
 from lalr_lightning.core.model.batch_loss import to_device
@@ -85,6 +87,12 @@ class HFHost(Host):
     device = property(lambda self: self.trainer.args.device)
     accumulate = property(lambda self: int(self.trainer.args.gradient_accumulation_steps))
     loggers = True  # the Trainer's log reaches its report_to integrations and its log_history
+
+    @property
+    def max_epochs(self) -> int | None:
+        """The epochs the fit runs (None when ``max_steps`` bounds it, as Lightning's -1)."""
+        args = self.trainer.args
+        return None if args.max_steps and args.max_steps > 0 else int(math.ceil(args.num_train_epochs))
 
     @property
     def current_epoch(self) -> int:
@@ -323,7 +331,9 @@ class _Session:
             return
         path = os.path.join(self.resume, STATE_FILE)
         states = torch.load(path, map_location="cpu", weights_only=True) if os.path.isfile(path) else {}
+        owners = SimpleNamespace(callbacks=self.methods)
         for cb in self.methods:
+            keys.adopt(cb, owners, {"callbacks": states})  # an entry written under an earlier key
             if cb.state_key in states:
                 cb._restore(states[cb.state_key])
 

@@ -73,16 +73,17 @@ class _Off:
 
 
 def bar(iterable: Iterable | None = None, *, total: float | None = None, desc: str = "", unit: str = "it",
-        stream: IO | None = None, **kw: Any):
+        stream: IO | None = None, always: bool = False, **kw: Any):
     """A tqdm bar over ``iterable`` (or one to ``update`` by hand, with ``total``), with its rate
-    and ETA, on ``stream`` (stderr), or a silent stand-in where :func:`enabled` is false."""
+    and ETA, on ``stream`` (stderr), or a silent stand-in where :func:`enabled` is false
+    (``always``: drawn wherever the stream goes, as an API caller who asked for progress wants)."""
     stream = sys.stderr if stream is None else stream
-    if not enabled(stream):
+    if not always and not enabled(stream):
         return _Off(iterable)
     from tqdm import tqdm
 
     kw.setdefault("mininterval", MININTERVAL)
-    return tqdm(iterable, total=total, desc=desc, unit=unit, file=stream, dynamic_ncols=True, leave=False, **kw)
+    return tqdm(iterable, total=total, desc=desc, unit=unit, file=stream, dynamic_ncols=True, leave=always, **kw)
 
 
 def write(message: str, stream: IO | None = None) -> None:

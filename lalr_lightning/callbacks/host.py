@@ -88,6 +88,8 @@ class Host(ABC):
     root: nn.Module
     current_epoch: int
     global_step: int
+    #: the epochs the fit runs; None where steps bound it
+    max_epochs: int | None = None
     #: the step the loggers' curves use (Lightning: batches that stepped)
     log_step: int
     global_rank: int

@@ -13,16 +13,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 if TYPE_CHECKING:
     from lalr_lightning.callbacks.selection import LayerSelection
 
-__all__ = ["readable_count", "selection_counts", "selection_summary"]
+__all__ = ["human_count", "selection_counts", "selection_summary"]
 
 
 def selection_counts(cb: LayerSelection) -> dict[str, int | str]:
     """``trainable``, ``frozen`` and ``total`` parameters of the callback's module now, and the
     ``selected`` of ``units`` blocks (``kind``; layers where the selection has no blocks)."""
     params = {id(p): p for p in cb._module.parameters()} if cb._module is not None else {}
+    # a lazy parameter (nn.LazyLinear before its first forward) has no size yet: left out
+    params = {k: p for k, p in params.items() if not isinstance(p, torch.nn.parameter.UninitializedParameter)}
     trainable = sum(p.numel() for p in params.values() if cb.trains(p))
     total = sum(p.numel() for p in params.values())
     units = cb.block_names or [u.name for u in cb.layers]
@@ -31,17 +35,18 @@ def selection_counts(cb: LayerSelection) -> dict[str, int | str]:
             "selected": len(selected), "units": len(units), "kind": "blocks" if cb.block_names else "layers"}
 
 
-def readable_count(n: int) -> str:
-    """A parameter count as Lightning's summary shows one: ``950``, ``82.4 K``, ``156 K``, ``1.2 M``."""
-    for unit, size in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
-        if n >= size:
-            value = n / size
-            return f"{value:.1f} {unit}" if value < 100 else f"{value:.0f} {unit}"
-    return f"{n:d}"
+def human_count(n: int) -> str:
+    """A parameter count as Lightning's summary shows one (``950``, ``82.4 K``, ``156 K``, ``6.7 B``):
+    thousands-groups, one decimal below 100 of the unit, whole units from 100 on."""
+    if n < 1000:
+        return f"{n:d}"
+    groups = min((len(str(n)) + 2) // 3, 5)  # 4 digits -> K ... 13 and more -> T
+    value, unit = n / 1000 ** (groups - 1), "KMBT"[groups - 2]
+    return f"{value:,.1f} {unit}" if value < 100 else f"{int(value):,d} {unit}"
 
 
 def selection_summary(who: str, c: dict[str, int | str]) -> str:
     """The one line (module docstring) of :func:`selection_counts`' ``c``."""
     share = 100.0 * c["trainable"] / c["total"] if c["total"] else 0.0
-    return (f"{who}: trainable {readable_count(c['trainable'])} of {readable_count(c['total'])} "
+    return (f"{who}: trainable {human_count(c['trainable'])} of {human_count(c['total'])} "
             f"parameters ({share:.1f}%), {c['selected']} of {c['units']} {c['kind']}")

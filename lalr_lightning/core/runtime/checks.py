@@ -15,10 +15,15 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["check_arguments", "check_min_evals", "coerce", "lazy_error", "lazy_parameters", "orphaned_masks",
+__all__ = ["ArgumentTypeError", "check_arguments", "check_min_evals", "coerce", "lazy_error", "lazy_parameters", "orphaned_masks",
            "uninitialized"]
 
 _NUMBERS = {int: "an integer", float: "a number"}
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """A constructor argument of the wrong type. Also a ``ValueError``: a wrong value's type is a
+    wrong value, and code that caught ``ValueError`` for bad arguments before these checks still does."""
 
 
 def _number(value: Any, kind: type) -> Any:
@@ -66,7 +71,7 @@ def coerce(who: str, arg: str, value: Any, hint: Any) -> Any:
             return None
         got = _number(value, kind)
         if got is None:
-            raise TypeError(f"{who}: {arg} must be {_NUMBERS[kind]}{' or None' if optional else ''}, "
+            raise ArgumentTypeError(f"{who}: {arg} must be {_NUMBERS[kind]}{' or None' if optional else ''}, "
                             f"got {value!r} ({type(value).__name__})")
         return got
     # Mapping[str, float] (| None): the factors of LayerLRMultiplier
@@ -79,7 +84,7 @@ def coerce(who: str, arg: str, value: Any, hint: Any) -> Any:
         for k, v in value.items():
             got = _number(v, float)
             if got is None:
-                raise TypeError(f"{who}: {arg} maps names to numbers; {arg}[{k!r}] is {v!r} "
+                raise ArgumentTypeError(f"{who}: {arg} maps names to numbers; {arg}[{k!r}] is {v!r} "
                                 f"({type(v).__name__})")
             out[k] = got
         return out

@@ -870,9 +870,12 @@ def _check_device(device) -> torch.device | None:
     return dev
 
 
-def _progress(enabled: bool, total: int):
-    # drawn only on a terminal (lalr_lightning.progress): no bar in CI logs or redirected output
-    return progress.bar(total=total, desc="spectral analysis", unit="matrix") if enabled else None
+def _progress(enabled: bool | None, total: int):
+    # True (an API caller asked): drawn wherever stderr goes; None (the command line): only on a
+    # terminal (lalr_lightning.progress), so no bar in CI logs or redirected output; False: none
+    if enabled is False:
+        return None
+    return progress.bar(total=total, desc="spectral analysis", unit="matrix", always=enabled is True)
 
 
 def _entries(source, layer_types, device) -> list[_Entry]:
