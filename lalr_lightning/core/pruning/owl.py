@@ -117,6 +117,9 @@ def owl_layer_ratios(model: nn.Module, layers: Sequence, batches: Sequence, spar
     finally:
         for mod, training in modes.items():
             mod.training = training
-    per_block = owl_ratios(shares, sparsity, lam)
+    try:
+        per_block = owl_ratios(shares, sparsity, lam)
+    except ValueError as err:  # its fix named as the callback's argument
+        raise ValueError(f"{who}: {str(err).replace('--owl-lambda', 'owl_lambda')}") from None
     ratios = {la.name: per_block[block_of[id(la.module)]] for la in layers}
     return ratios, {la.name: shares[block_of[id(la.module)]] for la in layers}
