@@ -68,7 +68,8 @@ class HTSRPruning(LayerwiseCallback):
         preset: ``"alphapruning"`` fills in the arguments left out (``None``) with AlphaPruning's
             LLM settings: ``metric="alpha"``, ``fit="peak"``, ``filter_zeros=False``,
             ``block_average=True``, ``epsilon=0.3``, ``min_numel=1``, ``min_evals=3``. Arguments
-            given explicitly win. ``None`` (default): the defaults listed below.
+            given explicitly win. ``"owl"``: OWL's ratios (``owl_m``, ``owl_lambda``) instead of an HT-SR
+            metric (``docs/llm_pruning.md``). ``None`` (default): the defaults listed below.
         metric: the per-layer metric (:data:`PRUNING_METRICS`: ``alpha``, ``alpha_weighted``,
             ``log_alpha_norm``, ``stable_rank``, ``entropy``, ``spectral_norm``,
             ``log_spectral_norm``, ``norm``, ``log_norm``, ``rand_distance``, ``snr``).
@@ -141,6 +142,15 @@ class HTSRPruning(LayerwiseCallback):
             dense, and every layer is pruned from those inputs.
         blocksize, percdamp: ``sparsegpt`` only: the columns per lazy-update block (128) and the
             Hessian dampening as a fraction of its mean diagonal (0.01), SparseGPT's defaults.
+        owl_m, owl_lambda: ``preset="owl"`` only (defaults 5 and 0.08, as ``prune --preset owl``): at the
+            pruning event each transformer block's outlier share ``D`` (its Wanda scores above ``owl_m`` x
+            their mean) is measured on the dense model from the calibration data (``n_calibration``,
+            ``calibration``, as Wanda's, whatever ``criterion``), and
+            :func:`~lalr_lightning.core.pruning.owl.owl_ratios` gives every matrix of the block its ratio
+            (unweighted mean over the blocks = ``target_sparsity``, span ``2 x owl_lambda``); ``scores``
+            holds each matrix's block ``D``. Needs a Hugging Face causal LM; every matrix of the blocks
+            is pruned (``min_numel=1``, ``min_evals=1``); HT-SR's ``metric``, ``epsilon``, ``fit``,
+            ``filter_zeros``, ``block_average``, ``blocks`` are refused.
         exclude_head: deprecated: ``head = not exclude_head``.
 
     Calibrated pruning happens on rank zero (the block-by-block pass needs each block pruned
