@@ -248,3 +248,15 @@ def test_callback_owl_without_calibration_or_blocks_is_one_line():
     assert HTSRPruning(preset="owl", n_calibration=4).n_calibration == 4
     with pytest.raises(ValueError, match="does not use percdamp"):
         HTSRPruning(preset="owl", percdamp=0.1)
+
+
+def test_callback_owl_gradual_measures_once_and_reaches_the_target():
+    from lalr_lightning.callbacks import HTSRPruning
+    from tests.test_pruning_criteria import LM, _fit
+
+    pruner = HTSRPruning(preset="owl", target_sparsity=0.5, when="gradual", gradual_epochs=2, n_calibration=6)
+    _fit(pruner, LM(layers=4), max_steps=-1, max_epochs=2)
+    assert [h["level"] for h in pruner.history] == pytest.approx([0.875, 1.0])  # the cubic schedule
+    assert len(set(pruner.ratios.values())) == 4  # one ratio per block, from the first event's dense model
+    assert sum(pruner.ratios.values()) / len(pruner.ratios) == pytest.approx(0.5)
+    assert pruner.overall_sparsity() == pytest.approx(0.5, abs=1e-3)
