@@ -113,4 +113,4 @@ def test_choice_lists_match_the_library():
 
     assert choices.FITS == spectral.FITS and choices.CRITERIA == llm_pruning.CRITERIA
     assert choices.PRUNING_METRICS == PRUNING_METRICS and choices.DTYPES == tuple(DTYPES)
-    assert {p for p in PRESETS if p} <= set(choices.PRESETS)  # prune's presets: HTSRPruning's and OWL
+    assert {p for p in PRESETS if p} == set(choices.PRESETS)  # prune's presets are HTSRPruning's (OWL included)

@@ -1,5 +1,5 @@
-"""OWL's per-layer ratios (``prune --preset owl``) against the paper's formula, and explicit ratios
-(``prune --ratios FILE``)."""
+"""OWL's per-layer ratios (``prune --preset owl`` and ``HTSRPruning(preset="owl")``) against the paper's
+formula, and explicit ratios (``prune --ratios FILE``)."""
 
 from __future__ import annotations
 
@@ -62,7 +62,11 @@ def _dense_shares(model_dir, samples, m):
     """OWL's D per block from one forward of the whole dense model (hooks on every linear input)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    return _shares_of(AutoModelForCausalLM.from_pretrained(model_dir).eval(), samples, m)
+
+
+def _shares_of(model, samples, m):
+    """OWL's D per block of a dense Hugging Face causal LM from one forward on ``samples``."""
     sq, handles = {}, []
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.Linear) and ".layers." in name:
@@ -150,3 +154,109 @@ def test_bad_recipes_are_one_line(files, tmp_path, capsys, args, phrase):
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert phrase in err, err
     assert not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------------------- the callback
+
+
+def _fit_owl(pruner, layers=4):
+    from tests.test_pruning_criteria import LM, _fit
+
+    module = LM(layers=layers)
+    _fit(pruner, module)  # lr 0: the weights stay as pruning left them
+    return module
+
+
+@pytest.mark.parametrize("criterion", ["wanda", "magnitude"])
+def test_callback_preset_owl_gives_the_formula_on_the_training_batches(criterion):
+    from lalr_lightning.callbacks import HTSRPruning
+    from lalr_lightning.oneshot.prune import prune_model
+    from tests.test_pruning_criteria import LM
+
+    pruner = HTSRPruning(preset="owl", target_sparsity=0.6, owl_m=3.0, owl_lambda=0.1, criterion=criterion,
+                         n_calibration=6)
+    module = _fit_owl(pruner)
+    assert pruner.history[0]["calibration_samples"] == 6
+    # the oracle: the first 6 training sequences through the dense model, hooks on every linear input
+    dense = LM(layers=4)
+    samples = next(iter(torch.utils.data.DataLoader(dense.train_dataloader().dataset, batch_size=6)))[0]
+    shares = _shares_of(dense.model.eval(), samples, 3.0)
+    assert len(set(shares)) > 1  # the blocks differ: the ratios are not uniform
+    expected = owl_ratios(shares, 0.6, 0.1)
+    assert len(pruner.ratios) == 4 * 7  # every matrix of the 4 blocks, none outside them
+    for k, r in pruner.ratios.items():
+        block = int(k.split(".")[3])
+        assert r == pytest.approx(expected[block], abs=1e-9), k
+        assert pruner.scores[k] == pytest.approx(shares[block], abs=1e-9)
+        # magnitude: round(ratio x numel) of the layer; Wanda: int(ratio x columns) of every row
+        assert pruner.sparsity[k] == pytest.approx(r, abs=1e-3 if criterion == "magnitude" else 1 / 32), k
+    # equal-size blocks: the target is the ratios' mean, parameter-weighted or not
+    assert pruner.overall_sparsity() == pytest.approx(0.6, abs=1e-3 if criterion == "magnitude" else 1 / 32)
+    weights = dict(module.named_parameters())
+    assert all(torch.all(weights[name][~keep] == 0) for name, keep in pruner.masks.items())
+    # the one-shot command's OWL on the same model and samples: the same ratios
+    report = prune_model(LM(layers=4).model, samples, sparsity=0.6, criterion="wanda", preset="owl", owl_m=3.0,
+                         owl_lambda=0.1)
+    assert {f"model.{k}": v for k, v in report.ratios.items()} == pytest.approx(pruner.ratios, abs=1e-9)
+
+
+def test_callback_preset_owl_plan_reads_the_calibration_loader():
+    from lalr_lightning.callbacks import HTSRPruning
+    from tests.test_pruning_criteria import LM
+
+    module = LM(layers=4)
+    loader = module.train_dataloader()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    plan = HTSRPruning(preset="owl", target_sparsity=0.5, calibration=loader, n_calibration=8).plan(module)
+    samples = torch.cat([b[0] for b in loader])
+    expected = owl_ratios(_shares_of(LM(layers=4).model.eval(), samples, 5.0), 0.5, 0.08)
+    assert plan.ratio.tolist() == pytest.approx([expected[int(k.split(".")[3])] for k in plan.layer], abs=1e-9)
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())  # not touched
+
+
+@pytest.mark.parametrize("kwargs, phrase", [
+    (dict(preset="owl", metric="alpha"), "leave out metric"),
+    (dict(preset="owl", epsilon=0.2), "leave out epsilon"),
+    (dict(preset="owl", fit="peak", block_average=True), "leave out block_average, fit"),
+    (dict(owl_m=5.0), "add preset='owl'"),
+    (dict(preset="alphapruning", owl_lambda=0.1), "add preset='owl'"),
+    (dict(preset="owl", owl_lambda=0.7), "owl_lambda must be in [0, 0.5)"),
+    (dict(preset="owl", owl_m=0), "owl_m must be a number > 0"),
+    (dict(preset="owl", criterion="wanda", n=2, m=4), "drop preset"),
+    (dict(preset="owl", owl_m=float("inf")), "owl_m must be a number > 0"),
+])
+def test_callback_bad_owl_arguments_are_one_line(kwargs, phrase):
+    from lalr_lightning.callbacks import HTSRPruning
+
+    with pytest.raises(ValueError) as info:
+        HTSRPruning(**kwargs)
+    assert phrase in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_callback_owl_without_calibration_or_blocks_is_one_line():
+    from lalr_lightning.callbacks import HTSRPruning
+    from tests._toys import ToyMLP, make_trainer
+    from tests.test_pruning_criteria import LM
+
+    with pytest.raises(ValueError, match=r"pass calibration=<a DataLoader>") as info:
+        HTSRPruning(preset="owl").plan(LM(layers=2))  # no fit to take the training batches from
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match=r"has none: use another preset") as info:
+        make_trainer([HTSRPruning(preset="owl", min_numel=1)], max_steps=1).fit(ToyMLP())
+    assert "\n" not in str(info.value)
+    # OWL's ratios keep a magnitude prune's calibration arguments; other criteria's arguments stay refused
+    assert HTSRPruning(preset="owl", n_calibration=4).n_calibration == 4
+    with pytest.raises(ValueError, match="does not use percdamp"):
+        HTSRPruning(preset="owl", percdamp=0.1)
+
+
+def test_callback_owl_gradual_measures_once_and_reaches_the_target():
+    from lalr_lightning.callbacks import HTSRPruning
+    from tests.test_pruning_criteria import LM, _fit
+
+    pruner = HTSRPruning(preset="owl", target_sparsity=0.5, when="gradual", gradual_epochs=2, n_calibration=6)
+    _fit(pruner, LM(layers=4), max_steps=-1, max_epochs=2)
+    assert [h["level"] for h in pruner.history] == pytest.approx([0.875, 1.0])  # the cubic schedule
+    assert len(set(pruner.ratios.values())) == 4  # one ratio per block, from the first event's dense model
+    assert sum(pruner.ratios.values()) / len(pruner.ratios) == pytest.approx(0.5)
+    assert pruner.overall_sparsity() == pytest.approx(0.5, abs=1e-3)

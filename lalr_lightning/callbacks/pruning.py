@@ -35,6 +35,7 @@ from lalr_lightning.core.pruning.alphapruning import (
 )
 from lalr_lightning.core.pruning.by_criterion import criterion_prune, load_weights, sample_count, take_samples
 from lalr_lightning.core.pruning.criteria import CRITERIA, needs_stats
+from lalr_lightning.core.pruning.owl import owl_layer_ratios
 from lalr_lightning.core.pruning.settings import PRESETS, check_when, pruning_settings
 from lalr_lightning.core.runtime.shards import all_sum, layer_paths, layers_in, local_tensor
 from lalr_lightning.core.spectral import htsr
@@ -67,7 +68,8 @@ class HTSRPruning(LayerwiseCallback):
         preset: ``"alphapruning"`` fills in the arguments left out (``None``) with AlphaPruning's
             LLM settings: ``metric="alpha"``, ``fit="peak"``, ``filter_zeros=False``,
             ``block_average=True``, ``epsilon=0.3``, ``min_numel=1``, ``min_evals=3``. Arguments
-            given explicitly win. ``None`` (default): the defaults listed below.
+            given explicitly win. ``"owl"``: OWL's ratios (``owl_m``, ``owl_lambda``) instead of an HT-SR
+            metric (``docs/llm_pruning.md``). ``None`` (default): the defaults listed below.
         metric: the per-layer metric (:data:`PRUNING_METRICS`: ``alpha``, ``alpha_weighted``,
             ``log_alpha_norm``, ``stable_rank``, ``entropy``, ``spectral_norm``,
             ``log_spectral_norm``, ``norm``, ``log_norm``, ``rand_distance``, ``snr``).
@@ -140,6 +142,15 @@ class HTSRPruning(LayerwiseCallback):
             dense, and every layer is pruned from those inputs.
         blocksize, percdamp: ``sparsegpt`` only: the columns per lazy-update block (128) and the
             Hessian dampening as a fraction of its mean diagonal (0.01), SparseGPT's defaults.
+        owl_m, owl_lambda: ``preset="owl"`` only (defaults 5 and 0.08, as ``prune --preset owl``): at the
+            pruning event each transformer block's outlier share ``D`` (its Wanda scores above ``owl_m`` x
+            their mean) is measured on the dense model from the calibration data (``n_calibration``,
+            ``calibration``, as Wanda's, whatever ``criterion``), and
+            :func:`~lalr_lightning.core.pruning.owl.owl_ratios` gives every matrix of the block its ratio
+            (unweighted mean over the blocks = ``target_sparsity``, span ``2 x owl_lambda``); ``scores``
+            holds each matrix's block ``D``. Needs a Hugging Face causal LM; every matrix of the blocks
+            is pruned (``min_numel=1``, ``min_evals=1``); HT-SR's ``metric``, ``epsilon``, ``fit``,
+            ``filter_zeros``, ``block_average``, ``blocks`` are refused.
         exclude_head: deprecated: ``head = not exclude_head``.
 
     Calibrated pruning happens on rank zero (the block-by-block pass needs each block pruned
@@ -208,6 +219,8 @@ class HTSRPruning(LayerwiseCallback):
         calibration: Iterable | None = None,
         blocksize: int | None = None,
         percdamp: float | None = None,
+        owl_m: float | None = None,
+        owl_lambda: float | None = None,
         exclude_head: bool | None = None,
     ):
         super().__init__(name=name, strict_resume=strict_resume)
@@ -217,7 +230,8 @@ class HTSRPruning(LayerwiseCallback):
             blocks=blocks, fit=fit, filter_zeros=filter_zeros, min_numel=min_numel, min_evals=min_evals,
             layer_types=layer_types, head=head, overflow=overflow, max_ratio=max_ratio, channel_step=channel_step,
             make_permanent=make_permanent, preset=preset, criterion=criterion, n=n, m=m,
-            n_calibration=n_calibration, calibration=calibration, blocksize=blocksize, percdamp=percdamp)
+            n_calibration=n_calibration, calibration=calibration, blocksize=blocksize, percdamp=percdamp,
+            owl_m=owl_m, owl_lambda=owl_lambda)
         if exclude_head is not None:
             settings["head"] = not self._alias(None, exclude_head, "exclude_head", "head")
         self.__dict__.update(settings)  # every argument under its own name (settings() reads them back)
@@ -234,6 +248,7 @@ class HTSRPruning(LayerwiseCallback):
         self._fresh = False
         self._weights: dict[str, torch.Tensor] = {}  # SparseGPT's updated weights, from rank zero
         self._paths: dict[str, tuple] = {}  # where each layer sits in the model (core.shards.layer_paths)
+        self._batches: list | None = None  # one event's calibration batches: OWL's ratios and the masks share them
 
     metric_values = renamed("scores")  # deprecated name of ``scores`` (the metric per pruned layer)
 
@@ -270,7 +285,7 @@ class HTSRPruning(LayerwiseCallback):
 
     @property
     def needs_whole_model(self) -> bool:  # under FSDP, masks from whole layers, run during training
-        return self.when != "fit_start" and (self.criterion != "magnitude" or bool(self.m))
+        return self.when != "fit_start" and (self.criterion != "magnitude" or bool(self.m) or self.preset == "owl")
 
     def prepare(self, host: Host) -> None:
         if self.whole is not None:
@@ -354,7 +369,7 @@ class HTSRPruning(LayerwiseCallback):
             else:
                 self.update(host, self._model)
         finally:
-            self._trainer = None
+            self._trainer, self._batches = None, None
 
     def _prune_sharded(self, host: Host) -> None:
         """A magnitude pruning event during training under FSDP: the ratios decided on rank zero
@@ -403,7 +418,7 @@ class HTSRPruning(LayerwiseCallback):
             self._check_weights(host, module)  # a later gradual event masks what diverged otherwise
             return None
         names = [layer.name for layer in self.layers]
-        if self.epsilon == 0:  # uniform: the metric cannot change anything
+        if self.epsilon == 0 or self.preset == "owl":  # uniform, or OWL: from the activations (in decide)
             return {}
 
         def metric(layers):
@@ -463,6 +478,9 @@ class HTSRPruning(LayerwiseCallback):
         calibration run), so the model is not touched."""
         if metric is None:  # the first event fixed the ratios
             return Decision(values=dict(self.ratios), scores=dict(self.scores))
+        if self.preset == "owl":  # a forward pass over the calibration data; the weights are not touched
+            ratios, shares = self._owl(self._model, self.layers, {})
+            return Decision(values=ratios, scores=shares)
         return Decision(values=dict(zip([la.name for la in self.layers], self._ratio_array(metric).tolist())),
                         scores=metric)
 
@@ -473,12 +491,14 @@ class HTSRPruning(LayerwiseCallback):
         """The decision on ``module`` (the live model, or rank zero's whole copy of it) and its
         ``layers``; without ``masks``, the ratios alone (the ranks compute the masks)."""
         names = [layer.name for layer in layers]
+        record: dict = {"level": self._level}
         if metric is None:  # later events of a gradual schedule: the ratios stand
             metric, ratios = dict(self.scores), dict(self.ratios)
+        elif self.preset == "owl":  # on rank zero (its whole copy under FSDP), the dense model
+            ratios, metric = self._owl(module, layers, record)
         else:
             r = self._ratio_array(metric)
             ratios = dict(zip(names, r.tolist()))
-        record: dict = {"level": self._level}
         weights: dict[str, torch.Tensor] = {}
         if not masks:
             found, channels = {}, {}
@@ -498,28 +518,47 @@ class HTSRPruning(LayerwiseCallback):
         """Rank zero: Wanda / SparseGPT / N:M masks. Calibrating block by block needs each block
         pruned before the next is measured, so this prunes rank zero's weights in place as it
         goes; the other ranks get the masks (and SparseGPT's weights) in the broadcast decision."""
-        batches = None
-        if needs_stats(self.criterion):
-            batches = take_samples(self._calibration_source(), self.n_calibration)
-            got = sample_count(batches)
-            if got < self.n_calibration:
-                warn(f"HTSRPruning(criterion={self.criterion!r}) calibrates on {got} samples, all the "
-                               f"calibration data has; n_calibration={self.n_calibration} asked for more",
-                               category=UserWarning)
-            record["calibration_samples"] = got
+        batches = self._calibration_batches(record) if needs_stats(self.criterion) else None
         self.check_finite(self._trainer, {la.name: la.weight for la in layers}, "the weights")
         return criterion_prune(module, layers, ratios, self.criterion, batches, n=self.n, m=self.m,
                                blocksize=self.blocksize or 128, percdamp=0.01 if self.percdamp is None else
                                self.percdamp, forward=functools.partial(self._forward, module), convolutions=True)
 
+    def _owl(self, module: nn.Module, layers: list, record: dict) -> tuple[dict[str, float], dict[str, float]]:
+        """OWL's ratio and block outlier share ``D`` of every pruned layer (``prune --preset owl``'s
+        :func:`~lalr_lightning.core.pruning.owl.owl_layer_ratios`), from the calibration batches the
+        masks then use too."""
+        self.check_finite(self._trainer, {la.name: la.weight for la in layers}, "the weights")
+        return owl_layer_ratios(module, layers, self._calibration_batches(record), self.target_sparsity,
+                                self.owl_m, self.owl_lambda, who="HTSRPruning(preset='owl')")
+
+    def _calibration_batches(self, record: dict) -> list:
+        """The first ``n_calibration`` samples of the calibration data, taken once per pruning event."""
+        if self._batches is None:
+            batches = take_samples(self._calibration_source(), self.n_calibration)
+            got = sample_count(batches)
+            if got < self.n_calibration:
+                warn(f"HTSRPruning({self._calibrated_by()}) calibrates on {got} samples, all the calibration data "
+                     f"has; n_calibration={self.n_calibration} asked for more", category=UserWarning)
+            self._batches = batches
+        record["calibration_samples"] = sample_count(self._batches)
+        return self._batches
+
+    def _calibrated_by(self) -> str:
+        return "preset='owl'" if self.preset == "owl" and not needs_stats(self.criterion) else \
+            f"criterion={self.criterion!r}"
+
     def _calibration_source(self):
         if self.calibration is not None:
             return self.calibration
+        if self._trainer is None:  # plan(model): no fit, hence no training loader
+            raise ValueError(f"HTSRPruning({self._calibrated_by()}) decides from calibration data, and plan() has no "
+                             "fit to take it from; pass calibration=<a DataLoader> to HTSRPruning")
         # the training loader as the user gave it (datamodule, module or fit() argument), without the
         # DistributedSampler a DDP run adds: rank zero calibrates on the same data at any world size
         loader = self._trainer.batches(as_given=True)
         if loader is None:
-            raise ValueError(f"HTSRPruning(criterion={self.criterion!r}) needs calibration data: the fit has no "
+            raise ValueError(f"HTSRPruning({self._calibrated_by()}) needs calibration data: the fit has no "
                              "training loader; pass calibration=<a DataLoader>")
         return loader
 

@@ -276,19 +276,11 @@ def _ratios(settings, metric_values: dict[str, float], groups: list[list[str]], 
 
 
 def _owl_shares(blocks, inputs: list, m: float, materialize=None, release=None) -> list[float]:
-    """OWL's outlier share ``D`` of every block, measured on the dense model: each block's Wanda scores
-    from its calibration inputs, its output (unpruned) feeding the next. ``inputs`` is consumed."""
-    from lalr_lightning.core.pruning.owl import outlier_share
+    """OWL's outlier share ``D`` of every block on the dense model (the callback's ``preset='owl'`` uses
+    the same function)."""
+    from lalr_lightning.core.pruning.owl import block_shares
 
-    shares: list[float] = []
-
-    def measure(index: int, block: nn.Module, stats) -> None:
-        scores = [criteria.wanda_scores(weight_matrix(mod), stats[name].scaler_row)
-                  for name, mod in linear_modules(block).items()]
-        shares.append(outlier_share(scores, m))
-
-    run_blocks(blocks, inputs, measure, stats=True, hessian=False, materialize=materialize, release=release)
-    return shares
+    return block_shares(blocks, inputs, m, materialize=materialize, release=release)
 
 
 def _plan_ratios(report: PruneReport, recipe: Recipe, settings, sparsity: float, groups: list[list[str]],

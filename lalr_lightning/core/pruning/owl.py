@@ -24,8 +24,9 @@ import math
 from collections.abc import Iterable, Sequence
 
 import torch
+from torch import nn
 
-__all__ = ["check_owl", "outlier_share", "owl_ratios"]
+__all__ = ["check_owl", "outlier_share", "owl_ratios", "block_shares", "owl_layer_ratios"]
 
 
 def check_owl(m: float, lam: float) -> None:
@@ -66,3 +67,59 @@ def owl_ratios(shares: Sequence[float], sparsity: float, lam: float) -> list[flo
         raise ValueError(f"OWL's ratios leave [0, 1) (from {min(out):.3f} to {max(out):.3f} around the target "
                          f"{sparsity}); lower --owl-lambda")
     return out
+
+
+def block_shares(blocks, inputs: list, m: float, materialize=None, release=None) -> list[float]:
+    """OWL's outlier share ``D`` of every block, measured on the dense model: each block's Wanda scores
+    (every linear layer of the block) from its calibration inputs, its output (unpruned) feeding the
+    next. ``inputs`` (:func:`~lalr_lightning.core.pruning.calibration.capture_block_inputs`) is consumed."""
+    from lalr_lightning.core.pruning.calibration import linear_modules, run_blocks, weight_matrix
+    from lalr_lightning.core.pruning.criteria import wanda_scores
+
+    shares: list[float] = []
+
+    def measure(index: int, block: nn.Module, stats) -> None:
+        scores = [wanda_scores(weight_matrix(mod), stats[name].scaler_row)
+                  for name, mod in linear_modules(block).items()]
+        shares.append(outlier_share(scores, m))
+
+    run_blocks(blocks, inputs, measure, stats=True, hessian=False, materialize=materialize, release=release)
+    return shares
+
+
+@torch.no_grad()
+def owl_layer_ratios(model: nn.Module, layers: Sequence, batches: Sequence, sparsity: float, m: float,
+                     lam: float, who: str = "preset='owl'") -> tuple[dict[str, float], dict[str, float]]:
+    """OWL's ratio and outlier share ``D`` of each of ``layers`` (``Layer`` objects of ``model``, a
+    Hugging Face causal LM): the shares of every transformer block on the dense model
+    (:func:`block_shares`), the per-block ratios by :func:`owl_ratios` -- as ``prune --preset owl`` --
+    and each layer given its block's. A layer outside the blocks is an error (it has no block)."""
+    from lalr_lightning.core.pruning.by_criterion import find_causal_lm
+    from lalr_lightning.core.pruning.calibration import capture_block_inputs, decoder_blocks
+
+    lm = find_causal_lm(model)
+    if lm is None:
+        raise ValueError(f"{who} measures outliers per transformer block of a Hugging Face causal LM (LLaMA, OPT, "
+                         f"GPT-2, GPT-NeoX layouts); {type(model).__name__} has none: use another preset")
+    _, blocks = decoder_blocks(lm)
+    block_of = {id(mod): i for i, block in enumerate(blocks) for mod in block.modules()}
+    outside = [la.name for la in layers if id(la.module) not in block_of]
+    if outside:
+        raise ValueError(f"{who} gives each transformer block one ratio; these pruned layers lie outside the "
+                         f"blocks: {', '.join(outside[:5])}; leave them dense (head=False, or min_numel above "
+                         "their size)")
+    if not batches:
+        raise ValueError(f"{who} needs calibration batches; none were given")
+    modes = {mod: mod.training for mod in model.modules()}
+    model.eval()
+    try:
+        shares = block_shares(blocks, capture_block_inputs(lm, batches), m)
+    finally:
+        for mod, training in modes.items():
+            mod.training = training
+    try:
+        per_block = owl_ratios(shares, sparsity, lam)
+    except ValueError as err:  # its fix named as the callback's argument
+        raise ValueError(f"{who}: {str(err).replace('--owl-lambda', 'owl_lambda')}") from None
+    ratios = {la.name: per_block[block_of[id(la.module)]] for la in layers}
+    return ratios, {la.name: shares[block_of[id(la.module)]] for la in layers}

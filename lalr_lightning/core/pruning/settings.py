@@ -3,6 +3,7 @@ defaults each choice fills in. Pure Python; ``callbacks/pruning.py`` keeps what 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -14,7 +15,7 @@ from lalr_lightning.core.runtime.checks import check_min_evals
 from lalr_lightning.core.runtime.errors import reject_stray
 from lalr_lightning.core.spectral import htsr
 
-__all__ = ["FITTED", "PRESETS", "check_when", "pruning_settings"]
+__all__ = ["FITTED", "OWL_LAMBDA", "OWL_M", "PRESETS", "check_when", "pruning_settings"]
 
 #: metrics that come from a power-law fit (``fit`` and ``filter_zeros`` apply to them)
 FITTED = ("alpha", "alpha_weighted", "log_alpha_norm")
@@ -28,7 +29,14 @@ PRESETS: dict[str | None, dict] = {
     # mean; every matrix of the blocks is pruned, whatever its size (docs/alphapruning.md)
     "alphapruning": dict(metric="alpha", epsilon=0.3, block_average=True, fit="peak", filter_zeros=False,
                          min_numel=1, min_evals=3),
+    # OWL (core/pruning/owl.py, as ``prune --preset owl``): one ratio per transformer block from the share of
+    # its Wanda scores above M x their mean on calibration activations; no spectral metric, every matrix pruned
+    "owl": dict(metric=None, epsilon=None, block_average=False, fit=None, filter_zeros=False, min_numel=1,
+                min_evals=1),
 }
+
+#: OWL's defaults, as the prune command's: the paper's M = 5 and llm-compressor's example lambda 0.08
+OWL_M, OWL_LAMBDA = 5.0, 0.08
 
 
 def pruning_settings(
@@ -38,6 +46,7 @@ def pruning_settings(
     min_evals: int | None, layer_types: Sequence[str], head: bool, overflow: str, max_ratio: float,
     channel_step: float | None, make_permanent: bool, preset: str | None, criterion: str, n: int, m: int,
     n_calibration: int | None, calibration: Iterable | None, blocksize: int | None, percdamp: float | None,
+    owl_m: float | None = None, owl_lambda: float | None = None,
 ) -> dict[str, Any]:
     """The settings of ``HTSRPruning(...)`` under their own names, the preset's and the defaults
     filled in (``docs`` of the callback); a ``ValueError`` naming the fix for a bad combination."""
@@ -48,10 +57,13 @@ def pruning_settings(
     if criterion not in CRITERIA:
         raise unknown("criterion", criterion, CRITERIA)
     n, m = check_nm(n, m)
+    owl = _owl_settings(who, preset, owl_m, owl_lambda, metric=metric, epsilon=epsilon, fit=fit,
+                        filter_zeros=filter_zeros, block_average=block_average, blocks=blocks)
     reject_stray(who, "criterion", criterion,
                  {"n_calibration": n_calibration, "calibration": calibration, "blocksize": blocksize,
                   "percdamp": percdamp},
-                 {"magnitude": (), "wanda": ("n_calibration", "calibration"),
+                 {"magnitude": ("n_calibration", "calibration") if owl else (),  # OWL calibrates its ratios
+                  "wanda": ("n_calibration", "calibration"),
                   "sparsegpt": ("n_calibration", "calibration", "blocksize", "percdamp")})
     if m:
         target_sparsity, epsilon = _nm_ratios(n, m, target_sparsity, epsilon, preset)
@@ -61,13 +73,14 @@ def pruning_settings(
     block_average = fill["block_average"] if block_average is None else block_average
     min_numel = fill["min_numel"] if min_numel is None else min_numel
     min_evals = fill["min_evals"] if min_evals is None else min_evals
-    _check_choices(metric, direction, overflow, fit)
-    reject_stray(who, "metric", metric, given_fit,
-                {m: ("fit", "filter_zeros") if m in FITTED else () for m in PRUNING_METRICS})
+    _check_choices(metric, direction, overflow, fit, owl)
+    if not owl:
+        reject_stray(who, "metric", metric, given_fit,
+                     {m: ("fit", "filter_zeros") if m in FITTED else () for m in PRUNING_METRICS})
     reject_stray(who, "structured", structured, {"channel_step": channel_step}, {True: ("channel_step",), False: ()})
     if blocks is not None and not block_average:
         raise ValueError("blocks only applies with block_average=True (the blocks the metric is averaged over)")
-    _check_ratios(max_ratio, target_sparsity, epsilon)
+    _check_ratios(max_ratio, target_sparsity, 0.0 if owl else epsilon)
     _check_when(when, structured, criterion, n, m)
     _check_calibration(n_calibration, blocksize, percdamp, m)
     if when == "gradual":
@@ -75,7 +88,7 @@ def pruning_settings(
             raise ValueError("when='gradual' needs gradual_epochs >= 1 (the number of pruning epochs)")
     elif gradual_epochs is not None:
         raise ValueError(f"gradual_epochs only applies to when='gradual' (got when={when!r})")
-    if metric in FITTED and epsilon > 0 and min_evals < 2:  # the metric is measured, by a power-law fit
+    if metric in FITTED and not owl and epsilon > 0 and min_evals < 2:  # the metric is measured, by a power-law fit
         check_min_evals(who, min_evals, f"metric={metric!r} comes from a power-law fit of each layer's eigenvalues, "
                                         "which needs at least two")
     if min_numel < 1 or min_evals < 1:
@@ -87,9 +100,10 @@ def pruning_settings(
     if structured and "embedding" in layer_types:
         raise ValueError("structured=True prunes output channels, which embeddings do not have; "
                          "drop 'embedding' from layer_types")
-    calibrated = needs_stats(criterion)
+    calibrated = needs_stats(criterion) or bool(owl)
     return dict(
-        metric=metric, target_sparsity=float(target_sparsity), epsilon=float(epsilon), direction=direction,
+        metric=metric, target_sparsity=float(target_sparsity), epsilon=None if owl else float(epsilon),
+        direction=direction, owl_m=owl[0] if owl else None, owl_lambda=owl[1] if owl else None,
         structured=bool(structured), when=when, gradual_epochs=None if gradual_epochs is None else int(gradual_epochs),
         block_average=bool(block_average), blocks=None if blocks is None else list(blocks),
         fit=fill["fit"] if fit is None else fit,
@@ -127,8 +141,30 @@ def _nm_ratios(n: int, m: int, target_sparsity: float | None, epsilon: float | N
     return n / m, 0.0
 
 
-def _check_choices(metric: str, direction: str, overflow: str, fit: str | None) -> None:
-    if metric not in PRUNING_METRICS:
+def _owl_settings(who: str, preset: str | None, owl_m: float | None, owl_lambda: float | None,
+                  **ht_sr: Any) -> tuple[float, float] | None:
+    """``(M, lambda)`` of ``preset="owl"`` (the defaults filled in), None for another preset; a one-line
+    error for OWL's arguments without it, or HT-SR's (metric, epsilon, ...) with it."""
+    if preset != "owl":
+        if owl_m is not None or owl_lambda is not None:
+            raise ValueError(f"{who}: owl_m and owl_lambda are OWL's; add preset='owl', or leave them out")
+        return None
+    stray = sorted(k for k, v in ht_sr.items() if v is not None)
+    if stray:
+        raise ValueError(f"{who}(preset='owl') takes its ratios from the activations' outliers (owl_m, owl_lambda), "
+                         f"not from an HT-SR metric: leave out {', '.join(stray)}")
+    m = OWL_M if owl_m is None else owl_m
+    lam = OWL_LAMBDA if owl_lambda is None else owl_lambda
+    if isinstance(m, bool) or not (isinstance(m, (int, float)) and math.isfinite(m) and m > 0):
+        raise ValueError(f"{who}: owl_m must be a number > 0 (outliers: scores above M x the block's mean), got {m}")
+    if isinstance(lam, bool) or not (isinstance(lam, (int, float)) and 0 <= lam < 0.5):
+        raise ValueError(f"{who}: owl_lambda must be in [0, 0.5) (the ratios span 2 x lambda around the target), "
+                         f"got {lam}")
+    return float(m), float(lam)
+
+
+def _check_choices(metric: str | None, direction: str, overflow: str, fit: str | None, owl=None) -> None:
+    if not owl and metric not in PRUNING_METRICS:
         raise unknown("metric", metric, PRUNING_METRICS)
     if direction not in DIRECTIONS:
         raise unknown("direction", direction, DIRECTIONS)
