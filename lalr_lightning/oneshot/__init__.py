@@ -26,7 +26,7 @@ _WHERE = {
     "perplexity_main": "commands", "prune_main": "commands", "zeroshot_main": "commands",
     "perplexity": "evaluate",
     "PruneReport": "prune", "prune_checkpoint": "prune", "prune_model": "prune",
-    "owl_ratios": "owl", "outlier_ratios": "owl",
+    "owl_ratios": "lalr_lightning.core.pruning.owl", "outlier_share": "lalr_lightning.core.pruning.owl",
     "calibration_samples": "text", "read_text": "text",
     "zeroshot": "zeroshot", "read_task": "zeroshot",
     "load_semi_structured": "sparse24", "to_semi_structured": "sparse24",
@@ -38,6 +38,11 @@ __all__ = sorted(_WHERE)
 def __getattr__(name: str):
     if name not in _WHERE:
         raise AttributeError(f"module 'lalr_lightning.oneshot' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"lalr_lightning.oneshot.{_WHERE[name]}"), name)
-    globals()[name] = value
+    where = _WHERE[name]
+    module = importlib.import_module(where if "." in where else f"lalr_lightning.oneshot.{where}")
+    value = globals()[name] = getattr(module, name)
+    # importing oneshot/zeroshot.py sets this package's ``zeroshot`` to the module: the function wins
+    short = module.__name__.rsplit(".", 1)[1]
+    if _WHERE.get(short) == short:
+        globals()[short] = getattr(module, short)
     return value
