@@ -25,7 +25,7 @@ local task (the answer of ``a plus b is`` among four numbers: ``acc`` and ``acc_
 LLaMA (``--hidden 128 --layers 4`` by default) trained here on the offline corpus for ``--train-steps``
 steps, or ``--model DIR``::
 
-    python benchmarks/llm_pruning.py --recipes --hidden 128 --intermediate 344 --layers 4 --vocab 0
+    python benchmarks/llm_pruning.py --recipes --hidden 128 --intermediate 344 --layers 4 --vocab 0 --seq-len 64 --threads 1
 
 ``--peak`` measures instead what sets the peak memory of a streamed prune (issue 23, item 6), this
 checkout against ``--before REF`` (another commit's ``lalr_lightning``, extracted with ``git
