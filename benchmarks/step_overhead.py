@@ -61,8 +61,9 @@ class Block(nn.Module):
 class Deep(pl.LightningModule):
     """The thin network, one fixed random batch per step (no data loading in the timings)."""
 
-    def __init__(self, steps: int, seed: int = 0):
+    def __init__(self, steps: int, seed: int = 0, per_layer: bool = False):
         super().__init__()
+        self.per_layer = per_layer
         torch.manual_seed(seed)
         self.stem = nn.Linear(IN, WIDTH)
         self.blocks = nn.Sequential(*[Block() for _ in range(BLOCKS)])
@@ -92,7 +93,17 @@ class Deep(pl.LightningModule):
         return torch.utils.data.DataLoader(Batches(), batch_size=None)
 
     def configure_optimizers(self):
+        if self.per_layer:  # one group per Linear, each its own LR: how the reference codes set per-layer LRs
+            layers = [m for m in self.modules() if isinstance(m, nn.Linear)]
+            return torch.optim.AdamW([{"params": list(m.parameters()), "lr": 1e-3 * (1 + i / 100)}
+                                      for i, m in enumerate(layers)])
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+#: the baseline of the multiplier methods' optimizer cost: no callback, one AdamW group per layer
+PER_LAYER = "none, one AdamW group per layer"
+#: the callbacks that give layers their own LR (the optimizer then steps once per distinct LR)
+SPLITS = ("TempBalance", "LALR", "AutoRGN", "LayerLRMultiplier")
 
 
 def variants(steps: int) -> dict[str, callable]:
@@ -111,6 +122,7 @@ def variants(steps: int) -> dict[str, callable]:
     every = 50 if steps >= 300 else max(steps // 6, 1)
     return {
         "none": lambda: None,
+        PER_LAYER: lambda: None,
         "ProximalRegularizer (lam=1)": lambda: ProximalRegularizer(lam=1.0, every_n_epochs=None),
         "LMSAStepper (update=\"msa\")": lambda: LMSAStepper(update="msa", n_batches=2),
         "HTSRPruning (masks after every step)": lambda: HTSRPruning(target_sparsity=0.3),
@@ -165,7 +177,7 @@ class End(Callback):
         self.clock.mark()
 
 
-def run(factory, steps: int) -> dict:
+def run(factory, steps: int, accelerator: str = "cpu", per_layer: bool = False) -> dict:
     cb = factory()
     clock = Clock(cb)
     msa = []
@@ -179,13 +191,17 @@ def run(factory, steps: int) -> dict:
 
         cb._msa_update = timed
     cbs = [clock] + ([cb] if cb is not None else []) + [End(clock)]
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+    trainer = pl.Trainer(accelerator=accelerator, devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          limit_val_batches=0, callbacks=cbs)
-    trainer.fit(Deep(steps))
+    trainer.fit(Deep(steps, per_layer=per_layer))
     times = [b - a for a, b in zip(clock.marks, clock.marks[1:])]
     assert len(times) == steps == len(clock.deciding), (len(times), steps, len(clock.deciding))
     return {"times": times, "deciding": clock.deciding, "msa": msa, "outside": clock.outside}
+
+
+def _where(accelerator: str) -> str:
+    return torch.cuda.get_device_name() if accelerator == "gpu" else "CPU"
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -213,6 +229,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--only", nargs="*", default=None, help="substrings of the variants to run (none always runs)")
     ap.add_argument("--clock", default="cpu", choices=["cpu", "wall"],
                     help="the process's CPU time (steady on a shared machine) or wall time")
+    ap.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"],
+                    help="gpu: the same steps on CUDA, where a step's host time is what the GPU waits for "
+                         "(use --clock wall)")
     args = ap.parse_args(argv)
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -221,18 +240,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     logging.disable(logging.WARNING)
     table = variants(args.steps)
     if args.only:
-        table = {k: v for k, v in table.items() if k == "none" or any(s.lower() in k.lower() for s in args.only)}
+        table = {k: v for k, v in table.items() if k in ("none", PER_LAYER) or any(s.lower() in k.lower() for s in args.only)}
     got: dict[str, list[dict]] = {k: [] for k in table}
     for _ in range(args.repeats):
         for name, factory in table.items():  # interleaved: one of each, then again
-            got[name].append(run(factory, args.steps))
+            got[name].append(run(factory, args.steps, args.accelerator, per_layer=name == PER_LAYER))
     stats = {k: summarize(v) for k, v in got.items()}
     base = stats["none"]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), CPU; {BLOCKS} residual blocks of two "
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); {BLOCKS} residual blocks of two "
           f"{WIDTH}x{WIDTH} Linear (50 matrices), batch {BATCH}, AdamW, {args.steps} steps, best of {args.repeats}, "
-          f"interleaved in one process, {args.clock} time")
+          f"interleaved in one process, {args.clock} time, {_where(args.accelerator)}")
     print(f"no callback: {1e3 * base['other']:.3f} ms per step, {base['total']:.2f} s per epoch")
-    head = (f"| {'callback':40s} | {'other steps / none':>18s} | {'decision steps':>22s} | "
+    groups = stats.get(PER_LAYER)
+    head = (f"| {'callback':40s} | {'other steps / none':>18s} | {'/ per-layer groups':>18s} | {'decision steps':>22s} | "
             f"{'decision step / none':>20s} | {'epoch / none':>12s} | {'msa update ms':>13s} |")
     print(head)
     print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
@@ -246,6 +266,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if s["msa"]:
             # the callback's own bookkeeping: its other steps less the Hamiltonian update
             row["other_without_msa"] = (s["other"] - s["msa"]) / base["other"]
+        per_layer = "-"
+        if groups is not None and any(k in name for k in SPLITS):  # the optimizer runs once per layer's LR
+            row["other_per_layer"] = s["other"] / groups["other"]
+            per_layer = f"{row['other_per_layer']:.3f}x"
         rows.append(row)
         other = f"{row['other']:.3f}x"
         if "other_without_msa" in row:
@@ -253,7 +277,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         dec = f"{row['decide']:.1f}x" if s["n_decide"] else "-"
         msa = f"{row['msa_ms']:.3f}" if s["msa"] else "-"
         n = f"{s['n_decide']}" + (f" (+{s['outside']} at fit start)" if s["outside"] else "")
-        print(f"| {name:40s} | {other:>18s} | {n:>22s} | {dec:>20s} | {row['total']:11.3f}x | {msa:>13s} |",
+        print(f"| {name:40s} | {other:>18s} | {per_layer:>18s} | {n:>22s} | {dec:>20s} | {row['total']:11.3f}x | {msa:>13s} |",
               flush=True)
     return rows
 

@@ -266,8 +266,14 @@ def parse_error_line(message: str, parser) -> str:
 
 
 def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__
+    """The message's first line; where it only introduces the cause (jsonargparse's "Problem with
+    given class_path 'X':"), the first line of the cause after it, so the line names the fix."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    if lines[0].endswith(":") and len(lines) > 1:
+        return f"{lines[0]} {lines[1].lstrip('- ')}"
+    return lines[0]
 
 
 def _writer_of(ckpt: str, config_dirs: list[Path]) -> Path | None:

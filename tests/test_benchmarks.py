@@ -128,6 +128,8 @@ def test_step_overhead_quick_prints_every_row(capsys):
         assert f"| {name}" in out and r["other"] > 0 and r["total"] > 0, name
     assert rows["LALR (one decision)"]["n_decide"] == 1  # its epoch-start decision falls in the first step
     assert rows["AutoRGN"]["n_decide"] == 1
+    # the methods that give layers their own LR are also set against one AdamW group per layer
+    assert "other_per_layer" in rows["LALR (one decision)"] and "other_per_layer" not in rows["HTSRPruning (masks after every step)"]
     assert rows["LayerLRMultiplier"]["n_decide"] == 0 and rows["LayerLRMultiplier"]["outside"] == 0
     assert rows["TempBalance every epoch (one decision)"]["outside"] == 1  # at fit start
     # at fit start (step 0), then steps 2, 4, ..., 10

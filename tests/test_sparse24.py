@@ -36,3 +36,25 @@ def test_cpu_says_so_in_one_line_and_runs_dense(tmp_path, capsys):
         outs.append(capsys.readouterr())
     assert outs[1].err.count("compute capability 8.0") == 1
     assert outs[0].out.split()[1] == outs[1].out.split()[1]  # the same perplexity
+
+
+def test_semi_structured_linear_flattens_its_input_to_rows():
+    """The converted Linear multiplies a 2-D matrix (the one product the sparse weight takes) and
+    gives nn.Linear's output for a decode step's input, whose size-1 dimension has a stride of its own."""
+    from lalr_lightning.oneshot.sparse24 import SemiStructuredLinear
+
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(8, 6)
+    conv = torch.nn.Linear(8, 6)
+    conv.load_state_dict(plain.state_dict())
+    conv.__class__ = SemiStructuredLinear
+    x = torch.randn(3, 8, 1).transpose(1, 2)  # (3, 1, 8), strides (8, 1, 1)
+    real = torch.nn.functional.linear
+    calls = []
+    torch.nn.functional.linear = lambda a, *rest: calls.append(tuple(a.shape)) or real(a, *rest)
+    try:
+        out = conv(x)
+    finally:
+        torch.nn.functional.linear = real
+    assert calls == [(3, 8)] and out.shape == (3, 1, 6) and isinstance(conv, torch.nn.Linear)
+    torch.testing.assert_close(out, plain(x))

@@ -26,6 +26,18 @@ from torch import nn
 SPARSE_DTYPES = (torch.float16, torch.bfloat16)
 
 
+class SemiStructuredLinear(nn.Linear):
+    """An ``nn.Linear`` whose weight is semi-structured: the input is flattened to rows first.
+
+    The sparse tensor takes only a 2-D matrix product: ``F.linear`` on a 3-D input whose size-1
+    dimension has an unusual stride (a decode step, one token per sequence) goes through a batched
+    product that expands the weight, which the sparse tensor refuses."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = nn.functional.linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
 def semi_structured_unsupported(device: torch.device | str) -> str | None:
     """Why 2:4 semi-structured tensors cannot run on ``device`` (one line), or None when they can."""
     device = torch.device(device)
@@ -82,6 +94,7 @@ def to_semi_structured(model: nn.Module) -> dict[str, str]:
                 done[qual] = f"dense ({str(e).strip().splitlines()[0][:80]})"
                 continue
             mod.weight = nn.Parameter(sparse, requires_grad=False)
+            mod.__class__ = SemiStructuredLinear
             done[qual] = "sparse"
     if not any(v == "sparse" for v in done.values()):
         raise ValueError("no linear weight of the model is 2:4 (two zeros in every four inputs): prune it with "

@@ -53,6 +53,14 @@ def test_semi_structured_model_equals_the_dense_with_zeros(pruned):
     assert torch.isfinite(b).all()
     torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.99
+    # a decode step (one token per sequence, a KV cache): the path text generation takes
+    step = torch.randint(4, 60, (3, 1), generator=torch.Generator().manual_seed(1)).to("cuda")
+    with torch.no_grad():
+        cache_a = dense(input_ids=ids, use_cache=True).past_key_values
+        cache_b = sparse(input_ids=ids, use_cache=True).past_key_values
+        a1 = dense(input_ids=step, past_key_values=cache_a, use_cache=True).logits.float()
+        b1 = sparse(input_ids=step, past_key_values=cache_b, use_cache=True).logits.float()
+    torch.testing.assert_close(b1, a1, atol=2e-2, rtol=2e-2)
 
 
 def test_below_compute_capability_8_is_one_line(pruned):

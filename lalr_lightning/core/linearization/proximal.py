@@ -247,7 +247,7 @@ class GroupedStep:
         self.n_layers = 0
         if layers is not None:
             self.n_layers = max(layers, default=-1) + 1
-            self.layer_index = torch.tensor([layers[i] for i in self.order], dtype=torch.long, device=self.device)
+            self.layer_index = _on_device([layers[i] for i in self.order], torch.long, self.device)
 
     def placed(self, params: Sequence[Tensor]) -> bool:
         """Whether ``params`` are still where this grouping was made (the model was not moved)."""
@@ -319,12 +319,17 @@ class GroupedStep:
         hit = cache.get(gi)
         if hit is not None and hit[0] is coefs:
             return hit[1]
-        host = torch.tensor([coefs[i] for i in self.groups[gi]], dtype=dtype)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        out = host.to(device, non_blocking=True)
-        cache[gi] = (coefs, out)
-        return out
+        out = cache[gi] = (coefs, _on_device([coefs[i] for i in self.groups[gi]], dtype, device))
+        return out[1]
+
+
+def _on_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Host numbers as a tensor on ``device``, copied from pinned memory without a synchronisation
+    (``torch.tensor(..., device="cuda")`` waits for the copy: a sync on every new plan)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def _get(m: Mapping, n: str, what: str):
