@@ -225,7 +225,8 @@ def _semi_structured_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--semi-structured", action="store_true",
                    help="run a 2:4 checkpoint's linear weights as semi-structured sparse tensors (sparse tensor "
                         "cores: a CUDA GPU of compute capability >= 8.0, --dtype float16/bfloat16); elsewhere it "
-                        "says so in one line and runs dense")
+                        "says so in one line and runs dense. It checks the sparse kernels' numbers; for speed "
+                        "it pays off on decoding, not here: on an H200 prefill ran 5x slower (docs/llm_pruning.md)")
 
 
 def _model(model_dir: Path, config, dev, dtype: str, semi_structured: bool):
