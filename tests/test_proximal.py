@@ -399,3 +399,43 @@ def test_ntk_selection_head_of_a_lora_classifier_is_its_trainable_copy():
     sel._groups = ntk.layer_groups(model, sel._params)
     assert sel._head_group(model) == "model.base_model.model.classifier"  # peft's modules_to_save copy
 
+
+
+class _BatchPerItem(Dataset):
+    """A dataset whose every item is a whole batch (loaded with ``batch_size=None``)."""
+
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+
+
+def test_probe_from_a_loader_of_whole_batches_joins_them():
+    """``batch_size=None``: each dataset item is a batch of 4; a probe of 10 samples joins three
+    items in the seeded order and cuts to 10, in the (x, y) structure a training_step unpacks
+    (it was a list of 10 (x, y) pairs, which ``x, y = batch`` could not unpack)."""
+    from lalr_lightning.core.model.probe import fixed_batch
+
+    loader = DataLoader(_BatchPerItem(), batch_size=None)
+    x, y = fixed_batch(loader, 10)
+    assert x.shape == (10, 8) and y.shape == (10,)
+    order = torch.randperm(10, generator=torch.Generator().manual_seed(0)).tolist()[:3]
+    want = torch.cat([_BatchPerItem()[i][0] for i in order])[:10]
+    assert torch.equal(x, want)
+    x2, _ = fixed_batch(loader, 10)
+    assert torch.equal(x, x2)  # the same probe every time
+    one, _ = fixed_batch(loader, 3)
+    assert torch.equal(one, want[:3])
+
+
+def test_lambda_o_on_a_loader_of_whole_batches():
+    class Net(ToyMLP):
+        def train_dataloader(self):
+            return DataLoader(_BatchPerItem(), batch_size=None)
+
+    cb = ProximalRegularizer(lam=0.5, probe_size=16, every_n_epochs=1)
+    trainer = make_trainer(max_epochs=1, callbacks=[cb])
+    trainer.fit(Net(d=8, classes=3))
+    assert math.isfinite(cb.lambda_o) and cb.lambda_o > 0

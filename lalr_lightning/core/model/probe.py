@@ -55,8 +55,42 @@ def fixed_batch(loader: Any, n: int, seed: int = 0) -> Any:
     if size == 0:
         raise ValueError("the training dataset is empty; there is no probe batch to take")
     g = torch.Generator().manual_seed(int(seed))
-    idx = sorted(torch.randperm(size, generator=g)[: min(n, size)].tolist())
+    order = torch.randperm(size, generator=g).tolist()
+    if loader.batch_size is None and loader.batch_sampler is None:
+        # automatic batching off (``batch_size=None``): each item is a batch already; items in the
+        # seeded order, joined until they hold ``n`` samples
+        items, have = [], 0
+        for i in order:
+            items.append(loader.collate_fn(ds[i]))
+            have += _samples(items[-1])
+            if have >= n:
+                break
+        return take(_cat(items), n)
+    idx = sorted(order[: min(n, size)])
     return loader.collate_fn([ds[i] for i in idx])
+
+
+def _samples(batch: Any) -> int:
+    """The leading size of a batch's first tensor (1 when it holds none)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.ndim else 1
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    return next((_samples(v) for v in values if isinstance(v, (torch.Tensor, Mapping, list, tuple))), 1)
+
+
+def _cat(batches: list) -> Any:
+    """Batches of one structure joined along their first dimension (tensors, tuples, lists, dicts)."""
+    first = batches[0]
+    if len(batches) == 1:
+        return first
+    if isinstance(first, torch.Tensor):
+        return torch.cat(batches) if first.ndim else first
+    if isinstance(first, Mapping):
+        return {k: _cat([b[k] for b in batches]) for k in first}
+    if isinstance(first, (list, tuple)):
+        joined = [_cat(list(parts)) for parts in zip(*batches)]
+        return tuple(joined) if isinstance(first, tuple) else joined
+    return first
 
 
 def probe_inputs(module: nn.Module, loader: Any, n: int, seed: int = 0,
