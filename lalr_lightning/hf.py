@@ -156,6 +156,21 @@ class HFHost(Host):
     def forward_context(self) -> contextlib.AbstractContextManager:
         return self.trainer.autocast_smart_context_manager()
 
+    @contextlib.contextmanager
+    def plain_forward(self):
+        """accelerate's mixed precision replaces the model's ``forward`` with one under autocast
+        (keeping the original as ``_original_forward``): the original, and no autocast, meanwhile."""
+        model = self.module
+        patched, original = model.__dict__.get("forward"), model.__dict__.get("_original_forward")
+        if patched is not None and original is not None:
+            model.forward = original
+        try:
+            with torch.autocast(self.device.type, enabled=False):
+                yield
+        finally:
+            if patched is not None and original is not None:
+                model.forward = patched
+
     def batches(self, as_given: bool = False) -> Iterable | None:
         """The training data as the Trainer collates it, in order (its own loader is accelerate's,
         whose iteration drives gradient accumulation: a measurement must not draw from it); under

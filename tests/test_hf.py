@@ -157,6 +157,22 @@ def test_methods_run_under_trl_sft_trainer(tmp_path, name):
     _check_run(name, cb, trainer, logs, before)
 
 
+@pytest.mark.parametrize("name", ["ntk", "ntkselect", "proximal_lambda_o"])
+def test_torch_func_methods_run_under_sft_trainers_bf16_autocast(tmp_path, name):
+    """TRL's default bf16: accelerate puts the model's forward under autocast, which torch.func's
+    Jacobians cannot run under (a dtype error in the backward); the host measures on the original
+    forward, without autocast, and gives the patched forward back for training."""
+    pytest.importorskip("trl")
+    cb = CASES[name]()
+    trainer, logs = _trainer(tmp_path, [trainer_callback(cb)], sft=True, activation_checkpointing=False, bf16=True)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    _check_run(name, cb, trainer, logs, before)
+    model = trainer.model
+    if "_original_forward" in model.__dict__:  # accelerate's autocast forward is back in place
+        assert model.__dict__["forward"] is not model.__dict__["_original_forward"]
+
+
 def test_lmsa_hamiltonian_update_runs_under_the_trainer(tmp_path):
     cb = C.LMSAStepper(update="msa", every_n_epochs=1)
     trainer, logs = _trainer(tmp_path, [trainer_callback(cb)], steps=2)

@@ -151,6 +151,8 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
     #: what ``measure`` reads (it runs on every rank): ``"weights"`` (shared out among the ranks
     #: with :meth:`measure_shards`) or ``"data"`` (each rank its own batches, then reduced)
     measures: ClassVar[str] = "weights"
+    #: whether ``measure`` needs the model's forward without the loop's autocast (torch.func)
+    plain_forward: ClassVar[bool] = False
     #: heatmap of the decisions at fit end: (key under the prefix, title, colour-bar label)
     heatmap: ClassVar[tuple[str, str, str] | None] = None
     #: the fewest history entries worth a heatmap
@@ -260,7 +262,11 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
     def update(self, host: Host, module: nn.Module) -> Decision:
         """Measure (every rank: a share of the weights each, or its data), decide on rank zero,
         broadcast, record, apply, log: one decision."""
-        return self.conclude(host, self.measure(host, module))
+        if not self.plain_forward:
+            return self.conclude(host, self.measure(host, module))
+        with host.plain_forward():
+            measured = self.measure(host, module)
+        return self.conclude(host, measured)
 
     def weight_of(self, layer: Layer) -> torch.Tensor:
         """The weight ``measure_shards`` hands to the measurement (LALR: LoRA's merged weight)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
@@ -137,6 +138,11 @@ class Host(ABC):
     @abstractmethod
     def forward_context(self) -> AbstractContextManager:
         """The context the loop runs the model's forward in (autocast)."""
+
+    def plain_forward(self) -> AbstractContextManager:
+        """The model's forward as written, without any autocast the loop put around it (torch.func's
+        Jacobians cannot run under autocast). Lightning measures outside its autocast already."""
+        return contextlib.nullcontext()
 
     @abstractmethod
     def batches(self, as_given: bool = False) -> Iterable | None:

@@ -81,6 +81,7 @@ class NTKDiagnostics(LayerwiseCallback):
     """
 
     log_prefix = "ntk"
+    plain_forward = True  # torch.func Jacobians
     decision_attr = "etas"
     decision_key = "eta"
     score_key = "eta"

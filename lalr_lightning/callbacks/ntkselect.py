@@ -83,6 +83,7 @@ class NTKSelect(LayerSelection):
     """
 
     log_prefix = "ntk_select"
+    plain_forward = True  # torch.func Jacobians
     title = "NTK"
     score_key = "eta"
     heatmap_min_entries = 1

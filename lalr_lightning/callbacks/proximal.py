@@ -107,6 +107,7 @@ class ProximalRegularizer(LayerwiseCallback):
     """
 
     log_prefix = "proximal"
+    plain_forward = True  # torch.func Jacobians
     decision_attr = "regularized_fraction"
     decision_key = "regularized_fraction"
     score_key = "distance"
