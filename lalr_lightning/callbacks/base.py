@@ -28,9 +28,6 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import os
-import sys
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
@@ -44,39 +41,30 @@ from lalr_lightning.callbacks.host import Cadence, Host
 from lalr_lightning.callbacks.lightning_host import LightningHooks, check_strategy
 from lalr_lightning.callbacks.planning import Planner, _NoFit
 from lalr_lightning.core.model.layers import Layer
-from lalr_lightning.core.runtime.checks import check_arguments, lazy_error, lazy_parameters
+from lalr_lightning.core.runtime.checks import (
+    DEFAULT_FIGURES,
+    FIGURES,
+    check_arguments,
+    check_figures,
+    lazy_error,
+    lazy_parameters,
+    non_finite,
+    plain_setting,
+)
 from lalr_lightning.core.runtime.control import LayerControl
 from lalr_lightning.core.runtime.decision import Decision
-from lalr_lightning.core.runtime.errors import DivergenceError, reject_stray
+from lalr_lightning.core.runtime.errors import (
+    DivergenceError,
+    SettingsMismatchError,
+    check_settings,
+    reject_stray,
+    renamed,
+    warn_deprecated,
+)
+from lalr_lightning.core.runtime.shards import parameter_names, rebind
 
 __all__ = ["DEFAULT_FIGURES", "FIGURES", "Decision", "LayerwiseCallback", "SettingsMismatchError", "check_figures",
            "check_strategy", "renamed", "stop_on_sigterm", "warn_deprecated"]
-
-
-#: settings of what is logged only: a resumed run may change them
-_LOGGING_SETTINGS = ("figures",)
-
-#: when a callback draws its figures (ESD plots, heatmaps) for the loggers that take images;
-#: an integer N is every N epochs, with the first and the last decision
-FIGURES = ("every", "first_last", "never")
-#: the default of every callback's ``figures``: a set of ESD plots costs several decisions of a
-#: small model (benchmarks/logging_overhead.py), so none are drawn unless asked for
-DEFAULT_FIGURES = "never"
-
-
-def check_figures(value: Any, arg: str = "figures") -> str | int:
-    """``value`` as a ``figures`` setting, or a one-line ValueError listing the choices."""
-    if isinstance(value, str) and value.isdigit():  # a command line gives numbers as text
-        value = int(value)
-    if (isinstance(value, str) and value in FIGURES) or (
-            isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        return value
-    raise ValueError(f"{arg} must be 'every' (figures at every decision), 'first_last' (at the first and the last), "
-                     f"'never', or a number of epochs N >= 1 (every N epochs, and the first and last); got {value!r}")
-
-
-class SettingsMismatchError(ValueError):
-    """A checkpoint's callback state was written with other settings than this callback's."""
 
 
 def stop_on_sigterm(host: Host) -> Callable[[], None]:
@@ -84,53 +72,6 @@ def stop_on_sigterm(host: Host) -> Callable[[], None]:
     it raises once the loop was asked to stop (Lightning: SIGTERM, whose handler only sets a flag
     read between batches). Ctrl-C needs nothing: ``KeyboardInterrupt`` is raised between chunks."""
     return host.stop_check()
-
-
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
-
-def warn_deprecated(message: str) -> None:
-    """A ``DeprecationWarning`` attributed to the first caller outside this package, so that
-    Python's default filters show it in the user's own script (``__main__``)."""
-    level, frame = 2, sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, DeprecationWarning, stacklevel=level)
-
-
-class renamed:  # noqa: N801 -- used like ``property``
-    """A deprecated attribute name, kept for one release: reading it warns and reads ``new``
-    (``alphas = renamed("scores")``)."""
-
-    def __init__(self, new: str):
-        self.new = new
-        self.old = "?"
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.old = name
-
-    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
-        if obj is None:
-            return self
-        warn_deprecated(f"{type(obj).__name__}.{self.old} is deprecated and will be removed in the next release; "
-                        f"use .{self.new}")
-        return getattr(obj, self.new)
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        raise AttributeError(f"{type(obj).__name__}.{self.old} is a deprecated, read-only name of .{self.new}")
-
-
-def _plain(value: Any) -> Any:
-    """A setting as plain Python (checkpoints load with ``weights_only=True``; loggers take it)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if callable(value):
-        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__name__)}"
-    return repr(value)
 
 
 class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
@@ -219,7 +160,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
                 continue
             if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
                 continue
-            out[arg] = _plain(getattr(self, arg))
+            out[arg] = plain_setting(getattr(self, arg))
         return out
 
     @staticmethod
@@ -314,15 +255,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
     def check_finite(self, host: Host | None, named: Mapping[str, Any], what: str) -> None:
         """Raise :class:`DivergenceError` naming the entries of ``named`` (a tensor, a list of
         tensors or a number each) that hold NaN or Inf."""
-
-        def finite(v) -> bool:
-            if isinstance(v, torch.Tensor):
-                return bool(torch.isfinite(v).all())
-            if isinstance(v, (list, tuple)):
-                return all(finite(t) for t in v)
-            return math.isfinite(float(v))
-
-        bad = [k for k, v in named.items() if not finite(v)]
+        bad = non_finite(named)
         if bad and isinstance(host, _NoFit):  # plan(): nothing was trained, the model came this way
             shown = ", ".join(bad[:5]) + (", ..." if len(bad) > 5 else "")
             raise ValueError(f"{type(self).__name__}.plan(): {what} of {shown} hold NaN or Inf in the model as given "
@@ -473,7 +406,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         self._sizes = {la.name: la.weight.numel() for la in self.layers if la.module is not None
                        and isinstance(getattr(la.module, la.weight_name, None), torch.Tensor)}
         # FSDP2 puts new parameters in place of these: everything held follows them after the wrap
-        self._names_before_wrap = distributed.parameter_names(host.module) if host.sharding == "fsdp2" else None
+        self._names_before_wrap = parameter_names(host.module) if host.sharding == "fsdp2" else None
         self._whole_copy = distributed.WholeCopy(host.module, type(self).__name__) \
             if self.needs_whole_model and host.sharded else None
         self.lazy_guarded(host.module, lambda: self.prepare(host))  # a static selection freezes here
@@ -483,7 +416,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         """The model is wrapped; ``final``: the checkpoint's state (if any) is already back."""
         names, self._names_before_wrap = self._names_before_wrap, None
         if names:
-            distributed.rebind(self.__dict__, names, host.module)
+            rebind(self.__dict__, names, host.module)
         self._wrapped = True
         self.after_wrap(host)
         if final:
@@ -684,15 +617,8 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
                 f"to {self.state_version}; upgrade lalr_lightning to resume it"
             )
         saved = state_dict.get("settings")
-        if saved is not None and self.strict_resume:
-            mine = self.settings()
-            for key in mine:
-                if key in saved and key not in self.volatile_settings + _LOGGING_SETTINGS and saved[key] != mine[key]:
-                    raise SettingsMismatchError(
-                        f"{self.state_key}: the checkpoint was written with {key}={saved[key]!r}, this callback "
-                        f"has {key}={mine[key]!r}; resume with the same setting, or pass strict_resume=False "
-                        "to continue with the new one"
-                    )
+        if saved is not None and self.strict_resume:  # what is logged only (figures) may change
+            check_settings(self.state_key, saved, self.settings(), self.volatile_settings + ("figures",))
         self.history = list(state_dict.get("history", []))
         self.scores = dict(state_dict.get("scores", {}))
         self.measurements = {k: dict(v) for k, v in state_dict.get("measurements", {}).items()}

@@ -41,8 +41,8 @@ from lalr_lightning.core.runtime.shards import (
     whole_weights,
 )
 
-__all__ = ["SpawnHandoff", "WholeCopy", "backward_discarded", "decide_on_zero", "loss_through_root",
-           "measure_shards", "model_root", "parameter_names", "rebind", "replaces_parameters", "shard_layout", "sharded"]
+__all__ = ["SpawnHandoff", "WholeCopy", "backward_discarded", "decide_on_zero", "loss_through_root", "on_rank_zero",
+           "measure_shards", "model_root", "replaces_parameters", "shard_layout", "sharded"]
 
 
 def sharded(host: Host) -> bool:
@@ -54,33 +54,6 @@ def replaces_parameters(host: Host) -> bool:
     """Whether the model's parameters are replaced after the callbacks' ``setup``: FSDP2's
     ``fully_shard`` puts a new, sharded parameter in place of every one it shards."""
     return getattr(host, "sharding", "none") == "fsdp2"
-
-
-def parameter_names(module: torch.nn.Module) -> dict[int, str]:
-    """``id(parameter) -> name`` of every parameter of ``module`` (shared ones under each name)."""
-    return {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
-
-
-def rebind(obj: Any, names: Mapping[int, str], module: torch.nn.Module) -> Any:
-    """``obj`` with every parameter named in ``names`` (``parameter_names`` taken before the
-    strategy replaced them) swapped for the parameter of that name in ``module`` now, in place
-    in dicts, lists and :class:`Layer` parameter tables (where the callbacks keep parameters)."""
-    live = dict(module.named_parameters(remove_duplicate=False))
-
-    def swap(x: Any) -> Any:
-        if isinstance(x, torch.nn.Parameter):
-            name = names.get(id(x))
-            return live.get(name, x) if name is not None else x
-        if isinstance(x, Layer):
-            swap(x.params)
-        elif isinstance(x, dict):
-            for k in list(x):
-                x[k] = swap(x[k])
-        elif isinstance(x, list):
-            x[:] = [swap(v) for v in x]
-        return x
-
-    return swap(obj)
 
 
 def model_root(host: Host, module: nn.Module) -> torch.nn.Module:
@@ -208,37 +181,37 @@ class WholeCopy:
         every rank; an error on rank zero is raised on every rank. ``frozen``: the copy's
         parameters do not require grad."""
         state = self.state(host)
-        result: tuple[str, Any] | None = None
-        if host.is_global_zero:
-            try:
-                whole = materialize(self.skeleton, state, module.device, frozen)
-                del state
-                # every module in the mode the live one is in (a frozen block's norm layers in eval)
-                modes = {clean_name(n): m.training for n, m in module.named_modules()}
-                for name, module in whole.named_modules():
-                    module.training = modes.get(clean_name(name), module.training)
-                result = ("ok", fn(whole))
-            except Exception as err:  # noqa: BLE001 -- raised on every rank below
-                result = ("error", err)
-        status, payload = host.broadcast(result, src=0)
-        if status == "error":
-            raise payload
-        return payload
+
+        def on_zero() -> Any:
+            whole = materialize(self.skeleton, state, module.device, frozen)
+            state.clear()
+            # every module in the mode the live one is in (a frozen block's norm layers in eval)
+            modes = {clean_name(n): m.training for n, m in module.named_modules()}
+            for name, part in whole.named_modules():
+                part.training = modes.get(clean_name(name), part.training)
+            return fn(whole)
+
+        return on_rank_zero(host, on_zero)
 
 
-def decide_on_zero(host: Host, decide: Callable[[Any], Decision], measured: Any) -> Decision:
-    """``decide(measured)`` on rank zero, broadcast: the same decision on every rank. An error on
-    rank zero is raised on every rank, so none waits for a broadcast that never comes."""
+def on_rank_zero(host: Host, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on rank zero, broadcast: the same result on every rank. An error on rank zero is
+    raised on every rank, so none waits for a broadcast that never comes."""
     result: tuple[str, Any] | None = None
     if host.is_global_zero:
         try:
-            result = ("ok", decide(measured))
+            result = ("ok", fn())
         except Exception as err:  # noqa: BLE001 -- re-raised below, on every rank
             result = ("error", err)
     status, payload = host.broadcast(result, src=0)
     if status == "error":
         raise payload
     return payload
+
+
+def decide_on_zero(host: Host, decide: Callable[[Any], Decision], measured: Any) -> Decision:
+    """``decide(measured)`` on rank zero, broadcast (:func:`on_rank_zero`)."""
+    return on_rank_zero(host, lambda: decide(measured))
 
 
 class SpawnHandoff:

@@ -13,10 +13,10 @@ report once, from rank zero, with no trainer at hand.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
-import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager

@@ -41,7 +41,7 @@ def _default_settings(cls: type) -> dict | None:
 def distinct_settings(cb: Any) -> dict:
     """The settings of ``cb`` that differ from those of its class's default instance (or, for a
     class with required arguments, from the signature's defaults), in signature order."""
-    from lalr_lightning.callbacks.base import _plain
+    from lalr_lightning.core.runtime.checks import plain_setting as _plain
 
     skip = set(cb.volatile_settings) | set(_LOGGED)
     ref = _default_settings(type(cb))

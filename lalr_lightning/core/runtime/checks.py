@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ArgumentTypeError", "check_arguments", "check_min_evals", "coerce", "lazy_error", "lazy_parameters", "orphaned_masks",
+__all__ = ["DEFAULT_FIGURES", "FIGURES", "ArgumentTypeError", "check_arguments", "check_figures", "check_min_evals",
+           "coerce", "lazy_error", "lazy_parameters", "non_finite", "orphaned_masks", "plain_setting",
            "uninitialized"]
 
 _NUMBERS = {int: "an integer", float: "a number"}
@@ -174,3 +175,48 @@ def orphaned_masks(checkpoint: dict, claimed: set) -> str | None:
             "weights are zero now, but the masks are no longer enforced and training revives them; add the "
             "HTSRPruning callback with the settings of the run that pruned to keep them (make_permanent=True "
             "there drops them on purpose)")
+
+
+#: when a callback draws its figures (ESD plots, heatmaps) for the loggers that take images;
+#: an integer N is every N epochs, with the first and the last decision
+FIGURES = ("every", "first_last", "never")
+#: the default of every callback's ``figures``: a set of ESD plots costs several decisions of a
+#: small model (benchmarks/logging_overhead.py), so none are drawn unless asked for
+DEFAULT_FIGURES = "never"
+
+
+def check_figures(value: Any, arg: str = "figures") -> str | int:
+    """``value`` as a ``figures`` setting, or a one-line ValueError listing the choices."""
+    if isinstance(value, str) and value.isdigit():  # a command line gives numbers as text
+        value = int(value)
+    if (isinstance(value, str) and value in FIGURES) or (
+            isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ValueError(f"{arg} must be 'every' (figures at every decision), 'first_last' (at the first and the last), "
+                     f"'never', or a number of epochs N >= 1 (every N epochs, and the first and last); got {value!r}")
+
+
+def plain_setting(value: Any) -> Any:
+    """A setting as plain Python (checkpoints load with ``weights_only=True``; loggers take it)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [plain_setting(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): plain_setting(v) for k, v in value.items()}
+    if callable(value):
+        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__name__)}"
+    return repr(value)
+
+
+def non_finite(named: Mapping[str, Any]) -> list[str]:
+    """The keys of ``named`` (a tensor, a list of tensors or a number each) that hold NaN or Inf."""
+
+    def finite(v: Any) -> bool:
+        if isinstance(v, torch.Tensor):
+            return bool(torch.isfinite(v).all())
+        if isinstance(v, (list, tuple)):
+            return all(finite(t) for t in v)
+        return math.isfinite(float(v))
+
+    return [k for k, v in named.items() if not finite(v)]

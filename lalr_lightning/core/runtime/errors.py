@@ -3,10 +3,13 @@ shares."""
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["DivergenceError", "reject_stray"]
+__all__ = ["DivergenceError", "SettingsMismatchError", "check_settings", "reject_stray", "renamed", "warn_deprecated"]
 
 
 class DivergenceError(FloatingPointError, ValueError, RuntimeError):
@@ -47,3 +50,51 @@ def reject_stray(who: str, mode_arg: str, mode: Any, given: Mapping[str, Any],
             f"{who}({mode_arg}={mode!r}) does not use {', '.join(stray)}; the arguments "
             f"each {mode_arg} takes are: {combos}"
         )
+
+
+class SettingsMismatchError(ValueError):
+    """A checkpoint's callback state was written with other settings than this callback's."""
+
+def check_settings(key: str, saved: Mapping[str, Any], mine: Mapping[str, Any], ignore: Iterable[str]) -> None:
+    """:class:`SettingsMismatchError` naming the first setting (not in ``ignore``) a checkpoint's
+    state was written with that differs from this callback's, and how to go on."""
+    for arg, value in mine.items():
+        if arg in saved and arg not in ignore and saved[arg] != value:
+            raise SettingsMismatchError(
+                f"{key}: the checkpoint was written with {arg}={saved[arg]!r}, this callback has {arg}={value!r}; "
+                "resume with the same setting, or pass strict_resume=False to continue with the new one")
+
+
+#: the package's folder: a deprecation warning names the first caller outside it
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
+
+
+def warn_deprecated(message: str) -> None:
+    """A ``DeprecationWarning`` attributed to the first caller outside this package, so that
+    Python's default filters show it in the user's own script (``__main__``)."""
+    level, frame = 2, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, DeprecationWarning, stacklevel=level)
+
+
+class renamed:  # noqa: N801 -- used like ``property``
+    """A deprecated attribute name, kept for one release: reading it warns and reads ``new``
+    (``alphas = renamed("scores")``)."""
+
+    def __init__(self, new: str):
+        self.new = new
+        self.old = "?"
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.old = name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        warn_deprecated(f"{type(obj).__name__}.{self.old} is deprecated and will be removed in the next release; "
+                        f"use .{self.new}")
+        return getattr(obj, self.new)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        raise AttributeError(f"{type(obj).__name__}.{self.old} is a deprecated, read-only name of .{self.new}")

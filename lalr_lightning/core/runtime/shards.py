@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -31,7 +31,7 @@ from torch import nn
 from lalr_lightning.core.model.layers import Layer
 
 __all__ = ["ShardLayout", "all_sum", "assign_shares", "fsdp_units", "gather_objects", "is_dtensor", "local_tensor",
-           "layer_paths", "layers_in", "materialize", "skeleton", "whole_weights"]
+           "layer_paths", "layers_in", "materialize", "parameter_names", "rebind", "skeleton", "whole_weights"]
 
 
 def assign_shares(costs: Sequence[float], world_size: int) -> list[int]:
@@ -321,3 +321,30 @@ class ShardLayout:
         if is_dtensor(local):
             return local.full_tensor()
         return local
+
+
+def parameter_names(module: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> name`` of every parameter of ``module`` (shared ones under each name)."""
+    return {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+
+
+def rebind(obj: Any, names: Mapping[int, str], module: nn.Module) -> Any:
+    """``obj`` with every parameter named in ``names`` (``parameter_names`` taken before the
+    strategy replaced them) swapped for the parameter of that name in ``module`` now, in place
+    in dicts, lists and :class:`Layer` parameter tables (where the callbacks keep parameters)."""
+    live = dict(module.named_parameters(remove_duplicate=False))
+
+    def swap(x: Any) -> Any:
+        if isinstance(x, torch.nn.Parameter):
+            name = names.get(id(x))
+            return live.get(name, x) if name is not None else x
+        if isinstance(x, Layer):
+            swap(x.params)
+        elif isinstance(x, dict):
+            for k in list(x):
+                x[k] = swap(x[k])
+        elif isinstance(x, list):
+            x[:] = [swap(v) for v in x]
+        return x
+
+    return swap(obj)
