@@ -2,7 +2,7 @@
 
 NTKDiagnostics, ProximalRegularizer's lambda_o and L-MSA's metric (``update="optimizer"``) run the
 whole model through ``torch.func`` or run blocks alone; under FSDP rank zero measures on a whole
-copy of the model (``callbacks/distributed.WholeCopy``): the state dict gathered to its CPU, a copy
+copy of the model (``core/runtime/shards.WholeCopy``): the state dict gathered to its CPU, a copy
 filled on the device, the result broadcast. Per strategy, on the 1.05 M-parameter LLaMA of
 ``selection_shards.py``: the seconds of the first measurement (rank zero's clock, the gather
 included; lambda_o is estimated once per fit, at the first) and the bytes of the whole copy rank
@@ -58,7 +58,7 @@ class CopyBytes(pl.Callback):
         self.copies: list[int] = []
 
     def setup(self, trainer, pl_module, stage):
-        from lalr_lightning.callbacks import distributed
+        from lalr_lightning.core.runtime import shards as distributed
 
         build = distributed.materialize
 

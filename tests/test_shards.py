@@ -134,7 +134,7 @@ def test_skeleton_holds_no_weights_and_materializes_the_same_model(family, tied)
 def test_a_module_that_cannot_be_copied_is_named_in_one_line():
     import threading
 
-    from lalr_lightning.callbacks.distributed import WholeCopy
+    from lalr_lightning.core.runtime.shards import WholeCopy
 
     model = nn.Sequential(nn.Linear(4, 4))
     model.lock = threading.Lock()  # deepcopy refuses it

@@ -49,14 +49,13 @@ import torch
 from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
-from lalr_lightning.callbacks.distributed import backward_discarded, loss_through_root, sharded
 from lalr_lightning.callbacks.host import Cadence, Host, warn
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.batch_loss import batch_loss
 from lalr_lightning.core.model.layers import matrix_layers
 from lalr_lightning.core.model.taps import gradient_taps, preserve_buffers
-from lalr_lightning.core.runtime.shards import all_sum, local_tensor
+from lalr_lightning.core.runtime.shards import all_sum, backward_discarded, local_tensor, loss_through_root, sharded
 from lalr_lightning.core.selection.surgical import (
     eb_multipliers,
     eb_scores,

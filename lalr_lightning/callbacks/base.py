@@ -15,8 +15,9 @@ This class does the rest, the same way for all of them:
 5. keep it all in a versioned ``state_dict`` that knows it was restored and refuses a
    checkpoint written with other settings (naming the setting; ``strict_resume=False`` opts out).
 
-What happens across ranks (strategy checks, sharded measurement, broadcast, the ``ddp_spawn``
-hand-back) is :mod:`lalr_lightning.callbacks.distributed`; ``plan(model)`` is
+What happens across ranks (sharded measurement, deciding on rank zero, the whole copy under FSDP)
+is :mod:`lalr_lightning.core.runtime.shards`; strategy checks and the ``ddp_spawn`` hand-back are
+:mod:`lalr_lightning.callbacks.lightning_host`; ``plan(model)`` is
 :mod:`lalr_lightning.callbacks.planning`.
 
 The constructor convention (as scikit-learn's): every constructor argument is kept under its
@@ -35,12 +36,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from lalr_lightning.callbacks import distributed, keys
-from lalr_lightning.callbacks.distributed import SpawnHandoff
+from lalr_lightning.callbacks import keys
 from lalr_lightning.callbacks.host import Cadence, Host
-from lalr_lightning.callbacks.lightning_host import LightningHooks, check_strategy
+from lalr_lightning.callbacks.lightning_host import LightningHooks, SpawnHandoff, check_strategy
 from lalr_lightning.callbacks.planning import Planner, _NoFit
 from lalr_lightning.core.model.layers import Layer
+from lalr_lightning.core.runtime import shards
 from lalr_lightning.core.runtime.checks import (
     DEFAULT_FIGURES,
     FIGURES,
@@ -131,7 +132,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         self.early: Decision | None = None  # decided in ``prepare``, committed at the start
         # the timeline's own: the model is wrapped; the start ran; a fresh fit's first decision ran
         self._wrapped = self._started = self._first_done = False
-        self._whole_copy: distributed.WholeCopy | None = None
+        self._whole_copy: shards.WholeCopy | None = None
         self._handoff: str | None = None
         self._handoff_pending = False
 
@@ -216,8 +217,8 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
     def measure_shards(self, host: Host, module: nn.Module, units: list[list[Layer]],
                        fn) -> dict:
         """``fn(layers) -> {name: value}`` over every unit of layers, shared out among the ranks
-        (:func:`~lalr_lightning.callbacks.distributed.measure_shards`): the same dict on every rank."""
-        return distributed.measure_shards(host, module, units, fn, self._sizes, self.weight_of)
+        (:func:`~lalr_lightning.callbacks.shards.measure_shards`): the same dict on every rank."""
+        return shards.measure_shards(host, module, units, fn, self._sizes, self.weight_of)
 
     def conclude(self, host: Host, measured: Any) -> Decision:
         """Decide on rank zero from ``measured``, broadcast, record, apply and log. An error on
@@ -230,7 +231,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         """Decide on rank zero from ``measured`` (with ``decide``, else :meth:`decide`) and broadcast:
         the same decision on every rank (not yet stored or applied). An error on rank zero is
         raised on every rank."""
-        return distributed.decide_on_zero(host, decide or self.decide, measured)
+        return shards.decide_on_zero(host, decide or self.decide, measured)
 
     def commit(self, host: Host, decision: Decision) -> None:
         self.receive(decision)
@@ -407,7 +408,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
                        and isinstance(getattr(la.module, la.weight_name, None), torch.Tensor)}
         # FSDP2 puts new parameters in place of these: everything held follows them after the wrap
         self._names_before_wrap = parameter_names(host.module) if host.sharding == "fsdp2" else None
-        self._whole_copy = distributed.WholeCopy(host.module, type(self).__name__) \
+        self._whole_copy = shards.WholeCopy(host.module, type(self).__name__) \
             if self.needs_whole_model and host.sharded else None
         self.lazy_guarded(host.module, lambda: self.prepare(host))  # a static selection freezes here
         host.publish(self, "start")  # settings into the run config, W&B's step axis
@@ -478,7 +479,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         self._whole_copy = None
 
     @property
-    def whole(self) -> distributed.WholeCopy | None:
+    def whole(self) -> shards.WholeCopy | None:
         """Under FSDP, the whole copy the owner keeps for ``needs_whole_model`` (None elsewhere)."""
         return self._whole_copy
 

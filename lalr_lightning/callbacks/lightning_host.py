@@ -13,9 +13,12 @@ that drive the timeline owner's events (the one module of the method layer that 
 from __future__ import annotations
 
 import contextlib
+import os
+import tempfile
+import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -26,7 +29,7 @@ from lalr_lightning.callbacks.host import Host
 from lalr_lightning.core.runtime.control import LayerControl
 from lalr_lightning.core.runtime.shards import gather_objects
 
-__all__ = ["LightningHooks", "LightningHost", "OptimizerResume", "check_strategy", "sharding_of"]
+__all__ = ["LightningHooks", "LightningHost", "OptimizerResume", "SpawnHandoff", "check_strategy", "sharding_of"]
 
 
 def sharding_of(trainer: Any) -> str:
@@ -303,3 +306,45 @@ class LightningHooks(Callback):
         if stage == "fit":
             self._hand_over(trainer)
         self.__dict__.pop("_lightning_host", None)
+
+
+class SpawnHandoff:
+    """A callback whose ``readable`` attributes come back from a ``ddp_spawn`` worker: pickling it
+    for the worker gives it a file to leave its final state in (:meth:`_hand_over`, rank zero, at
+    the end of the fit), and the object in the main process reads that file on the first access
+    to one of those attributes."""
+
+    #: attributes a user reads after ``fit``; brought back to the main process after ddp_spawn
+    readable: ClassVar[tuple[str, ...]] = ()
+
+    _handoff: str | None = None
+    _handoff_pending = False
+
+    def __getstate__(self) -> dict:
+        # Pickled to be sent to spawned worker processes (ddp_spawn): give the worker a file to
+        # leave its final state in, and remember here to read it back on first access.
+        if self._handoff is None:
+            self._handoff = os.path.join(tempfile.gettempdir(), f"lalr_lightning_{uuid.uuid4().hex}.pt")
+        self._handoff_pending = True
+        state = dict(self.__dict__)
+        state["_handoff_pending"] = False
+        state["_handoff_pid"] = os.getpid()
+        return state
+
+    def _hand_over(self, host: Host) -> None:
+        """In a spawned worker (rank zero): leave the readable state for the main process."""
+        pid = self.__dict__.get("_handoff_pid")
+        if self._handoff is None or pid is None or pid == os.getpid() or not host.is_global_zero:
+            return
+        torch.save({k: getattr(self, k) for k in self.readable if hasattr(self, k)}, self._handoff)
+
+    def __getattribute__(self, attr: str):
+        d = object.__getattribute__(self, "__dict__")
+        if d.get("_handoff_pending") and attr in type(self).readable:
+            path = d.get("_handoff")
+            if path and os.path.exists(path):
+                d["_handoff_pending"] = False
+                state = torch.load(path, weights_only=False)  # written by this callback's own worker
+                os.remove(path)
+                d.update(state)
+        return object.__getattribute__(self, attr)

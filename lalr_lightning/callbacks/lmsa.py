@@ -149,7 +149,7 @@ class LMSAStepper(LayerSelection):
     Hamiltonian averages the micro-batches of an optimizer step); manual optimization and
     DeepSpeed are not. Under FSDP (``FSDPStrategy``, ``ModelParallelStrategy``), where a block
     cannot run alone, ``update="optimizer"`` measures on rank zero's whole copy of the model
-    (:class:`~lalr_lightning.callbacks.distributed.WholeCopy`): every rank's measurement batch,
+    (:class:`~lalr_lightning.core.runtime.shards.WholeCopy`): every rank's measurement batch,
     its states and co-states from a forward and backward of the copy, the same metric as under
     DDP; the selection then trains in the module's optimizer. ``update="msa"`` is refused there
     (its Hamiltonian step would run on a whole copy after every optimizer step).

@@ -69,7 +69,7 @@ class NTKDiagnostics(LayerwiseCallback):
     Ctrl-C stops a measurement between chunks of Jacobian rows.
 
     Under FSDP (``FSDPStrategy``, ``ModelParallelStrategy``) rank zero measures a whole copy of the
-    model (:class:`~lalr_lightning.callbacks.distributed.WholeCopy`) and keeps ``theta_0`` whole
+    model (:class:`~lalr_lightning.core.runtime.shards.WholeCopy`) and keeps ``theta_0`` whole
     on its CPU: it holds the whole model during a measurement, the other ranks wait.
 
     The kernel is taken w.r.t. the trainable parameters at the current weights; the gap

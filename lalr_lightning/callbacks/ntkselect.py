@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
-from lalr_lightning.callbacks.distributed import sharded
 from lalr_lightning.callbacks.host import Host, say, warn
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.choices import unknown
@@ -22,6 +21,7 @@ from lalr_lightning.core.linearization import ntk
 from lalr_lightning.core.linearization.anchor import trainable
 from lalr_lightning.core.model.layers import Layer, output_layer
 from lalr_lightning.core.model.probe import fixed_batch, probe_inputs
+from lalr_lightning.core.runtime.shards import sharded
 
 __all__ = ["NTKSelect"]
 

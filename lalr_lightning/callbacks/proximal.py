@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, stop_on_sigterm
-from lalr_lightning.callbacks.distributed import shard_layout, sharded
 from lalr_lightning.callbacks.host import Host, say
 from lalr_lightning.choices import unknown
 from lalr_lightning.core.linearization import proximal
@@ -39,7 +38,7 @@ from lalr_lightning.core.model.layers import Layer
 from lalr_lightning.core.model.probe import fixed_batch
 from lalr_lightning.core.runtime.control import PostStep
 from lalr_lightning.core.runtime.placement import follow, placed
-from lalr_lightning.core.runtime.shards import ShardLayout, all_sum, local_tensor
+from lalr_lightning.core.runtime.shards import ShardLayout, all_sum, local_tensor, shard_layout, sharded
 
 __all__ = ["ProximalRegularizer", "GRANULARITIES"]
 

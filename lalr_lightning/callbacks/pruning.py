@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
-from lalr_lightning.callbacks.distributed import shard_layout, sharded
 from lalr_lightning.callbacks.host import Host, warn
 from lalr_lightning.callbacks.planning import _NoFit
 from lalr_lightning.core.model.batch_loss import call_model, split_batch, step_loss
@@ -37,7 +36,7 @@ from lalr_lightning.core.pruning.by_criterion import criterion_prune, load_weigh
 from lalr_lightning.core.pruning.criteria import CRITERIA, needs_stats
 from lalr_lightning.core.pruning.owl import owl_layer_ratios
 from lalr_lightning.core.pruning.settings import PRESETS, check_when, pruning_settings
-from lalr_lightning.core.runtime.shards import all_sum, layer_paths, layers_in, local_tensor
+from lalr_lightning.core.runtime.shards import all_sum, layer_paths, layers_in, local_tensor, shard_layout, sharded
 from lalr_lightning.core.spectral import htsr
 
 __all__ = ["HTSRPruning", "PRESETS", "PRUNING_METRICS", "DIRECTIONS", "CRITERIA", "pruning_ratios"]

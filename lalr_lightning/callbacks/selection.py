@@ -33,7 +33,6 @@ import torch
 from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
-from lalr_lightning.callbacks.distributed import replaces_parameters
 from lalr_lightning.callbacks.host import Host, say
 from lalr_lightning.callbacks.lightning_host import LightningHooks
 from lalr_lightning.callbacks.summary import selection_counts, selection_summary
@@ -46,6 +45,7 @@ from lalr_lightning.core.model.probe import fixed_batch
 from lalr_lightning.core.model.tied import join_tied
 from lalr_lightning.core.runtime.control import LayerControl
 from lalr_lightning.core.runtime.handsync import HandSync
+from lalr_lightning.core.runtime.shards import replaces_parameters
 
 __all__ = ["LayerSelection", "SurgicalLayerSelect", "MODES", "OPTIMIZER_STATE", "forward_trace", "register_mode"]
 

@@ -14,6 +14,14 @@ Two kinds of sharding are understood:
 
 Pure PyTorch (``torch.distributed``); the callbacks decide when. The layers keep their clean
 names, so the share a rank gets, and the merged result, are the same on every rank.
+
+The same for every callback, through the loop's host (``host``: a
+:class:`~lalr_lightning.callbacks.host.Host`, of which these read the world and the model): the
+weights measured with the work shared out (:func:`measure_shards`), deciding on rank zero and
+broadcasting, so ranks cannot drift apart (:func:`on_rank_zero`), the root to gather through
+(:func:`model_root`), how to cut tensors kept beside the weights (:func:`shard_layout`), following
+the parameters FSDP2 puts in place of the old ones (:func:`rebind`), and the whole model on rank
+zero for the measurements that run it through ``torch.func`` (:class:`WholeCopy`).
 """
 
 from __future__ import annotations
@@ -28,10 +36,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lalr_lightning.core.model.layers import Layer
+from lalr_lightning.core.model.layers import Layer, clean_name
+from lalr_lightning.core.runtime.decision import Decision
 
-__all__ = ["ShardLayout", "all_sum", "assign_shares", "fsdp_units", "gather_objects", "is_dtensor", "local_tensor",
-           "layer_paths", "layers_in", "materialize", "parameter_names", "rebind", "skeleton", "whole_weights"]
+__all__ = ["ShardLayout", "WholeCopy", "all_sum", "assign_shares", "backward_discarded", "decide_on_zero",
+           "fsdp_units", "gather_objects", "is_dtensor", "layer_paths", "layers_in", "local_tensor",
+           "loss_through_root", "materialize", "measure_shards", "model_root", "on_rank_zero", "parameter_names",
+           "rebind", "replaces_parameters", "shard_layout", "sharded", "skeleton", "whole_weights"]
 
 
 def assign_shares(costs: Sequence[float], world_size: int) -> list[int]:
@@ -348,3 +359,172 @@ def rebind(obj: Any, names: Mapping[int, str], module: nn.Module) -> Any:
         return x
 
     return swap(obj)
+
+
+def sharded(host: Any) -> bool:
+    """Whether the strategy holds the parameters in shards across the ranks (FSDP1 or FSDP2)."""
+    return getattr(host, "sharding", "none") in ("fsdp1", "fsdp2")  # None: no host (a bare configure)
+
+
+def replaces_parameters(host: Any) -> bool:
+    """Whether the model's parameters are replaced after the callbacks' ``setup``: FSDP2's
+    ``fully_shard`` puts a new, sharded parameter in place of every one it shards."""
+    return getattr(host, "sharding", "none") == "fsdp2"
+
+
+def model_root(host: Any, module: nn.Module) -> torch.nn.Module:
+    """The outermost module of the model: under FSDP1 the root unit, which wraps the
+    LightningModule from outside (units found inside ``module`` miss it)."""
+    return host.root if sharded(host) else module
+
+
+def loss_through_root(host: Any, module: nn.Module, fn: Callable[[Any], torch.Tensor],
+                      batch: Any) -> torch.Tensor:
+    """``fn(batch)`` (a loss computed with ``module``) run inside the forward of the strategy's
+    root module where that wraps ``module``, ``batch`` passed through it, as Lightning runs
+    ``training_step``: FSDP1's root unit gathers its own parameters in its forward, prepares the
+    backward and casts the batch's floating tensors to its mixed precision's parameter dtype.
+    Elsewhere ``fn(batch)``. Both under the precision plugin's forward context (autocast)."""
+    root = model_root(host, module)
+    if root is module:
+        with host.forward_context():
+            return fn(batch)
+    had = module.__dict__.get("forward")  # an instance attribute (None: the class's forward)
+
+    def put_back() -> None:
+        if had is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.__dict__["forward"] = had
+
+    def forward(cast: Any, *_args, **_kwargs):
+        put_back()  # the loss inside calls the module's own forward
+        return fn(cast)
+
+    module.__dict__["forward"] = forward
+    try:
+        with host.forward_context():
+            return root(batch)
+    finally:
+        put_back()
+
+
+def backward_discarded(module: nn.Module, loss: torch.Tensor) -> None:
+    """A backward whose gradients are only observed (hooks): the strategy reduces them as in a
+    step (FSDP's reduce-scatter runs in its backward hooks), and the result is dropped."""
+    loss.backward()
+    for p in module.parameters():
+        p.grad = None
+
+
+def shard_layout(host: Any, module: nn.Module) -> ShardLayout:
+    """How the strategy cuts the parameters, to cut masks and anchors the same way."""
+    return ShardLayout(model_root(host, module))
+
+
+def measure_shards(host: Any, module: nn.Module, units: list[list[Layer]],
+                   fn: Callable[[list[Layer]], dict], sizes: Mapping[str, int] | None,
+                   weight_of: Callable[[Layer], torch.Tensor]) -> dict:
+    """``fn(layers) -> {name: value}`` over every unit of layers, the units shared out among the
+    ranks (balanced by ``sizes``, the weights' sizes while they were whole; under FSDP each rank
+    gathers the whole weights of its own share only, through ``weight_of``) and the results
+    all-gathered: the same dict on every rank. An error on any rank is raised on all of them."""
+    everything = [layer for unit in units for layer in unit]
+    world = host.world_size
+    if world == 1 and not sharded(host):
+        return fn(everything)
+    sizes = sizes or {}
+    owner = assign_shares([sum(sizes.get(la.name, 1) for la in unit) for unit in units], world)
+    mine = {la.name for unit, o in zip(units, owner) if o == host.global_rank for la in unit}
+    try:
+        layers = whole_weights(model_root(host, module), everything, mine, weight_of)
+        part = ("ok", fn(layers) if layers else {})
+    except Exception as err:  # noqa: BLE001 -- raised on every rank below
+        part = ("error", err)
+    merged: dict = {}
+    for status, value in gather_objects(part):
+        if status == "error":
+            raise value
+        merged.update(value)
+    return {la.name: merged[la.name] for la in everything if la.name in merged}
+
+
+class WholeCopy:
+    """The LightningModule whole on rank zero, for the measurements that run the whole model
+    through ``torch.func`` or run blocks alone (the NTK and the linearization gap, ``lambda_o``,
+    the L-MSA metric) and for pruning that calibrates block by block and prunes as it goes (Wanda,
+    SparseGPT, N:M during training). FSDP's own forward cannot host them: FSDP1 allows no forward
+    inside ``summon_full_params``, and FSDP2's forward hooks fail on parameters ``torch.func``
+    substitutes (torch 2.14).
+
+    Made in ``setup``, before the strategy wraps the model, every rank keeps a skeleton of it
+    (:func:`~lalr_lightning.core.runtime.shards.skeleton`: no memory for the weights). A measurement
+    (:meth:`run`) gathers the whole state dict to rank zero's CPU (a collective: every rank calls
+    it), fills a copy of the skeleton on the module's device, measures there and drops the copy,
+    and broadcasts the result: rank zero holds the whole model for the length of a measurement,
+    as ``summon_full_params`` would, and the other ranks wait."""
+
+    def __init__(self, module: nn.Module, who: str):
+        try:
+            self.skeleton = skeleton(module)
+        except Exception as err:  # noqa: BLE001 -- anything deepcopy refuses, said in one line
+            raise RuntimeError(
+                f"{who} under FSDP measures on a whole copy of {type(module).__name__}, made with copy.deepcopy "
+                f"before the model is sharded, and copying it failed ({type(err).__name__}: {err}); keep objects that "
+                "cannot be copied (open files, locks, clients) off the module, or use strategy='ddp'") from err
+
+    @staticmethod
+    def state(host: Any) -> dict[str, torch.Tensor]:
+        """The whole state dict on rank zero's CPU, ``{}`` on the other ranks (collective)."""
+        model = host.root
+        if host.sharding == "fsdp2":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        # no "offload" from a CPU compute device (CPUFSDPStrategy): there it moves nothing, and
+        # torch 2.13 cloned freed memory after it (SIGSEGV, strategies.py)
+        on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                                  FullStateDictConfig(offload_to_cpu=not on_cpu, rank0_only=True)):
+            return model.state_dict()
+
+    def run(self, host: Any, module: nn.Module, fn: Callable[[nn.Module], Any],
+            frozen: bool = False) -> Any:
+        """``fn(whole copy of module)`` computed on rank zero and broadcast: the same result on
+        every rank; an error on rank zero is raised on every rank. ``frozen``: the copy's
+        parameters do not require grad."""
+        state = self.state(host)
+
+        def on_zero() -> Any:
+            whole = materialize(self.skeleton, state, module.device, frozen)
+            state.clear()
+            # every module in the mode the live one is in (a frozen block's norm layers in eval)
+            modes = {clean_name(n): m.training for n, m in module.named_modules()}
+            for name, part in whole.named_modules():
+                part.training = modes.get(clean_name(name), part.training)
+            return fn(whole)
+
+        return on_rank_zero(host, on_zero)
+
+
+def on_rank_zero(host: Any, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on rank zero, broadcast: the same result on every rank. An error on rank zero is
+    raised on every rank, so none waits for a broadcast that never comes."""
+    result: tuple[str, Any] | None = None
+    if host.is_global_zero:
+        try:
+            result = ("ok", fn())
+        except Exception as err:  # noqa: BLE001 -- re-raised below, on every rank
+            result = ("error", err)
+    status, payload = host.broadcast(result, src=0)
+    if status == "error":
+        raise payload
+    return payload
+
+
+def decide_on_zero(host: Any, decide: Callable[[Any], Decision], measured: Any) -> Decision:
+    """``decide(measured)`` on rank zero, broadcast (:func:`on_rank_zero`)."""
+    return on_rank_zero(host, lambda: decide(measured))
