@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import warnings
 from collections.abc import Iterable, Sequence
 
@@ -21,19 +20,10 @@ from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
 from lalr_lightning.callbacks.distributed import shard_layout, sharded
 from lalr_lightning.callbacks.host import Host, warn
 from lalr_lightning.callbacks.planning import _NoFit
-from lalr_lightning.core.model.batch_loss import call_model, split_batch, step_loss
-from lalr_lightning.core.model.layers import DEFAULT_KINDS, inside_attention
-from lalr_lightning.core.pruning.alphapruning import (
-    DIRECTIONS,
-    PRUNING_METRICS,
-    block_average_values,
-    block_groups,
-    cubic_sparsity,
-    layer_masks,
-    prunable_layers,
-    pruning_ratios,
-)
-from lalr_lightning.core.pruning.by_criterion import criterion_prune, load_weights, sample_count, take_samples
+from lalr_lightning.core.model.layers import DEFAULT_KINDS
+from lalr_lightning.core.pruning import alphapruning as ap
+from lalr_lightning.core.pruning import by_criterion as bc
+from lalr_lightning.core.pruning.alphapruning import DIRECTIONS, PRUNING_METRICS, pruning_ratios
 from lalr_lightning.core.pruning.criteria import CRITERIA, needs_stats
 from lalr_lightning.core.pruning.owl import owl_layer_ratios
 from lalr_lightning.core.pruning.settings import PRESETS, check_when, pruning_settings
@@ -224,14 +214,9 @@ class HTSRPruning(LayerwiseCallback):
         exclude_head: bool | None = None,
     ):
         super().__init__(name=name, strict_resume=strict_resume)
-        settings = pruning_settings(
-            type(self).__name__, metric=metric, target_sparsity=target_sparsity, epsilon=epsilon, direction=direction,
-            structured=structured, when=when, gradual_epochs=gradual_epochs, block_average=block_average,
-            blocks=blocks, fit=fit, filter_zeros=filter_zeros, min_numel=min_numel, min_evals=min_evals,
-            layer_types=layer_types, head=head, overflow=overflow, max_ratio=max_ratio, channel_step=channel_step,
-            make_permanent=make_permanent, preset=preset, criterion=criterion, n=n, m=m,
-            n_calibration=n_calibration, calibration=calibration, blocksize=blocksize, percdamp=percdamp,
-            owl_m=owl_m, owl_lambda=owl_lambda)
+        given = {k: v for k, v in locals().items() if k not in ("self", "__class__", "name", "strict_resume",
+                                                                  "exclude_head")}  # the settings as given
+        settings = pruning_settings(type(self).__name__, **given)
         if exclude_head is not None:
             settings["head"] = not self._alias(None, exclude_head, "exclude_head", "head")
         self.__dict__.update(settings)  # every argument under its own name (settings() reads them back)
@@ -258,29 +243,13 @@ class HTSRPruning(LayerwiseCallback):
         if not isinstance(host, _NoFit):  # plan(model) has no fit, hence no max_epochs
             check_when(type(self).__name__, self.when, self.gradual_epochs, host.max_epochs)
         self._model = module
-        self.layers, self.excluded = prunable_layers(
-            module, layer_types=self.layer_types, head=self.head, min_numel=self.min_numel,
-            min_evals=self.min_evals,
-        )
-        if self.criterion != "magnitude" or self.m:  # row-wise criteria hook a Linear's own inputs
-            packed = [la.name for la in self.layers if inside_attention(la)]
-            self.excluded.update({n: f"a projection inside nn.MultiheadAttention, whose inputs criterion={self.criterion!r}"
-                                     + (f" (n={self.n}, m={self.m})" if self.m else "") + " cannot read: "
-                                     "criterion='magnitude' prunes it" for n in packed})
-            self.layers = [la for la in self.layers if la.name not in packed]
-            if not self.layers:
-                raise ValueError(f"HTSRPruning(criterion={self.criterion!r}) has no layer left to prune: "
-                                 f"{', '.join(packed)} are projections inside nn.MultiheadAttention, whose inputs it "
-                                 "cannot read; "
-                                 "use criterion='magnitude'")
-        small = {k: v for k, v in self.excluded.items() if not v.startswith("classifier head")}
-        if small:
-            warn(
-                "HTSRPruning leaves these layers dense: "
-                + "; ".join(f"{k} ({v})" for k, v in small.items())
-                + ". Lower min_numel / min_evals to include them.",
-                category=UserWarning,
-            )
+        layers, self.excluded = ap.prunable_layers(module, layer_types=self.layer_types, head=self.head,
+                                                   min_numel=self.min_numel, min_evals=self.min_evals)
+        self.layers, packed = bc.readable_layers(layers, self.criterion, self.n, self.m)
+        self.excluded.update(packed)
+        note = ap.dense_note(self.excluded)
+        if note:
+            warn(note, category=UserWarning)
         self._params = {n: p for layer in self.layers for n, p in layer.params.items()}
 
     @property
@@ -309,7 +278,7 @@ class HTSRPruning(LayerwiseCallback):
             self._trainer = None
         masks, channels, weights = decision.payload
         if weights and not host.is_global_zero:  # SparseGPT moved the kept weights: before the cut
-            load_weights(self._params, weights)
+            bc.load_weights(self._params, weights)
         self.early = dataclasses.replace(decision, payload=(masks, channels, {}))
 
     def first_decision(self, host: Host) -> None:
@@ -335,12 +304,10 @@ class HTSRPruning(LayerwiseCallback):
 
     def each_epoch(self, host: Host) -> None:
         epoch = host.current_epoch
-        if isinstance(self.when, int):
-            if epoch >= self.when and not self.history:
-                self.prune(host, 1.0)
-        elif self.when == "gradual":
-            if epoch < self.gradual_epochs and epoch not in {h["epoch"] for h in self.history}:
-                self.prune(host, cubic_sparsity(epoch, self.gradual_epochs))
+        if isinstance(self.when, int) and epoch >= self.when and not self.history:
+            self.prune(host, 1.0)
+        elif self.when == "gradual" and epoch < self.gradual_epochs and epoch not in {h["epoch"] for h in self.history}:
+            self.prune(host, ap.cubic_sparsity(epoch, self.gradual_epochs))
 
     def finish(self, host: Host) -> None:
         if not self.masks:
@@ -385,7 +352,7 @@ class HTSRPruning(LayerwiseCallback):
         real = {la.name: la for la in self.layers}
 
         def masks_of(stand_ins):
-            return {s.name: layer_masks([real[s.name]], decision.values, self._level, structured=self.structured,
+            return {s.name: ap.layer_masks([real[s.name]], decision.values, self._level, structured=self.structured,
                                         channel_step=self.channel_step, previous=self.masks,
                                         weights={s.name: s.weight}, shapes=shapes)
                     for s in stand_ins}
@@ -417,7 +384,6 @@ class HTSRPruning(LayerwiseCallback):
         if self.ratios:
             self._check_weights(host, module)  # a later gradual event masks what diverged otherwise
             return None
-        names = [layer.name for layer in self.layers]
         if self.epsilon == 0 or self.preset == "owl":  # uniform, or OWL: from the activations (in decide)
             return {}
 
@@ -429,16 +395,10 @@ class HTSRPruning(LayerwiseCallback):
                                       filter_zeros=self.filter_zeros)
             return dict(zip(df["name"], df[self.metric].astype(float)))
 
-        values = self.measure_shards(host, module, [[layer] for layer in self.layers], metric)
-        bad = {n: values.get(n) for n in names if n not in values or not math.isfinite(values[n])}
-        if bad:
-            raise ValueError(
-                f"metric {self.metric!r} is not finite for layers {bad} (all-zero or constant weights?); "
-                "exclude them (min_numel) or choose another metric"
-            )
-        values = {n: values[n] for n in names}
+        values = ap.finite_metric(self.measure_shards(host, module, [[layer] for layer in self.layers], metric),
+                               [layer.name for layer in self.layers], self.metric)
         if self.block_average:
-            values = block_average_values(values, block_groups(self._model, self.layers, self.blocks))
+            values = ap.block_average_values(values, ap.block_groups(self._model, self.layers, self.blocks))
         return values
 
     def _check_weights(self, host: Host, module: nn.Module) -> None:
@@ -476,13 +436,8 @@ class HTSRPruning(LayerwiseCallback):
     def plan_decision(self, metric: dict[str, float] | None) -> Decision:
         """The ratios alone, for :meth:`plan`: no mask is computed (nor, for the data criteria, a
         calibration run), so the model is not touched."""
-        if metric is None:  # the first event fixed the ratios
-            return Decision(values=dict(self.ratios), scores=dict(self.scores))
-        if self.preset == "owl":  # a forward pass over the calibration data; the weights are not touched
-            ratios, shares = self._owl(self._model, self.layers, {})
-            return Decision(values=ratios, scores=shares)
-        return Decision(values=dict(zip([la.name for la in self.layers], self._ratio_array(metric).tolist())),
-                        scores=metric)
+        decision = self._decide(metric, self._model, self.layers, masks=False)  # OWL: a forward pass, no more
+        return Decision(values=decision.values, scores=decision.scores)
 
     def decide(self, metric: dict[str, float] | None) -> Decision:
         return self._decide(metric, self._model, self.layers)
@@ -503,7 +458,7 @@ class HTSRPruning(LayerwiseCallback):
         if not masks:
             found, channels = {}, {}
         elif self.criterion == "magnitude" and not self.m:
-            found, channels = layer_masks(layers, ratios, self._level, structured=self.structured,
+            found, channels = ap.layer_masks(layers, ratios, self._level, structured=self.structured,
                                           channel_step=self.channel_step, previous=self.masks)
         else:
             found, channels = self._criterion_masks(ratios, record, module, layers), {}
@@ -520,7 +475,7 @@ class HTSRPruning(LayerwiseCallback):
         goes; the other ranks get the masks (and SparseGPT's weights) in the broadcast decision."""
         batches = self._calibration_batches(record) if needs_stats(self.criterion) else None
         self.check_finite(self._trainer, {la.name: la.weight for la in layers}, "the weights")
-        return criterion_prune(module, layers, ratios, self.criterion, batches, n=self.n, m=self.m,
+        return bc.criterion_prune(module, layers, ratios, self.criterion, batches, n=self.n, m=self.m,
                                blocksize=self.blocksize or 128, percdamp=0.01 if self.percdamp is None else
                                self.percdamp, forward=functools.partial(self._forward, module), convolutions=True)
 
@@ -535,13 +490,13 @@ class HTSRPruning(LayerwiseCallback):
     def _calibration_batches(self, record: dict) -> list:
         """The first ``n_calibration`` samples of the calibration data, taken once per pruning event."""
         if self._batches is None:
-            batches = take_samples(self._calibration_source(), self.n_calibration)
-            got = sample_count(batches)
+            batches = bc.take_samples(self._calibration_source(), self.n_calibration)
+            got = bc.sample_count(batches)
             if got < self.n_calibration:
                 warn(f"HTSRPruning({self._calibrated_by()}) calibrates on {got} samples, all the calibration data "
                      f"has; n_calibration={self.n_calibration} asked for more", category=UserWarning)
             self._batches = batches
-        record["calibration_samples"] = sample_count(self._batches)
+        record["calibration_samples"] = bc.sample_count(self._batches)
         return self._batches
 
     def _calibrated_by(self) -> str:
@@ -563,24 +518,8 @@ class HTSRPruning(LayerwiseCallback):
         return loader
 
     def _forward(self, module: nn.Module, batch) -> None:
-        """Run a model without transformer blocks on one calibration batch: its inputs (``x`` of a
-        ``(x, ...)`` batch, a tensor batch, a dict's entries but ``labels`` as keyword arguments)
-        through its ``forward`` (or the one child holding its parameters), else its own
-        ``training_step`` (logging silenced): ``core.model.batch_loss``."""
-        batch = self.device_batch(self._trainer, batch)
-        try:
-            try:
-                call_model(module, split_batch(module, batch)[0])
-            except TypeError:  # no forward to call with these inputs: the step the module trains with
-                if not callable(getattr(module, "training_step", None)):
-                    raise
-                step_loss(module, batch)
-        except Exception as err:  # noqa: BLE001 -- any failure means the batches do not fit the model
-            raise ValueError(
-                f"HTSRPruning(criterion={self.criterion!r}) could not run {type(module).__name__} on a "
-                f"calibration batch ({type(err).__name__}: {err}); pass calibration=<a loader whose batches are "
-                "(x, ...) tuples of the model's input>"
-            ) from err
+        """Run a model without transformer blocks on one calibration batch, on the fit's device."""
+        bc.calibration_forward(module, self.device_batch(self._trainer, batch), self.criterion)
 
     def receive(self, decision: Decision) -> None:
         super().receive(decision)
@@ -596,7 +535,7 @@ class HTSRPruning(LayerwiseCallback):
         layout = shard_layout(host, self._model)  # under FSDP each rank keeps its piece of every mask
         if self._weights:  # SparseGPT's updated weights (rank zero already holds them, but on a whole copy)
             with torch.no_grad():
-                load_weights(self._params, {k: layout.local(self._params[k], v) for k, v in self._weights.items()})
+                bc.load_weights(self._params, {k: layout.local(self._params[k], v) for k, v in self._weights.items()})
             self._weights = {}
         masks = {self._params[k]: layout.local(self._params[k], v) for k, v in self.masks.items()}
         names = {self._params[k]: k for k in self.masks}
