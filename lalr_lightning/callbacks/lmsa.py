@@ -415,10 +415,8 @@ class LMSAStepper(LayerSelection):
     def _normalize(self, host: Host, names: Sequence[str]) -> None:
         """Bring new co-states to ``-dL/dx`` of the batch loss: Lightning divides the loss by
         ``accumulate_grad_batches`` before backward, and AMP scales it."""
-        factor = float(host.accumulate)
         scaler = host.grad_scaler
-        if scaler is not None:
-            factor /= float(scaler.get_scale())
+        factor = float(host.accumulate) / (1.0 if scaler is None else float(scaler.get_scale()))
         self.taps.scale_costates(names, factor, "LMSAStepper")
 
     # ------------------------------------------------------------------ selection
@@ -489,10 +487,7 @@ class LMSAStepper(LayerSelection):
 
     def decide(self, measured: dict[str, dict[str, float]]) -> Decision:
         scores = measured["j_hat"]
-        if all(not math.isfinite(v) for v in scores.values()):
-            raise RuntimeError("LMSAStepper: every block's one-step update diverged (J_hat is inf/NaN for all); "
-                               "raise rho_scale or set metric_rho")
-        chosen = self.block_names if self.select == "all" else msa.select_smallest(scores, self.num_blocks)
+        chosen = msa.choose_blocks(scores, self.select, self.num_blocks)
         extra = {"rho_hat": measured["rho_hat"], "rgn": measured["rgn"]}
         return Decision(values={n: float(n in chosen) for n in self.block_names}, scores=scores,
                         measurements=extra, record={k: dict(v) for k, v in extra.items()})
@@ -524,11 +519,8 @@ class LMSAStepper(LayerSelection):
         """Raise :class:`DivergenceError` for the blocks whose co-states held NaN or Inf in a
         Hamiltonian update since the last check (one device-to-host read for all of them)."""
         pending, self._costates = self._costates, []
-        if not pending:
-            return
-        ok = torch.stack([flag.to(pending[0][1].device) for _, flag in pending]).tolist()
-        bad = sorted({name for (name, _), good in zip(pending, ok) if not good})
-        self.check_finite(host, {name: math.nan for name in bad}, "the co-states (-dL/dx of the block outputs)")
+        bad = msa.nonfinite_blocks(pending)
+        self.check_finite(host, dict.fromkeys(bad, math.nan), "the co-states (-dL/dx of the block outputs)")
 
     # ------------------------------------------------------------------ state
 

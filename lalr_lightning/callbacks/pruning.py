@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -28,7 +27,6 @@ from lalr_lightning.core.pruning.criteria import CRITERIA, needs_stats
 from lalr_lightning.core.pruning.owl import owl_layer_ratios
 from lalr_lightning.core.pruning.settings import PRESETS, check_when, pruning_settings
 from lalr_lightning.core.runtime.shards import all_sum, layer_paths, layers_in, local_tensor
-from lalr_lightning.core.spectral import htsr
 
 __all__ = ["HTSRPruning", "PRESETS", "PRUNING_METRICS", "DIRECTIONS", "CRITERIA", "pruning_ratios"]
 
@@ -380,35 +378,24 @@ class HTSRPruning(LayerwiseCallback):
 
     def measure(self, host: Host, module: nn.Module) -> dict[str, float] | None:
         """The metric of every pruned layer on the current weights (block-averaged if asked);
-        None once the ratios are fixed (the first event decides them)."""
-        if self.ratios:
-            self._check_weights(host, module)  # a later gradual event masks what diverged otherwise
-            return None
-        if self.epsilon == 0 or self.preset == "owl":  # uniform, or OWL: from the activations (in decide)
+        None once the ratios are fixed (the first event decides them): the weights are then only
+        checked, as a later gradual event masks what diverged otherwise (under FSDP each rank checks
+        its share of the layers, whole, and an error on one is raised on all)."""
+        fixed = bool(self.ratios)
+        if not fixed and (self.epsilon == 0 or self.preset == "owl"):  # uniform, or OWL: from the activations
             return {}
 
         def metric(layers):
             self.check_finite(host, {layer.name: layer.weight for layer in layers}, "the weights")
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # analyze's skip warnings: we chose the layers
-                df = htsr.analyze(layers, fit=self.fit, metrics=[self.metric], min_evals=1,
-                                      filter_zeros=self.filter_zeros)
-            return dict(zip(df["name"], df[self.metric].astype(float)))
+            return {} if fixed else ap.layer_metric(layers, self.metric, fit=self.fit, filter_zeros=self.filter_zeros)
 
-        values = ap.finite_metric(self.measure_shards(host, module, [[layer] for layer in self.layers], metric),
-                               [layer.name for layer in self.layers], self.metric)
+        values = self.measure_shards(host, module, [[layer] for layer in self.layers], metric)
+        if fixed:
+            return None
+        values = ap.finite_metric(values, [layer.name for layer in self.layers], self.metric)
         if self.block_average:
             values = ap.block_average_values(values, ap.block_groups(self._model, self.layers, self.blocks))
         return values
-
-    def _check_weights(self, host: Host, module: nn.Module) -> None:
-        """:class:`DivergenceError` when a pruned layer's weights hold NaN or Inf (under FSDP each rank
-        checks its share of the layers, whole, and an error on one is raised on all)."""
-        def check(layers):
-            self.check_finite(host, {layer.name: layer.weight for layer in layers}, "the weights")
-            return {}
-
-        self.measure_shards(host, module, [[layer] for layer in self.layers], check)
 
     def _ratio_array(self, metric: dict[str, float]) -> np.ndarray:
         """The ratio of every pruned layer (model order) from its metric."""
@@ -563,12 +550,10 @@ class HTSRPruning(LayerwiseCallback):
         n = sum(self._numel(layer) for layer in self.layers)
         return sum(self.sparsity.get(layer.name, 0.0) * self._numel(layer) for layer in self.layers) / max(n, 1)
 
-    def _sparsity_metrics(self) -> dict[str, float]:
-        out = {f"{self.prefix}/ratio/{k}": v for k, v in self.ratios.items()}
-        out.update({f"{self.prefix}/sparsity/{k}": v for k, v in self.sparsity.items()})
-        out.update({f"{self.prefix}/metric/{k}": v for k, v in self.scores.items()})
-        out[f"{self.prefix}/overall_sparsity"] = self.overall_sparsity()
-        return out
+    def _sparsity_metrics(self) -> dict[str, float]:  # <prefix>/{ratio,sparsity,metric}/<layer>, overall_sparsity
+        return self.decision_metrics(Decision(values=self.ratios, scores=self.scores,
+                                              measurements={"sparsity": self.sparsity},
+                                              summary={"overall_sparsity": self.overall_sparsity()}))
 
     def log_decision(self, host: Host, decision: Decision, achieved) -> None:
         self.log_values(host, self._sparsity_metrics())

@@ -20,6 +20,7 @@ and scaled so that the parameter-weighted mean of the ratios is the target spars
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -36,6 +37,7 @@ from lalr_lightning.core.model.layers import (
     num_eigenvalues,
     output_layer,
 )
+from lalr_lightning.core.spectral import htsr
 
 __all__ = [
     "PRUNING_METRICS",
@@ -56,6 +58,7 @@ __all__ = [
     "block_groups",
     "dense_note",
     "finite_metric",
+    "layer_metric",
 ]
 
 #: The HT-SR metrics of thesis ch. 3.2 that :func:`spectral.analyze` computes per layer.
@@ -407,6 +410,15 @@ def dense_note(excluded: Mapping[str, str]) -> str | None:
         return None
     return ("HTSRPruning leaves these layers dense: " + "; ".join(f"{k} ({v})" for k, v in small.items())
             + ". Lower min_numel / min_evals to include them.")
+
+
+def layer_metric(layers: Sequence[Layer], metric: str, *, fit: str, filter_zeros: bool) -> dict[str, float]:
+    """``metric`` of every layer (:func:`lalr_lightning.core.spectral.htsr.analyze`, which leaves
+    out no layer here: the callers chose them)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # analyze's skip warnings: the layers are chosen
+        df = htsr.analyze(layers, fit=fit, metrics=[metric], min_evals=1, filter_zeros=filter_zeros)
+    return dict(zip(df["name"], df[metric].astype(float)))
 
 
 def finite_metric(values: Mapping[str, float], names: Sequence[str], metric: str) -> dict[str, float]:

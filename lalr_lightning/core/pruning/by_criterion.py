@@ -40,8 +40,8 @@ from lalr_lightning.core.pruning.calibration import (
 )
 from lalr_lightning.core.pruning.criteria import InputStats, check_nm, needs_stats, prune_weight
 
-__all__ = ["LINEAR_KINDS", "take_samples", "sample_count", "find_causal_lm", "weight_name", "criterion_prune", "load_weights",
-           "readable_layers", "calibration_forward"]
+__all__ = ["LINEAR_KINDS", "take_samples", "sample_count", "find_causal_lm", "weight_name", "criterion_prune",
+           "load_weights", "readable_layers", "calibration_forward"]
 
 #: layer kinds the row-wise criteria (Wanda, SparseGPT, N:M) prune: ``(out, in)`` matrices
 LINEAR_KINDS = ("linear", "hf_conv1d")

@@ -48,6 +48,7 @@ __all__ = [
     "block_direction",
     "block_score",
     "block_scores",
+    "choose_blocks",
     "hamiltonian",
     "hamiltonian_terms",
     "inner_optimizer",
@@ -57,6 +58,7 @@ __all__ = [
     "maximize_hamiltonian",
     "mean_flat",
     "measurement_cost",
+    "nonfinite_blocks",
     "output_change",
     "rho_hat",
     "select_smallest",
@@ -221,6 +223,15 @@ def select_smallest(scores: Mapping[str, float], k: int = 1) -> list[str]:
     return [n for i, n in enumerate(names) if i in chosen]
 
 
+def choose_blocks(scores: Mapping[str, float], select: str, k: int = 1) -> list[str]:
+    """The blocks ``select`` picks from their ``J_hat``: every one (``"all"``) or the ``k``
+    smallest (``"min"``); a RuntimeError when every block's ``J_hat`` is inf or NaN."""
+    if all(not math.isfinite(v) for v in scores.values()):
+        raise RuntimeError("LMSAStepper: every block's one-step update diverged (J_hat is inf/NaN for all); "
+                           "raise rho_scale or set metric_rho")
+    return list(scores) if select == "all" else select_smallest(scores, k)
+
+
 # ============================================================================ Hamiltonian
 
 
@@ -299,6 +310,15 @@ def hamiltonian_terms(taps: BlockTaps, names: Sequence[str], loss_of: Callable[[
             terms.append(HamiltonianTerm(taps.block_fn(name, cap, run), index, cap.p, x_next=cap.out, x_in=cap.x_in,
                                          p_in=cap.p_in, weight=1.0 / len(caps)))
     return params, terms, finite
+
+
+def nonfinite_blocks(flags: Sequence[tuple[str, Tensor]]) -> list[str]:
+    """The blocks of ``(block, all finite)`` device flags with a false one, sorted: one
+    device-to-host read for all of them."""
+    if not flags:
+        return []
+    ok = torch.stack([flag.to(flags[0][1].device) for _, flag in flags]).tolist()
+    return sorted({name for (name, _), good in zip(flags, ok) if not good})
 
 
 def mean_flat(grads: Sequence[Tensor], mean: Callable[[Tensor], Tensor]) -> list[Tensor]:
