@@ -121,7 +121,6 @@ class LALRScheduleCallback(LayerwiseCallback):
         self.metrics: pd.DataFrame | None = None
         self.phase: str | None = None
         self._position = 0  # updates done = position in the phase cycle
-        self._last_epoch: int | None = None
 
     # ------------------------------------------------------------------ when
 
@@ -181,7 +180,6 @@ class LALRScheduleCallback(LayerwiseCallback):
 
     def commit(self, host: Host, decision: Decision) -> None:
         self._position += 1
-        self._last_epoch = host.current_epoch
         super().commit(host, decision)
 
     def heatmap_xlabel(self) -> str:
@@ -196,11 +194,11 @@ class LALRScheduleCallback(LayerwiseCallback):
         # plain Python containers only (pandas gives Python numbers), so checkpoints load with
         # torch.load(weights_only=True)
         metrics = None if self.metrics is None else self.metrics.to_dict("list")
-        return {"position": self._position, "last_epoch": self._last_epoch, "phase": self.phase, "metrics": metrics}
+        last_epoch = self.history[-1]["epoch"] if self.history else None  # kept in the state as it always was
+        return {"position": self._position, "last_epoch": last_epoch, "phase": self.phase, "metrics": metrics}
 
     def _load_state(self, state: dict) -> None:
         self._position = int(state["position"])
-        self._last_epoch = state["last_epoch"]
         self.phase = state.get("phase")
         m = state.get("metrics")
         self.metrics = pd.DataFrame(m) if m is not None else None

@@ -275,12 +275,8 @@ class LMSAStepper(LayerSelection):
 
     def after_wrap(self, host: Host) -> None:
         super().after_wrap(host)
-        if self.update == "msa":
-            def msa_step(step, host=host) -> None:
-                with host.forward_context():
-                    self._msa_update(host, host.module)
-
-            LayerControl.of(host.optimizers[0]).set_transform(self.state_key, msa_step)
+        if self.update == "msa":  # the Hamiltonian maximization, right after each optimizer step
+            LayerControl.of(host.optimizers[0]).set_transform(self.state_key, lambda step: self._msa_update(host))
 
     def release(self, host: Host) -> None:
         super().release(host)
@@ -291,28 +287,22 @@ class LMSAStepper(LayerSelection):
 
     def apply(self, host: Host) -> None:
         """msa: every block frozen in the module's optimizer (the Hamiltonian step moves the
-        selected ones); optimizer: the others frozen. Nothing trains before a selection."""
+        selected ones); optimizer: the others frozen. Nothing trains before a selection. With
+        ``save_compute``, where the strategy lets ``requires_grad`` change, the backward computes
+        weight gradients for the module optimizer's blocks only (none with msa, which reads only
+        states and co-states: the taps route the backward to the captured block outputs)."""
         on = set() if self.update == "msa" else set(self.selected)
-        self.apply_frozen(host, [n for n in self.block_names if n not in on])
-        self.release_state(host, [b for b in self.layers if b.name not in on])
+        off = [b for b in self.layers if b.name not in on]
+        self.apply_frozen(host, [b.name for b in off])
+        self.release_state(host, off)
         self._selected_params = {id(p) for b in self.layers if b.name in self.selected for p in b.params.values()}
-        # the backward computes weight gradients for the module optimizer's blocks only; update="msa" reads
-        # only states and co-states (the taps route the backward to the captured block outputs)
-        self._grads_for(self.selected if self.update == "optimizer" else [])
+        # under FSDP the first backward needs something that requires grad (the live taps anchor none)
+        if self.save_compute and self._toggle and self.feasibility == 0 and (self.whole is None or self.selected):
+            self.set_requires_grad([b for b in self.layers if b.name in on], True)
+            self.set_requires_grad(off, False)
         if self.update == "msa" and self.selected and (self._inner is None or self._inner_for != self.selected):
             self._build_inner()
         self.apply_norm_modes()
-
-    def _grads_for(self, names: Sequence[str]) -> None:
-        """``requires_grad`` on for the blocks ``names`` only (``save_compute``, where the strategy
-        lets it change): the backward then skips the other blocks' weight gradients."""
-        if not (self.save_compute and self._toggle and self.feasibility == 0):
-            return
-        if self.whole is not None and not self.selected:
-            return  # FSDP: the first backward needs something that requires grad (the live taps anchor none)
-        on = set(names)
-        self.set_requires_grad([b for b in self.layers if b.name in on], True)
-        self.set_requires_grad([b for b in self.layers if b.name not in on], False)
 
     def trains(self, p: torch.nn.Parameter) -> bool:
         if id(p) in self._block_params:
@@ -338,19 +328,17 @@ class LMSAStepper(LayerSelection):
     def each_epoch(self, host: Host) -> None:
         super().each_epoch(host)
         self._check_costates(host)
-        if self._measuring:
-            return  # a measurement still running (resumed, or longer than an epoch)
         epoch, k = host.current_epoch, self.every_n_epochs
-        if not self.selected or (k is not None and epoch % k == 0 and self._last_selection_epoch != epoch):
+        due = not self.selected or (k is not None and epoch % k == 0 and self._last_selection_epoch != epoch)
+        if due and not self._measuring:  # not while a measurement still runs (resumed, or longer than an epoch)
             self._measuring, self._measured, self._acc = True, 0, {}
 
     def each_batch(self, host: Host, batch: Any) -> None:
-        module = host.module
         self._batch = batch
         self.taps.context = batch
         self.taps.seed = self.seed * 1_000_003 + host.global_step
         if not self.taps.discovered and self.whole is None:
-            self.taps.discover(lambda: self._loss(module, batch))
+            self.taps.discover(lambda: self._loss(host.module, batch))
             self._report_cost()
         self.taps.set_capture(self._capture_names())
         super().each_batch(host, batch)
@@ -362,16 +350,12 @@ class LMSAStepper(LayerSelection):
         """State, before the first measurement, what it holds and runs: every block's states and
         co-states of a batch, and one forward pass of the model per block and batch; warn when
         the states exceed :attr:`warn_bytes`, naming the largest (a language model's logits)."""
-        text, total, big = msa.measurement_cost(self.taps.capture_bytes(), self.n_batches)
-        if total > self.warn_bytes:
-            head = self.layers[-1].role == "head" and big == self.layers[-1].name
-            warn(text + ("; head=False leaves the head to the module's optimizer and its outputs (the logits) "
-                                   "out of the measurement" if head else "; a smaller batch holds less"))
-        else:
-            say(text)
+        last = self.layers[-1]
+        text, too_big = msa.measurement_cost(self.taps.capture_bytes(), self.n_batches, self.warn_bytes,
+                                             head=last.name if last.role == "head" else None)
+        (warn if too_big else say)(text)
 
     def after_backward(self, host: Host) -> None:
-        module = host.module
         if self.whole is not None:
             if self._measuring:
                 self._measure_on_copy(host)
@@ -382,7 +366,7 @@ class LMSAStepper(LayerSelection):
         self._normalize(host, names)
         if self._measuring:
             with host.forward_context():
-                self._measure_batch(host, module)
+                self._add(host, self._scores(host, self.taps, lambda: self._loss(host.module, self._batch)))
         keep = set(self.selected) if self.update == "msa" else set()
         self.taps.clear([n for n in self.block_names if n not in keep])
 
@@ -420,9 +404,6 @@ class LMSAStepper(LayerSelection):
         self.taps.scale_costates(names, factor, "LMSAStepper")
 
     # ------------------------------------------------------------------ selection
-
-    def _measure_batch(self, host: Host, module: nn.Module) -> None:
-        self._add(host, self._scores(host, self.taps, lambda: self._loss(module, self._batch)))
 
     def _scores(self, host: Host, taps: BlockTaps, run: Callable[[], torch.Tensor]) -> dict[str, list]:
         """``[J_hat, rho_hat, rgn]`` of every block on the batch ``taps`` captured (``run``: its loss)."""
@@ -499,16 +480,17 @@ class LMSAStepper(LayerSelection):
 
     # ------------------------------------------------------------------ MSA update
 
-    def _msa_update(self, host: Host, module: nn.Module) -> None:
-        found = msa.hamiltonian_terms(self.taps, self.selected, functools.partial(self._loss, module))
+    def _msa_update(self, host: Host) -> None:
+        found = msa.hamiltonian_terms(self.taps, self.selected, functools.partial(self._loss, host.module))
         if found is None:
             return  # nothing captured for this step (e.g. the selection came after it)
         params, terms, finite = found
         self._costates += finite  # read on the host only at a logging step or the next epoch (_check_costates)
         reduce = functools.partial(msa.mean_flat, mean=host.mean) if host.world_size > 1 else None
-        values = msa.maximize_hamiltonian(terms, params, self._inner, steps=self.inner_steps, rho=self.rho,
-                                          feasibility=self.feasibility, reduce_grads=reduce,
-                                          check=stop_on_sigterm(host), host=False)
+        with host.forward_context():
+            values = msa.maximize_hamiltonian(terms, params, self._inner, steps=self.inner_steps, rho=self.rho,
+                                              feasibility=self.feasibility, reduce_grads=reduce,
+                                              check=stop_on_sigterm(host), host=False)
         if host.should_log():
             self._check_costates(host)
             if values:
@@ -519,8 +501,8 @@ class LMSAStepper(LayerSelection):
         """Raise :class:`DivergenceError` for the blocks whose co-states held NaN or Inf in a
         Hamiltonian update since the last check (one device-to-host read for all of them)."""
         pending, self._costates = self._costates, []
-        bad = msa.nonfinite_blocks(pending)
-        self.check_finite(host, dict.fromkeys(bad, math.nan), "the co-states (-dL/dx of the block outputs)")
+        self.check_finite(host, dict.fromkeys(msa.nonfinite_blocks(pending), math.nan),
+                          "the co-states (-dL/dx of the block outputs)")
 
     # ------------------------------------------------------------------ state
 

@@ -351,8 +351,8 @@ class HTSRPruning(LayerwiseCallback):
 
         def masks_of(stand_ins):
             return {s.name: ap.layer_masks([real[s.name]], decision.values, self._level, structured=self.structured,
-                                        channel_step=self.channel_step, previous=self.masks,
-                                        weights={s.name: s.weight}, shapes=shapes)
+                                           channel_step=self.channel_step, previous=self.masks,
+                                           weights={s.name: s.weight}, shapes=shapes)
                     for s in stand_ins}
 
         masks, channels = {}, {}
@@ -399,10 +399,9 @@ class HTSRPruning(LayerwiseCallback):
 
     def _ratio_array(self, metric: dict[str, float]) -> np.ndarray:
         """The ratio of every pruned layer (model order) from its metric."""
-        numels = [self._numel(layer) for layer in self.layers]
-        values = [metric.get(layer.name, 0.0) for layer in self.layers]
-        return pruning_ratios(values, numels, self.target_sparsity, self.epsilon, self.direction,
-                              overflow=self.overflow, max_ratio=self.max_ratio)
+        return pruning_ratios([metric.get(la.name, 0.0) for la in self.layers], [self._numel(la) for la in self.layers],
+                              self.target_sparsity, self.epsilon, self.direction, overflow=self.overflow,
+                              max_ratio=self.max_ratio)
 
     def plan(self, model: torch.nn.Module):
         """The ratios this callback would prune ``model`` with, without a fit (no mask is computed,
@@ -439,14 +438,13 @@ class HTSRPruning(LayerwiseCallback):
         elif self.preset == "owl":  # on rank zero (its whole copy under FSDP), the dense model
             ratios, metric = self._owl(module, layers, record)
         else:
-            r = self._ratio_array(metric)
-            ratios = dict(zip(names, r.tolist()))
+            ratios = dict(zip(names, self._ratio_array(metric).tolist()))
         weights: dict[str, torch.Tensor] = {}
         if not masks:
             found, channels = {}, {}
         elif self.criterion == "magnitude" and not self.m:
             found, channels = ap.layer_masks(layers, ratios, self._level, structured=self.structured,
-                                          channel_step=self.channel_step, previous=self.masks)
+                                             channel_step=self.channel_step, previous=self.masks)
         else:
             found, channels = self._criterion_masks(ratios, record, module, layers), {}
             if self.criterion == "sparsegpt" and self._trainer.world_size > 1:
@@ -463,8 +461,8 @@ class HTSRPruning(LayerwiseCallback):
         batches = self._calibration_batches(record) if needs_stats(self.criterion) else None
         self.check_finite(self._trainer, {la.name: la.weight for la in layers}, "the weights")
         return bc.criterion_prune(module, layers, ratios, self.criterion, batches, n=self.n, m=self.m,
-                               blocksize=self.blocksize or 128, percdamp=0.01 if self.percdamp is None else
-                               self.percdamp, forward=functools.partial(self._forward, module), convolutions=True)
+                                  blocksize=self.blocksize or 128, percdamp=0.01 if self.percdamp is None else
+                                  self.percdamp, forward=functools.partial(self._forward, module), convolutions=True)
 
     def _owl(self, module: nn.Module, layers: list, record: dict) -> tuple[dict[str, float], dict[str, float]]:
         """OWL's ratio and block outlier share ``D`` of every pruned layer (``prune --preset owl``'s
@@ -477,12 +475,11 @@ class HTSRPruning(LayerwiseCallback):
     def _calibration_batches(self, record: dict) -> list:
         """The first ``n_calibration`` samples of the calibration data, taken once per pruning event."""
         if self._batches is None:
-            batches = bc.take_samples(self._calibration_source(), self.n_calibration)
-            got = bc.sample_count(batches)
+            self._batches = bc.take_samples(self._calibration_source(), self.n_calibration)
+            got = bc.sample_count(self._batches)
             if got < self.n_calibration:
                 warn(f"HTSRPruning({self._calibrated_by()}) calibrates on {got} samples, all the calibration data "
                      f"has; n_calibration={self.n_calibration} asked for more", category=UserWarning)
-            self._batches = batches
         record["calibration_samples"] = bc.sample_count(self._batches)
         return self._batches
 
@@ -510,10 +507,10 @@ class HTSRPruning(LayerwiseCallback):
 
     def receive(self, decision: Decision) -> None:
         super().receive(decision)
-        masks, channels, *rest = decision.payload
+        masks, channels, weights = decision.payload
         self.masks = {k: v.cpu().bool() for k, v in masks.items()}
         self.channels = dict(channels)
-        self._weights = dict(rest[0]) if rest else {}
+        self._weights = dict(weights)
         self._fresh = True
 
     def apply(self, host: Host) -> dict:

@@ -155,12 +155,11 @@ class TempBalanceCallback(LayerwiseCallback):
 
     def decide(self, measured: tuple[dict[str, float], float]) -> Decision:
         alphas, base_lr = measured
-        names = list(alphas)
-        a = np.array([alphas[n] for n in names], dtype=np.float64)
+        a = np.array(list(alphas.values()), dtype=np.float64)
         rng = np.random.default_rng([self.seed, self._n_updates])
         m = assign_multipliers(a, self.assign, lr_min_ratio=self.lr_min_ratio, lr_max_ratio=self.lr_max_ratio,
                                rng=rng, std=self.std, base_lr=base_lr)
-        return Decision(values=dict(zip(names, m.tolist())), scores=dict(zip(names, a.tolist())))
+        return Decision(values=dict(zip(alphas, m.tolist())), scores=dict(zip(alphas, a.tolist())))
 
     def apply(self, host: Host) -> None:
         self.apply_multipliers(host, self.multipliers)

@@ -335,15 +335,23 @@ def inner_optimizer(spec: str | Callable, params: list[nn.Parameter], lr: float)
     return (torch.optim.Adam if spec == "adam" else torch.optim.SGD)(params, lr=lr)
 
 
-def measurement_cost(sizes: Mapping[str, int], n_batches: int) -> tuple[str, int, str]:
-    """(the sentence saying what a measurement holds and runs, its bytes, the block holding the
-    most) from the bytes of every block's states and co-states of a batch."""
+def measurement_cost(sizes: Mapping[str, int], n_batches: int, limit: int, head: str | None = None
+                     ) -> tuple[str, bool]:
+    """(the sentence saying what a measurement holds and runs, whether that is more than
+    ``limit`` bytes) from the bytes of every block's states and co-states of a batch. Over the
+    limit it says what helps: ``head=False`` when the largest is the ``head`` block (a language
+    model's logits), else a smaller batch."""
     total = sum(sizes.values())
     big = max(sizes, key=sizes.get)
     text = (f"L-MSA: measuring holds the states and co-states of {len(sizes)} blocks, about {total / 2**20:.3g} MiB "
             f"per batch (the most: {big!r}, {sizes[big] / 2**20:.3g} MiB), and runs the model once per block and "
             f"batch ({len(sizes)} x n_batches={n_batches} forward passes per selection)")
-    return text, total, big
+    if total <= limit:
+        return text, False
+    if big == head:
+        return text + ("; head=False leaves the head to the module's optimizer and its outputs (the logits) out of "
+                       "the measurement"), True
+    return text + "; a smaller batch holds less", True
 
 
 def maximize_hamiltonian(
