@@ -312,10 +312,9 @@ class LMSAStepper(LayerSelection):
     def _build_inner(self) -> None:
         opt = msa.inner_optimizer(self.inner_optimizer, [p for n in self.selected for p in self.taps.theta(n)],
                                   self.inner_lr)
-        if self._inner_state is not None:
-            if self._inner_state.get("for") == list(self.selected):
-                opt.load_state_dict(self._inner_state["state"])
-            self._inner_state = None
+        state, self._inner_state = self._inner_state, None  # a restored state goes on for the same blocks only
+        if state is not None and state.get("for") == list(self.selected):
+            opt.load_state_dict(state["state"])
         self._inner, self._inner_for = opt, list(self.selected)
 
     # ------------------------------------------------------------------ hooks

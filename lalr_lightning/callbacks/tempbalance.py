@@ -134,8 +134,7 @@ class TempBalanceCallback(LayerwiseCallback):
 
     @property
     def cadence(self) -> Cadence:  # the first allocation comes from the initial weights
-        by_step = self.every_n_steps is not None
-        return Cadence(start=True, every_n_epochs=None if by_step else self.every_n_epochs,
+        return Cadence(start=True, every_n_epochs=self.every_n_epochs if self.every_n_steps is None else None,
                        every_n_steps=self.every_n_steps)
 
     # ------------------------------------------------------------------ what
