@@ -21,22 +21,9 @@ from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback
 from lalr_lightning.callbacks.host import Cadence, Host, warn
-from lalr_lightning.choices import unknown
-from lalr_lightning.core.model.layers import check_kinds
-from lalr_lightning.core.spectral.lalr_metrics import (
-    DEFAULT_LAYER_TYPES,
-    GROUPS,
-    METRICS,
-    MODES,
-    check_weights,
-    lalr_layers,
-    lalr_multipliers,
-    lalr_raw,
-    lalr_table,
-    lalr_units,
-    layer_weight,
-    weight_shape,
-)
+from lalr_lightning.core.spectral import lalr_metrics as lm
+from lalr_lightning.core.spectral.lalr_metrics import DEFAULT_LAYER_TYPES, METRICS
+from lalr_lightning.core.spectral.settings import lalr_layer_checks, lalr_settings
 
 __all__ = ["LALRScheduleCallback"]
 
@@ -126,78 +113,25 @@ class LALRScheduleCallback(LayerwiseCallback):
         strict_resume: bool = True,
     ):
         super().__init__(name=name, strict_resume=strict_resume)
-        if mode not in MODES:
-            raise unknown("mode", mode, MODES)
-        if groups not in GROUPS:
-            raise unknown("groups", groups, GROUPS)
-        if weights is not None and mode != "weighted":
-            raise ValueError(f"weights only apply to mode='weighted' (got mode={mode!r}); drop weights or set the mode")
-        self.reject("mode", mode, {"phases": phases, "weights": weights, "hessian_delta": hessian_delta},
-                    {"sequential": ("phases",), "weighted": ("weights",), "hessian": ("hessian_delta",)})
-        self.reject("groups", groups, {"bins": bins, "hist_range": hist_range, "singleton_value": singleton_value},
-                    {"shape": ("singleton_value",), "histogram": ("bins", "hist_range")})
-        phases = METRICS if phases is None else (phases,) if isinstance(phases, str) else tuple(phases)
-        if not phases:
-            raise ValueError("phases is empty: give at least one of svd, ce, cs (e.g. phases=['svd', 'ce', 'cs'])")
-        bad = [p for p in phases if p not in METRICS]
-        if bad:
-            raise ValueError(
-                f"unknown phase name(s) {bad} in phases={list(phases)}; valid: {', '.join(METRICS)} "
-                "(any order or subset, e.g. phases=['svd', 'ce', 'cs'])"
-            )
-        hessian_delta = 0.1 if hessian_delta is None else hessian_delta
-        bins = 64 if bins is None else bins
-        hist_range = 8.0 if hist_range is None else hist_range
-        singleton_value = 0.5 if singleton_value is None else singleton_value
-        if not 0.0 <= floor <= 1.0:
-            raise ValueError(f"floor must be in [0, 1] (0 = the paper exactly), got {floor}")
-        if not 0.0 < hessian_delta <= 1.0:
-            raise ValueError(f"hessian_delta must be in (0, 1], got {hessian_delta}")
-        if int(bins) < 2 or not hist_range > 0 or not eps > 0 or not 0.0 <= singleton_value <= 1.0:
-            raise ValueError(
-                f"need bins >= 2, hist_range > 0, eps > 0, 0 <= singleton_value <= 1; got bins={bins}, "
-                f"hist_range={hist_range}, eps={eps}, singleton_value={singleton_value}"
-            )
-        self.phases = phases
-        self.mode = mode
-        self.floor = float(floor)
-        self.weights = check_weights(weights) if mode == "weighted" else None
-        self.hessian_delta = float(hessian_delta)
-        self.groups = groups
-        self.bins = int(bins)
-        self.hist_range = float(hist_range)
-        self.eps = float(eps)
-        self.singleton_value = float(singleton_value)
-        self.layer_types = check_kinds(layer_types)
-        self.trainable_only = bool(trainable_only)
+        self.__dict__.update(lalr_settings(  # every argument under its own name (settings() reads them back)
+            type(self).__name__, phases=phases, mode=mode, floor=floor, weights=weights, hessian_delta=hessian_delta,
+            groups=groups, bins=bins, hist_range=hist_range, eps=eps, singleton_value=singleton_value,
+            layer_types=layer_types, trainable_only=trainable_only))
         self.multipliers: dict[str, float] = {}
         self.metrics: pd.DataFrame | None = None
         self.phase: str | None = None
         self._position = 0  # updates done = position in the phase cycle
-        self._last_epoch: int | None = None
 
     # ------------------------------------------------------------------ when
 
     def configure(self, host: Host, module: nn.Module) -> None:
-        self.layers = lalr_layers(module, layer_types=self.layer_types, trainable_only=self.trainable_only)
-        if len(self.layers) < 2:
-            found = f"only {self.layers[0].name!r}" if self.layers else "none"
-            raise ValueError(
-                f"LALRScheduleCallback compares layers with each other and needs at least 2 weight matrices"
-                f"{' that train' if self.trainable_only else ''}; {type(module).__name__} has {found} of types "
-                f"{self.layer_types}. Widen layer_types{', set trainable_only=False' if self.trainable_only else ''}, "
-                "or use a model with more layers."
-            )
-        self._units = lalr_units(self.layers, self.groups)  # the work units, while the weights are whole
-        if self.groups == "shape":
-            shapes = [weight_shape(la) for la in self.layers]
-            alone = [la.name for la, s in zip(self.layers, shapes) if shapes.count(s) == 1]
-            if len(alone) * 2 > len(self.layers):
-                warn(
-                    f"LALRScheduleCallback(groups='shape'): {len(alone)} of {len(self.layers)} layers have no "
-                    f"same-shaped peer and get ce = cs = {self.singleton_value} ({', '.join(alone[:5])}"
-                    f"{' ...' if len(alone) > 5 else ''}); groups='histogram' compares every layer with every other"
-                )
+        self.layers = lm.lalr_layers(module, layer_types=self.layer_types, trainable_only=self.trainable_only)
+        note = lalr_layer_checks(type(self).__name__, type(module).__name__, self.layers, layer_types=self.layer_types,
+                                 trainable_only=self.trainable_only, groups=self.groups,
+                                 singleton_value=self.singleton_value)
+        self._units = lm.lalr_units(self.layers, self.groups)  # the work units, while the weights are whole
+        if note:
+            warn(note)
 
     # every epoch, from the weights at its start; resumed inside an epoch already measured, the
     # checkpoint's decision stays (the cadence decides once per epoch)
@@ -216,21 +150,21 @@ class LALRScheduleCallback(LayerwiseCallback):
 
         def raw(layers):
             self.check_finite(host, {la.name: la.weight for la in layers}, "the weights")
-            return lalr_raw(layers, groups=self.groups, bins=self.bins, hist_range=self.hist_range, eps=self.eps)
+            return lm.lalr_raw(layers, groups=self.groups, bins=self.bins, hist_range=self.hist_range, eps=self.eps)
 
         measured = self.measure_shards(host, module, self._units, raw)
-        return lalr_table(self.layers, measured, groups=self.groups, bins=self.bins, eps=self.eps,
-                          singleton_value=self.singleton_value)
+        return lm.lalr_table(self.layers, measured, groups=self.groups, bins=self.bins, eps=self.eps,
+                             singleton_value=self.singleton_value)
 
     def weight_of(self, layer) -> torch.Tensor:
-        return layer_weight(layer)  # a LoRA layer is measured on W + s BA
+        return lm.layer_weight(layer)  # a LoRA layer is measured on W + s BA
 
     def decide(self, metrics: pd.DataFrame) -> Decision:
         phase = self.next_phase
         kw = dict(mode=self.mode, phase=phase if self.mode == "sequential" else "svd", weights=self.weights,
                   hessian_delta=self.hessian_delta)
-        mults = lalr_multipliers(metrics, floor=self.floor, **kw)
-        raw = lalr_multipliers(metrics, floor=0.0, **kw)  # the metric behind the multiplier, in [0, 1]
+        mults = lm.lalr_multipliers(metrics, floor=self.floor, **kw)
+        raw = lm.lalr_multipliers(metrics, floor=0.0, **kw)  # the metric behind the multiplier, in [0, 1]
         measured = {m: dict(zip(metrics["name"], metrics[m].astype(float))) for m in METRICS}
         summary = {"phase": float(METRICS.index(phase))} if self.mode == "sequential" else {}
         return Decision(values=mults, scores=raw, measurements=measured, record={"phase": phase}, summary=summary,
@@ -246,7 +180,6 @@ class LALRScheduleCallback(LayerwiseCallback):
 
     def commit(self, host: Host, decision: Decision) -> None:
         self._position += 1
-        self._last_epoch = host.current_epoch
         super().commit(host, decision)
 
     def heatmap_xlabel(self) -> str:
@@ -258,16 +191,14 @@ class LALRScheduleCallback(LayerwiseCallback):
     # ------------------------------------------------------------------ state
 
     def _state(self) -> dict:
-        # plain Python containers only, so checkpoints load with torch.load(weights_only=True)
-        metrics = None
-        if self.metrics is not None:
-            metrics = {c: [v.item() if hasattr(v, "item") else v for v in self.metrics[c].tolist()]
-                       for c in self.metrics.columns}
-        return {"position": self._position, "last_epoch": self._last_epoch, "phase": self.phase, "metrics": metrics}
+        # plain Python containers only (pandas gives Python numbers), so checkpoints load with
+        # torch.load(weights_only=True)
+        metrics = None if self.metrics is None else self.metrics.to_dict("list")
+        last_epoch = self.history[-1]["epoch"] if self.history else None  # kept in the state as it always was
+        return {"position": self._position, "last_epoch": last_epoch, "phase": self.phase, "metrics": metrics}
 
     def _load_state(self, state: dict) -> None:
         self._position = int(state["position"])
-        self._last_epoch = state["last_epoch"]
         self.phase = state.get("phase")
         m = state.get("metrics")
         self.metrics = pd.DataFrame(m) if m is not None else None

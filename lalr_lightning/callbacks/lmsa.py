@@ -23,7 +23,6 @@ from torch import nn
 from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
 from lalr_lightning.callbacks.host import Host, say, warn
 from lalr_lightning.callbacks.selection import LayerSelection
-from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.batch_loss import batch_loss
 from lalr_lightning.core.model.layers import describe_blocks
 from lalr_lightning.core.model.taps import BlockTaps
@@ -31,7 +30,7 @@ from lalr_lightning.core.runtime.control import LayerControl
 from lalr_lightning.core.runtime.errors import DivergenceError
 from lalr_lightning.core.runtime.shards import gather_objects, layer_paths, layers_in
 from lalr_lightning.core.selection import msa
-from lalr_lightning.core.selection.msa_settings import INNER_OPTIMIZERS, SELECT, UPDATE, lmsa_settings
+from lalr_lightning.core.selection.msa_settings import INNER_OPTIMIZERS, SELECT, UPDATE, check_blocks, lmsa_settings
 
 __all__ = ["LMSAStepper", "SELECT", "UPDATE", "INNER_OPTIMIZERS"]
 
@@ -196,16 +195,6 @@ class LMSAStepper(LayerSelection):
     ):
         super().__init__(blocks=blocks, join_stem=join_stem, norm_eval=norm_eval, save_compute=save_compute,
                          optimizer_state=optimizer_state, name=name, strict_resume=strict_resume)
-        if select not in SELECT:
-            raise unknown("select", select, SELECT)
-        if update not in UPDATE:
-            raise unknown("update", update, UPDATE)
-        inner = ("rho", "inner_optimizer", "inner_lr", "inner_steps", "feasibility")
-        self.reject("update", update, dict(zip(inner, (rho, inner_optimizer, inner_lr, inner_steps, feasibility))),
-                    {"msa": inner, "optimizer": ()})
-        self.reject("select", select, {"num_blocks": num_blocks}, {"min": ("num_blocks",), "all": ()})
-        if metric_rho is not None and rho_scale is not None:
-            raise ValueError("rho_scale scales rho_hat, which metric_rho replaces; give one of them")
         n_batches = self._alias(n_batches, selection_batches, "selection_batches", "n_batches", default=1)
         every_n_epochs = self._alias(every_n_epochs, reselect_every_n_epochs, "reselect_every_n_epochs",
                                      "every_n_epochs")
@@ -224,7 +213,6 @@ class LMSAStepper(LayerSelection):
         self.taps: BlockTaps | None = None
         self._batch: Any = None
         self._stepping = False
-        self._last_h: list = []
         self._costates: list[tuple[str, torch.Tensor]] = []  # (block, all finite) of updates not yet checked
         self._block_params: set[int] = set()
         self._selected_params: set[int] = set()
@@ -259,21 +247,11 @@ class LMSAStepper(LayerSelection):
             self.layers = self.find_blocks(module, head=self.head, min_blocks=1, host=host)
         except ValueError as err:
             raise ValueError(f"LMSAStepper: {err}") from err
-        for layer in self.layers:
-            if not any(p.requires_grad for p in layer.params.values()):
-                raise ValueError(
-                    f"LMSAStepper: block {layer.name!r} has no parameter that requires grad; do not freeze blocks "
-                    "with requires_grad=False (LMSAStepper freezes through the optimizer), or leave the block out "
-                    "with blocks=[...]"
-                )
-        if self.select == "min" and self.num_blocks > len(self.layers):
-            raise ValueError(f"num_blocks={self.num_blocks} but the model has {len(self.layers)} blocks: "
-                             f"{self.block_names}")
+        trainable = {la.name: any(p.requires_grad for p in la.params.values()) for la in self.layers}
+        note = check_blocks(trainable, self.select, self.num_blocks)
         say(f"L-MSA blocks of {type(module).__name__}: {describe_blocks(self.layers)}")
-        if self.select == "min" and self.num_blocks == len(self.layers):
-            warn(f"LMSAStepper cannot choose: num_blocks={self.num_blocks} selects every block "
-                           f"({self.block_names}) at every selection; lower num_blocks, or split the model into more "
-                           "blocks with blocks=[...]")
+        if note:
+            warn(note)
         self._block_params = {id(p) for b in self.layers for p in b.params.values()}
         self.taps = BlockTaps(module, self.layers, want_input_costate=self.feasibility > 0, seed=self.seed)
 
@@ -297,12 +275,8 @@ class LMSAStepper(LayerSelection):
 
     def after_wrap(self, host: Host) -> None:
         super().after_wrap(host)
-        if self.update == "msa":
-            def msa_step(step, host=host) -> None:
-                with host.forward_context():
-                    self._msa_update(host, host.module)
-
-            LayerControl.of(host.optimizers[0]).set_transform(self.state_key, msa_step)
+        if self.update == "msa":  # the Hamiltonian maximization, right after each optimizer step
+            LayerControl.of(host.optimizers[0]).set_transform(self.state_key, lambda step: self._msa_update(host))
 
     def release(self, host: Host) -> None:
         super().release(host)
@@ -313,32 +287,22 @@ class LMSAStepper(LayerSelection):
 
     def apply(self, host: Host) -> None:
         """msa: every block frozen in the module's optimizer (the Hamiltonian step moves the
-        selected ones); optimizer: the others frozen. Nothing trains before a selection."""
+        selected ones); optimizer: the others frozen. Nothing trains before a selection. With
+        ``save_compute``, where the strategy lets ``requires_grad`` change, the backward computes
+        weight gradients for the module optimizer's blocks only (none with msa, which reads only
+        states and co-states: the taps route the backward to the captured block outputs)."""
         on = set() if self.update == "msa" else set(self.selected)
-        self.apply_frozen(host, [n for n in self.block_names if n not in on])
-        self.release_state(host, [b for b in self.layers if b.name not in on])
+        off = [b for b in self.layers if b.name not in on]
+        self.apply_frozen(host, [b.name for b in off])
+        self.release_state(host, off)
         self._selected_params = {id(p) for b in self.layers if b.name in self.selected for p in b.params.values()}
-        self._grads_for(self._weight_grads())
+        # under FSDP the first backward needs something that requires grad (the live taps anchor none)
+        if self.save_compute and self._toggle and self.feasibility == 0 and (self.whole is None or self.selected):
+            self.set_requires_grad([b for b in self.layers if b.name in on], True)
+            self.set_requires_grad(off, False)
         if self.update == "msa" and self.selected and (self._inner is None or self._inner_for != self.selected):
             self._build_inner()
         self.apply_norm_modes()
-
-    def _weight_grads(self) -> list[str]:
-        """The blocks whose weight gradients the backward must compute: the module optimizer's
-        blocks (``update="optimizer"``); none with ``update="msa"``, which reads only states and
-        co-states (the taps route the backward to the captured block outputs)."""
-        return list(self.selected) if self.update == "optimizer" else []
-
-    def _grads_for(self, names: Sequence[str]) -> None:
-        """``requires_grad`` on for the blocks ``names`` only (``save_compute``, where the strategy
-        lets it change): the backward then skips the other blocks' weight gradients."""
-        if not (self.save_compute and self._toggle and self.feasibility == 0):
-            return
-        if self.whole is not None and not self.selected:
-            return  # FSDP: the first backward needs something that requires grad (the live taps anchor none)
-        on = set(names)
-        self.set_requires_grad([b for b in self.layers if b.name in on], True)
-        self.set_requires_grad([b for b in self.layers if b.name not in on], False)
 
     def trains(self, p: torch.nn.Parameter) -> bool:
         if id(p) in self._block_params:
@@ -346,72 +310,51 @@ class LMSAStepper(LayerSelection):
         return super().trains(p)  # outside the blocks: the module's optimizer decides
 
     def _build_inner(self) -> None:
-        params = [p for n in self.selected for p in self.taps.theta(n)]
-        if callable(self.inner_optimizer):
-            opt = self.inner_optimizer(params)
-        elif self.inner_optimizer == "adam":
-            opt = torch.optim.Adam(params, lr=self.inner_lr)
-        else:
-            opt = torch.optim.SGD(params, lr=self.inner_lr)
-        if self._inner_state is not None:
-            if self._inner_state.get("for") == list(self.selected):
-                opt.load_state_dict(self._inner_state["state"])
-            self._inner_state = None
+        opt = msa.inner_optimizer(self.inner_optimizer, [p for n in self.selected for p in self.taps.theta(n)],
+                                  self.inner_lr)
+        state, self._inner_state = self._inner_state, None  # a restored state goes on for the same blocks only
+        if state is not None and state.get("for") == list(self.selected):
+            opt.load_state_dict(state["state"])
         self._inner, self._inner_for = opt, list(self.selected)
 
     # ------------------------------------------------------------------ hooks
 
     def _capture_names(self) -> list[str]:
-        if self.whole is not None:
+        if self.whole is not None:  # FSDP: the live taps capture nothing
             return []
-        if self._measuring:
-            return self.block_names
-        if self.update == "msa":
-            return list(self.selected)
-        return []
+        return self.block_names if self._measuring else list(self.selected) if self.update == "msa" else []
 
     def each_epoch(self, host: Host) -> None:
         super().each_epoch(host)
         self._check_costates(host)
-        if self._measuring:
-            return  # a measurement still running (resumed, or longer than an epoch)
         epoch, k = host.current_epoch, self.every_n_epochs
-        if not self.selected or (k is not None and epoch % k == 0 and self._last_selection_epoch != epoch):
+        due = not self.selected or (k is not None and epoch % k == 0 and self._last_selection_epoch != epoch)
+        if due and not self._measuring:  # not while a measurement still runs (resumed, or longer than an epoch)
             self._measuring, self._measured, self._acc = True, 0, {}
 
     def each_batch(self, host: Host, batch: Any) -> None:
-        module = host.module
         self._batch = batch
         self.taps.context = batch
         self.taps.seed = self.seed * 1_000_003 + host.global_step
         if not self.taps.discovered and self.whole is None:
-            self.taps.discover(lambda: self._loss(module, batch))
-            self._report_cost(module)
+            self.taps.discover(lambda: self._loss(host.module, batch))
+            self._report_cost()
         self.taps.set_capture(self._capture_names())
         super().each_batch(host, batch)
 
     #: a measurement holding more than this many bytes of states and co-states warns (with its size)
     warn_bytes: int = 2 * 2**30
 
-    def _report_cost(self, module: nn.Module) -> None:
+    def _report_cost(self) -> None:
         """State, before the first measurement, what it holds and runs: every block's states and
         co-states of a batch, and one forward pass of the model per block and batch; warn when
         the states exceed :attr:`warn_bytes`, naming the largest (a language model's logits)."""
-        sizes = self.taps.capture_bytes()
-        total = sum(sizes.values())
-        big = max(sizes, key=sizes.get)
-        text = (f"L-MSA: measuring holds the states and co-states of {len(sizes)} blocks, about {total / 2**20:.3g} MiB "
-                f"per batch (the most: {big!r}, {sizes[big] / 2**20:.3g} MiB), and runs the model once per block and "
-                f"batch ({len(sizes)} x n_batches={self.n_batches} forward passes per selection)")
-        if total > self.warn_bytes:
-            head = self.layers[-1].role == "head" and big == self.layers[-1].name
-            warn(text + ("; head=False leaves the head to the module's optimizer and its outputs (the logits) "
-                                   "out of the measurement" if head else "; a smaller batch holds less"))
-        else:
-            say(text)
+        last = self.layers[-1]
+        text, too_big = msa.measurement_cost(self.taps.capture_bytes(), self.n_batches, self.warn_bytes,
+                                             head=last.name if last.role == "head" else None)
+        (warn if too_big else say)(text)
 
     def after_backward(self, host: Host) -> None:
-        module = host.module
         if self.whole is not None:
             if self._measuring:
                 self._measure_on_copy(host)
@@ -422,7 +365,7 @@ class LMSAStepper(LayerSelection):
         self._normalize(host, names)
         if self._measuring:
             with host.forward_context():
-                self._measure_batch(host, module)
+                self._add(host, self._scores(host, self.taps, lambda: self._loss(host.module, self._batch)))
         keep = set(self.selected) if self.update == "msa" else set()
         self.taps.clear([n for n in self.block_names if n not in keep])
 
@@ -455,16 +398,11 @@ class LMSAStepper(LayerSelection):
     def _normalize(self, host: Host, names: Sequence[str]) -> None:
         """Bring new co-states to ``-dL/dx`` of the batch loss: Lightning divides the loss by
         ``accumulate_grad_batches`` before backward, and AMP scales it."""
-        factor = float(host.accumulate)
         scaler = host.grad_scaler
-        if scaler is not None:
-            factor /= float(scaler.get_scale())
+        factor = float(host.accumulate) / (1.0 if scaler is None else float(scaler.get_scale()))
         self.taps.scale_costates(names, factor, "LMSAStepper")
 
     # ------------------------------------------------------------------ selection
-
-    def _measure_batch(self, host: Host, module: nn.Module) -> None:
-        self._add(host, self._scores(host, self.taps, lambda: self._loss(module, self._batch)))
 
     def _scores(self, host: Host, taps: BlockTaps, run: Callable[[], torch.Tensor]) -> dict[str, list]:
         """``[J_hat, rho_hat, rgn]`` of every block on the batch ``taps`` captured (``run``: its loss)."""
@@ -477,11 +415,8 @@ class LMSAStepper(LayerSelection):
                                 rho_scale=self.rho_scale, check=stop_on_sigterm(host))
 
     def _add(self, host: Host, scores: dict[str, list]) -> None:
-        for name, values in scores.items():
-            acc = self._acc.setdefault(name, [0.0, 0.0, 0.0, 0])
-            for i, v in enumerate(values):
-                acc[i] += v
-            acc[3] += 1
+        for name, values in scores.items():  # [sum J_hat, sum rho_hat, sum rgn, batches]
+            self._acc[name] = [a + v for a, v in zip(self._acc.get(name, [0.0, 0.0, 0.0, 0]), [*values, 1])]
         self._measured += 1
         if self._measured >= self.n_batches:
             self.conclude(host, self._reduce(host))
@@ -532,10 +467,7 @@ class LMSAStepper(LayerSelection):
 
     def decide(self, measured: dict[str, dict[str, float]]) -> Decision:
         scores = measured["j_hat"]
-        if all(not math.isfinite(v) for v in scores.values()):
-            raise RuntimeError("LMSAStepper: every block's one-step update diverged (J_hat is inf/NaN for all); "
-                               "raise rho_scale or set metric_rho")
-        chosen = self.block_names if self.select == "all" else msa.select_smallest(scores, self.num_blocks)
+        chosen = msa.choose_blocks(scores, self.select, self.num_blocks)
         extra = {"rho_hat": measured["rho_hat"], "rgn": measured["rgn"]}
         return Decision(values={n: float(n in chosen) for n in self.block_names}, scores=scores,
                         measurements=extra, record={k: dict(v) for k, v in extra.items()})
@@ -547,68 +479,35 @@ class LMSAStepper(LayerSelection):
 
     # ------------------------------------------------------------------ MSA update
 
-    def _msa_update(self, host: Host, module: nn.Module) -> None:
-        if not self.selected:
-            return
-        taps = self.taps
-        params: list[torch.nn.Parameter] = []
-        terms: list[msa.HamiltonianTerm] = []
-        for name in self.selected:
-            caps = taps.captures[name]
-            if not caps:
-                return  # nothing captured for this step (e.g. the selection came after it)
-            theta = taps.theta(name)
-            index = list(range(len(params), len(params) + len(theta)))
-            params.extend(theta)
-            for cap in caps:
-                # read on the host only at a logging step or the next epoch (_check_costates)
-                self._costates.append((name, torch.isfinite(cap.p).all()))
-                batch = cap.context
-
-                def run(batch=batch) -> torch.Tensor:
-                    return self._loss(module, batch)
-
-                terms.append(msa.HamiltonianTerm(
-                    taps.block_fn(name, cap, run), index, cap.p, x_next=cap.out, x_in=cap.x_in, p_in=cap.p_in,
-                    weight=1.0 / len(caps),
-                ))
-        reduce = None
-        if host.world_size > 1:
-            def reduce(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-                flat = host.mean(torch.cat([g.reshape(-1) for g in grads]))
-                out, i = [], 0
-                for g in grads:
-                    out.append(flat[i:i + g.numel()].view_as(g))
-                    i += g.numel()
-                return out
-        values = msa.maximize_hamiltonian(terms, params, self._inner, steps=self.inner_steps, rho=self.rho,
-                                          feasibility=self.feasibility, reduce_grads=reduce,
-                                          check=stop_on_sigterm(host), host=False)
-        self._last_h = [values[0], values[-1]] if values else []
+    def _msa_update(self, host: Host) -> None:
+        found = msa.hamiltonian_terms(self.taps, self.selected, functools.partial(self._loss, host.module))
+        if found is None:
+            return  # nothing captured for this step (e.g. the selection came after it)
+        params, terms, finite = found
+        self._costates += finite  # read on the host only at a logging step or the next epoch (_check_costates)
+        reduce = functools.partial(msa.mean_flat, mean=host.mean) if host.world_size > 1 else None
+        with host.forward_context():
+            values = msa.maximize_hamiltonian(terms, params, self._inner, steps=self.inner_steps, rho=self.rho,
+                                              feasibility=self.feasibility, reduce_grads=reduce,
+                                              check=stop_on_sigterm(host), host=False)
         if host.should_log():
             self._check_costates(host)
-            if self._last_h:
-                self.log_values(host, {f"{self.prefix}/hamiltonian_first": float(self._last_h[0]),
-                                       f"{self.prefix}/hamiltonian_last": float(self._last_h[-1])})
+            if values:
+                self.log_values(host, {f"{self.prefix}/hamiltonian_first": float(values[0]),
+                                       f"{self.prefix}/hamiltonian_last": float(values[-1])})
 
     def _check_costates(self, host: Host) -> None:
         """Raise :class:`DivergenceError` for the blocks whose co-states held NaN or Inf in a
         Hamiltonian update since the last check (one device-to-host read for all of them)."""
         pending, self._costates = self._costates, []
-        if not pending:
-            return
-        ok = torch.stack([flag.to(pending[0][1].device) for _, flag in pending]).tolist()
-        bad = sorted({name for (name, _), good in zip(pending, ok) if not good})
-        self.check_finite(host, {name: math.nan for name in bad}, "the co-states (-dL/dx of the block outputs)")
+        self.check_finite(host, dict.fromkeys(msa.nonfinite_blocks(pending), math.nan),
+                          "the co-states (-dL/dx of the block outputs)")
 
     # ------------------------------------------------------------------ state
 
     def _state(self) -> dict:
-        inner = None
-        if self._inner is not None:
-            inner = {"for": list(self._inner_for), "state": self._inner.state_dict()}
-        elif self._inner_state is not None:
-            inner = self._inner_state
+        inner = self._inner_state if self._inner is None else {"for": list(self._inner_for),
+                                                                  "state": self._inner.state_dict()}
         return {
             "last_selection_epoch": self._last_selection_epoch,
             "measuring": self._measuring,

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import warnings
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -20,24 +18,14 @@ from torch import nn
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
 from lalr_lightning.callbacks.host import Host, warn
 from lalr_lightning.callbacks.planning import _NoFit
-from lalr_lightning.core.model.batch_loss import call_model, split_batch, step_loss
-from lalr_lightning.core.model.layers import DEFAULT_KINDS, inside_attention
-from lalr_lightning.core.pruning.alphapruning import (
-    DIRECTIONS,
-    PRUNING_METRICS,
-    block_average_values,
-    block_groups,
-    cubic_sparsity,
-    layer_masks,
-    prunable_layers,
-    pruning_ratios,
-)
-from lalr_lightning.core.pruning.by_criterion import criterion_prune, load_weights, sample_count, take_samples
+from lalr_lightning.core.model.layers import DEFAULT_KINDS
+from lalr_lightning.core.pruning import alphapruning as ap
+from lalr_lightning.core.pruning import by_criterion as bc
+from lalr_lightning.core.pruning.alphapruning import DIRECTIONS, PRUNING_METRICS, pruning_ratios
 from lalr_lightning.core.pruning.criteria import CRITERIA, needs_stats
 from lalr_lightning.core.pruning.owl import owl_layer_ratios
 from lalr_lightning.core.pruning.settings import PRESETS, check_when, pruning_settings
 from lalr_lightning.core.runtime.shards import all_sum, layer_paths, layers_in, local_tensor, shard_layout, sharded
-from lalr_lightning.core.spectral import htsr
 
 __all__ = ["HTSRPruning", "PRESETS", "PRUNING_METRICS", "DIRECTIONS", "CRITERIA", "pruning_ratios"]
 
@@ -223,14 +211,9 @@ class HTSRPruning(LayerwiseCallback):
         exclude_head: bool | None = None,
     ):
         super().__init__(name=name, strict_resume=strict_resume)
-        settings = pruning_settings(
-            type(self).__name__, metric=metric, target_sparsity=target_sparsity, epsilon=epsilon, direction=direction,
-            structured=structured, when=when, gradual_epochs=gradual_epochs, block_average=block_average,
-            blocks=blocks, fit=fit, filter_zeros=filter_zeros, min_numel=min_numel, min_evals=min_evals,
-            layer_types=layer_types, head=head, overflow=overflow, max_ratio=max_ratio, channel_step=channel_step,
-            make_permanent=make_permanent, preset=preset, criterion=criterion, n=n, m=m,
-            n_calibration=n_calibration, calibration=calibration, blocksize=blocksize, percdamp=percdamp,
-            owl_m=owl_m, owl_lambda=owl_lambda)
+        given = {k: v for k, v in locals().items() if k not in ("self", "__class__", "name", "strict_resume",
+                                                                  "exclude_head")}  # the settings as given
+        settings = pruning_settings(type(self).__name__, **given)
         if exclude_head is not None:
             settings["head"] = not self._alias(None, exclude_head, "exclude_head", "head")
         self.__dict__.update(settings)  # every argument under its own name (settings() reads them back)
@@ -257,29 +240,13 @@ class HTSRPruning(LayerwiseCallback):
         if not isinstance(host, _NoFit):  # plan(model) has no fit, hence no max_epochs
             check_when(type(self).__name__, self.when, self.gradual_epochs, host.max_epochs)
         self._model = module
-        self.layers, self.excluded = prunable_layers(
-            module, layer_types=self.layer_types, head=self.head, min_numel=self.min_numel,
-            min_evals=self.min_evals,
-        )
-        if self.criterion != "magnitude" or self.m:  # row-wise criteria hook a Linear's own inputs
-            packed = [la.name for la in self.layers if inside_attention(la)]
-            self.excluded.update({n: f"a projection inside nn.MultiheadAttention, whose inputs criterion={self.criterion!r}"
-                                     + (f" (n={self.n}, m={self.m})" if self.m else "") + " cannot read: "
-                                     "criterion='magnitude' prunes it" for n in packed})
-            self.layers = [la for la in self.layers if la.name not in packed]
-            if not self.layers:
-                raise ValueError(f"HTSRPruning(criterion={self.criterion!r}) has no layer left to prune: "
-                                 f"{', '.join(packed)} are projections inside nn.MultiheadAttention, whose inputs it "
-                                 "cannot read; "
-                                 "use criterion='magnitude'")
-        small = {k: v for k, v in self.excluded.items() if not v.startswith("classifier head")}
-        if small:
-            warn(
-                "HTSRPruning leaves these layers dense: "
-                + "; ".join(f"{k} ({v})" for k, v in small.items())
-                + ". Lower min_numel / min_evals to include them.",
-                category=UserWarning,
-            )
+        layers, self.excluded = ap.prunable_layers(module, layer_types=self.layer_types, head=self.head,
+                                                   min_numel=self.min_numel, min_evals=self.min_evals)
+        self.layers, packed = bc.readable_layers(layers, self.criterion, self.n, self.m)
+        self.excluded.update(packed)
+        note = ap.dense_note(self.excluded)
+        if note:
+            warn(note, category=UserWarning)
         self._params = {n: p for layer in self.layers for n, p in layer.params.items()}
 
     @property
@@ -308,7 +275,7 @@ class HTSRPruning(LayerwiseCallback):
             self._trainer = None
         masks, channels, weights = decision.payload
         if weights and not host.is_global_zero:  # SparseGPT moved the kept weights: before the cut
-            load_weights(self._params, weights)
+            bc.load_weights(self._params, weights)
         self.early = dataclasses.replace(decision, payload=(masks, channels, {}))
 
     def first_decision(self, host: Host) -> None:
@@ -334,12 +301,10 @@ class HTSRPruning(LayerwiseCallback):
 
     def each_epoch(self, host: Host) -> None:
         epoch = host.current_epoch
-        if isinstance(self.when, int):
-            if epoch >= self.when and not self.history:
-                self.prune(host, 1.0)
-        elif self.when == "gradual":
-            if epoch < self.gradual_epochs and epoch not in {h["epoch"] for h in self.history}:
-                self.prune(host, cubic_sparsity(epoch, self.gradual_epochs))
+        if isinstance(self.when, int) and epoch >= self.when and not self.history:
+            self.prune(host, 1.0)
+        elif self.when == "gradual" and epoch < self.gradual_epochs and epoch not in {h["epoch"] for h in self.history}:
+            self.prune(host, ap.cubic_sparsity(epoch, self.gradual_epochs))
 
     def finish(self, host: Host) -> None:
         if not self.masks:
@@ -384,9 +349,9 @@ class HTSRPruning(LayerwiseCallback):
         real = {la.name: la for la in self.layers}
 
         def masks_of(stand_ins):
-            return {s.name: layer_masks([real[s.name]], decision.values, self._level, structured=self.structured,
-                                        channel_step=self.channel_step, previous=self.masks,
-                                        weights={s.name: s.weight}, shapes=shapes)
+            return {s.name: ap.layer_masks([real[s.name]], decision.values, self._level, structured=self.structured,
+                                           channel_step=self.channel_step, previous=self.masks,
+                                           weights={s.name: s.weight}, shapes=shapes)
                     for s in stand_ins}
 
         masks, channels = {}, {}
@@ -412,49 +377,30 @@ class HTSRPruning(LayerwiseCallback):
 
     def measure(self, host: Host, module: nn.Module) -> dict[str, float] | None:
         """The metric of every pruned layer on the current weights (block-averaged if asked);
-        None once the ratios are fixed (the first event decides them)."""
-        if self.ratios:
-            self._check_weights(host, module)  # a later gradual event masks what diverged otherwise
-            return None
-        names = [layer.name for layer in self.layers]
-        if self.epsilon == 0 or self.preset == "owl":  # uniform, or OWL: from the activations (in decide)
+        None once the ratios are fixed (the first event decides them): the weights are then only
+        checked, as a later gradual event masks what diverged otherwise (under FSDP each rank checks
+        its share of the layers, whole, and an error on one is raised on all)."""
+        fixed = bool(self.ratios)
+        if not fixed and (self.epsilon == 0 or self.preset == "owl"):  # uniform, or OWL: from the activations
             return {}
 
         def metric(layers):
             self.check_finite(host, {layer.name: layer.weight for layer in layers}, "the weights")
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # analyze's skip warnings: we chose the layers
-                df = htsr.analyze(layers, fit=self.fit, metrics=[self.metric], min_evals=1,
-                                      filter_zeros=self.filter_zeros)
-            return dict(zip(df["name"], df[self.metric].astype(float)))
+            return {} if fixed else ap.layer_metric(layers, self.metric, fit=self.fit, filter_zeros=self.filter_zeros)
 
         values = self.measure_shards(host, module, [[layer] for layer in self.layers], metric)
-        bad = {n: values.get(n) for n in names if n not in values or not math.isfinite(values[n])}
-        if bad:
-            raise ValueError(
-                f"metric {self.metric!r} is not finite for layers {bad} (all-zero or constant weights?); "
-                "exclude them (min_numel) or choose another metric"
-            )
-        values = {n: values[n] for n in names}
+        if fixed:
+            return None
+        values = ap.finite_metric(values, [layer.name for layer in self.layers], self.metric)
         if self.block_average:
-            values = block_average_values(values, block_groups(self._model, self.layers, self.blocks))
+            values = ap.block_average_values(values, ap.block_groups(self._model, self.layers, self.blocks))
         return values
-
-    def _check_weights(self, host: Host, module: nn.Module) -> None:
-        """:class:`DivergenceError` when a pruned layer's weights hold NaN or Inf (under FSDP each rank
-        checks its share of the layers, whole, and an error on one is raised on all)."""
-        def check(layers):
-            self.check_finite(host, {layer.name: layer.weight for layer in layers}, "the weights")
-            return {}
-
-        self.measure_shards(host, module, [[layer] for layer in self.layers], check)
 
     def _ratio_array(self, metric: dict[str, float]) -> np.ndarray:
         """The ratio of every pruned layer (model order) from its metric."""
-        numels = [self._numel(layer) for layer in self.layers]
-        values = [metric.get(layer.name, 0.0) for layer in self.layers]
-        return pruning_ratios(values, numels, self.target_sparsity, self.epsilon, self.direction,
-                              overflow=self.overflow, max_ratio=self.max_ratio)
+        return pruning_ratios([metric.get(la.name, 0.0) for la in self.layers], [self._numel(la) for la in self.layers],
+                              self.target_sparsity, self.epsilon, self.direction, overflow=self.overflow,
+                              max_ratio=self.max_ratio)
 
     def plan(self, model: torch.nn.Module):
         """The ratios this callback would prune ``model`` with, without a fit (no mask is computed,
@@ -475,13 +421,8 @@ class HTSRPruning(LayerwiseCallback):
     def plan_decision(self, metric: dict[str, float] | None) -> Decision:
         """The ratios alone, for :meth:`plan`: no mask is computed (nor, for the data criteria, a
         calibration run), so the model is not touched."""
-        if metric is None:  # the first event fixed the ratios
-            return Decision(values=dict(self.ratios), scores=dict(self.scores))
-        if self.preset == "owl":  # a forward pass over the calibration data; the weights are not touched
-            ratios, shares = self._owl(self._model, self.layers, {})
-            return Decision(values=ratios, scores=shares)
-        return Decision(values=dict(zip([la.name for la in self.layers], self._ratio_array(metric).tolist())),
-                        scores=metric)
+        decision = self._decide(metric, self._model, self.layers, masks=False)  # OWL: a forward pass, no more
+        return Decision(values=decision.values, scores=decision.scores)
 
     def decide(self, metric: dict[str, float] | None) -> Decision:
         return self._decide(metric, self._model, self.layers)
@@ -496,14 +437,13 @@ class HTSRPruning(LayerwiseCallback):
         elif self.preset == "owl":  # on rank zero (its whole copy under FSDP), the dense model
             ratios, metric = self._owl(module, layers, record)
         else:
-            r = self._ratio_array(metric)
-            ratios = dict(zip(names, r.tolist()))
+            ratios = dict(zip(names, self._ratio_array(metric).tolist()))
         weights: dict[str, torch.Tensor] = {}
         if not masks:
             found, channels = {}, {}
         elif self.criterion == "magnitude" and not self.m:
-            found, channels = layer_masks(layers, ratios, self._level, structured=self.structured,
-                                          channel_step=self.channel_step, previous=self.masks)
+            found, channels = ap.layer_masks(layers, ratios, self._level, structured=self.structured,
+                                             channel_step=self.channel_step, previous=self.masks)
         else:
             found, channels = self._criterion_masks(ratios, record, module, layers), {}
             if self.criterion == "sparsegpt" and self._trainer.world_size > 1:
@@ -519,9 +459,9 @@ class HTSRPruning(LayerwiseCallback):
         goes; the other ranks get the masks (and SparseGPT's weights) in the broadcast decision."""
         batches = self._calibration_batches(record) if needs_stats(self.criterion) else None
         self.check_finite(self._trainer, {la.name: la.weight for la in layers}, "the weights")
-        return criterion_prune(module, layers, ratios, self.criterion, batches, n=self.n, m=self.m,
-                               blocksize=self.blocksize or 128, percdamp=0.01 if self.percdamp is None else
-                               self.percdamp, forward=functools.partial(self._forward, module), convolutions=True)
+        return bc.criterion_prune(module, layers, ratios, self.criterion, batches, n=self.n, m=self.m,
+                                  blocksize=self.blocksize or 128, percdamp=0.01 if self.percdamp is None else
+                                  self.percdamp, forward=functools.partial(self._forward, module), convolutions=True)
 
     def _owl(self, module: nn.Module, layers: list, record: dict) -> tuple[dict[str, float], dict[str, float]]:
         """OWL's ratio and block outlier share ``D`` of every pruned layer (``prune --preset owl``'s
@@ -534,13 +474,12 @@ class HTSRPruning(LayerwiseCallback):
     def _calibration_batches(self, record: dict) -> list:
         """The first ``n_calibration`` samples of the calibration data, taken once per pruning event."""
         if self._batches is None:
-            batches = take_samples(self._calibration_source(), self.n_calibration)
-            got = sample_count(batches)
+            self._batches = bc.take_samples(self._calibration_source(), self.n_calibration)
+            got = bc.sample_count(self._batches)
             if got < self.n_calibration:
                 warn(f"HTSRPruning({self._calibrated_by()}) calibrates on {got} samples, all the calibration data "
                      f"has; n_calibration={self.n_calibration} asked for more", category=UserWarning)
-            self._batches = batches
-        record["calibration_samples"] = sample_count(self._batches)
+        record["calibration_samples"] = bc.sample_count(self._batches)
         return self._batches
 
     def _calibrated_by(self) -> str:
@@ -562,31 +501,15 @@ class HTSRPruning(LayerwiseCallback):
         return loader
 
     def _forward(self, module: nn.Module, batch) -> None:
-        """Run a model without transformer blocks on one calibration batch: its inputs (``x`` of a
-        ``(x, ...)`` batch, a tensor batch, a dict's entries but ``labels`` as keyword arguments)
-        through its ``forward`` (or the one child holding its parameters), else its own
-        ``training_step`` (logging silenced): ``core.model.batch_loss``."""
-        batch = self.device_batch(self._trainer, batch)
-        try:
-            try:
-                call_model(module, split_batch(module, batch)[0])
-            except TypeError:  # no forward to call with these inputs: the step the module trains with
-                if not callable(getattr(module, "training_step", None)):
-                    raise
-                step_loss(module, batch)
-        except Exception as err:  # noqa: BLE001 -- any failure means the batches do not fit the model
-            raise ValueError(
-                f"HTSRPruning(criterion={self.criterion!r}) could not run {type(module).__name__} on a "
-                f"calibration batch ({type(err).__name__}: {err}); pass calibration=<a loader whose batches are "
-                "(x, ...) tuples of the model's input>"
-            ) from err
+        """Run a model without transformer blocks on one calibration batch, on the fit's device."""
+        bc.calibration_forward(module, self.device_batch(self._trainer, batch), self.criterion)
 
     def receive(self, decision: Decision) -> None:
         super().receive(decision)
-        masks, channels, *rest = decision.payload
+        masks, channels, weights = decision.payload
         self.masks = {k: v.cpu().bool() for k, v in masks.items()}
         self.channels = dict(channels)
-        self._weights = dict(rest[0]) if rest else {}
+        self._weights = dict(weights)
         self._fresh = True
 
     def apply(self, host: Host) -> dict:
@@ -595,7 +518,7 @@ class HTSRPruning(LayerwiseCallback):
         layout = shard_layout(host, self._model)  # under FSDP each rank keeps its piece of every mask
         if self._weights:  # SparseGPT's updated weights (rank zero already holds them, but on a whole copy)
             with torch.no_grad():
-                load_weights(self._params, {k: layout.local(self._params[k], v) for k, v in self._weights.items()})
+                bc.load_weights(self._params, {k: layout.local(self._params[k], v) for k, v in self._weights.items()})
             self._weights = {}
         masks = {self._params[k]: layout.local(self._params[k], v) for k, v in self.masks.items()}
         names = {self._params[k]: k for k in self.masks}
@@ -623,12 +546,10 @@ class HTSRPruning(LayerwiseCallback):
         n = sum(self._numel(layer) for layer in self.layers)
         return sum(self.sparsity.get(layer.name, 0.0) * self._numel(layer) for layer in self.layers) / max(n, 1)
 
-    def _sparsity_metrics(self) -> dict[str, float]:
-        out = {f"{self.prefix}/ratio/{k}": v for k, v in self.ratios.items()}
-        out.update({f"{self.prefix}/sparsity/{k}": v for k, v in self.sparsity.items()})
-        out.update({f"{self.prefix}/metric/{k}": v for k, v in self.scores.items()})
-        out[f"{self.prefix}/overall_sparsity"] = self.overall_sparsity()
-        return out
+    def _sparsity_metrics(self) -> dict[str, float]:  # <prefix>/{ratio,sparsity,metric}/<layer>, overall_sparsity
+        return self.decision_metrics(Decision(values=self.ratios, scores=self.scores,
+                                              measurements={"sparsity": self.sparsity},
+                                              summary={"overall_sparsity": self.overall_sparsity()}))
 
     def log_decision(self, host: Host, decision: Decision, achieved) -> None:
         self.log_values(host, self._sparsity_metrics())

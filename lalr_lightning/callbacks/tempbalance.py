@@ -9,7 +9,6 @@ rule are in :mod:`lalr_lightning.core.spectral.tempbalance`.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -17,10 +16,10 @@ from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
 from lalr_lightning.callbacks.host import Cadence, Host
-from lalr_lightning.choices import unknown
-from lalr_lightning.core.model.layers import DEFAULT_KINDS, check_kinds
-from lalr_lightning.core.spectral import htsr
-from lalr_lightning.core.spectral.tempbalance import ASSIGN, RANGED, SAMPLING, assign_multipliers, eligible_layers
+from lalr_lightning.core.model.layers import DEFAULT_KINDS
+from lalr_lightning.core.spectral import tempbalance as core
+from lalr_lightning.core.spectral.settings import tempbalance_settings
+from lalr_lightning.core.spectral.tempbalance import ASSIGN, assign_multipliers
 
 __all__ = ["TempBalanceCallback", "assign_multipliers", "ASSIGN"]
 
@@ -114,40 +113,13 @@ class TempBalanceCallback(LayerwiseCallback):
         exclude_first_last: bool | None = None,
     ):
         super().__init__(name=name, strict_resume=strict_resume)
-        if assign not in ASSIGN:
-            raise unknown("assign", assign, ASSIGN)
-        if fit not in htsr.FITS:
-            raise unknown("fit", fit, htsr.FITS)
-        ranged = ("lr_min_ratio", "lr_max_ratio")
-        self.reject("assign", assign, {"lr_min_ratio": lr_min_ratio, "lr_max_ratio": lr_max_ratio, "std": std},
-                    {a: ranged if a in RANGED else ("std",) if a in SAMPLING else () for a in ASSIGN})
-        lr_min_ratio = 0.5 if lr_min_ratio is None else lr_min_ratio
-        lr_max_ratio = 1.5 if lr_max_ratio is None else lr_max_ratio
-        if not 0 <= lr_min_ratio <= lr_max_ratio:
-            raise ValueError(f"need 0 <= lr_min_ratio <= lr_max_ratio, got {lr_min_ratio}, {lr_max_ratio}")
-        if every_n_epochs < 1 or (every_n_steps is not None and every_n_steps < 1):
-            raise ValueError("every_n_epochs and every_n_steps must be >= 1")
-        if min_evals < 2:
-            raise ValueError("min_evals must be >= 2: a power-law fit needs at least two eigenvalues")
         if exclude_first_last is not None:
             self._alias(None, exclude_first_last, "exclude_first_last", "first= and head")
             first = head = not exclude_first_last
-        self.assign = assign
-        self.fit = fit
-        self.lr_min_ratio = float(lr_min_ratio)
-        self.lr_max_ratio = float(lr_max_ratio)
-        self.every_n_epochs = every_n_epochs
-        self.every_n_steps = every_n_steps
-        if first not in (True, False, "block") or not isinstance(first, (bool, str)):
-            raise ValueError(f"first must be False (leave the first matrix out, as TempBalance), True (balance it) "
-                             f"or 'block' (leave out every matrix of the first block), got {first!r}")
-        self.first = first
-        self.head = bool(head)
-        self.min_evals = min_evals
-        self.layer_types = check_kinds(layer_types)
-        self.filter_zeros = filter_zeros
-        self.std = 1.0 if std is None else float(std)
-        self.seed = seed
+        self.__dict__.update(tempbalance_settings(  # every argument under its own name (settings() reads them back)
+            type(self).__name__, assign=assign, fit=fit, lr_min_ratio=lr_min_ratio, lr_max_ratio=lr_max_ratio,
+            every_n_epochs=every_n_epochs, every_n_steps=every_n_steps, first=first, head=head, min_evals=min_evals,
+            layer_types=layer_types, filter_zeros=filter_zeros, std=std, seed=seed))
         self.multipliers: dict[str, float] = {}
         self.excluded: dict[str, str] = {}
         self._n_updates = 0
@@ -157,13 +129,12 @@ class TempBalanceCallback(LayerwiseCallback):
     # ------------------------------------------------------------------ when
 
     def configure(self, host: Host, module: nn.Module) -> None:
-        self.layers, self.excluded = eligible_layers(module, self.layer_types, first=self.first, head=self.head,
-                                                     min_evals=self.min_evals)
+        self.layers, self.excluded = core.eligible_layers(module, self.layer_types, first=self.first, head=self.head,
+                                                          min_evals=self.min_evals)
 
     @property
     def cadence(self) -> Cadence:  # the first allocation comes from the initial weights
-        by_step = self.every_n_steps is not None
-        return Cadence(start=True, every_n_epochs=None if by_step else self.every_n_epochs,
+        return Cadence(start=True, every_n_epochs=self.every_n_epochs if self.every_n_steps is None else None,
                        every_n_steps=self.every_n_steps)
 
     # ------------------------------------------------------------------ what
@@ -174,32 +145,20 @@ class TempBalanceCallback(LayerwiseCallback):
 
         def fit(layers):
             self.check_finite(host, {layer.name: layer.weight for layer in layers}, "the weights")
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")  # degenerate layers are reported below, as an error, with the reason
-                out = htsr.alphas(layers, fit=self.fit, filter_zeros=self.filter_zeros)
-            return {n: (a, "; ".join(str(w.message) for w in caught)) for n, a in out.items()}
+            return core.fit_alphas(layers, self.fit, self.filter_zeros)  # degenerate layers: an error below, with why
 
-        fitted = self.measure_shards(host, module, [[layer] for layer in self.layers], fit)
-        alphas = {n: a for n, (a, _) in fitted.items()}
-        bad = [n for n, a in alphas.items() if not np.isfinite(a)]
-        if bad:
-            why = " | ".join(dict.fromkeys(fitted[n][1] for n in bad if fitted[n][1]))
-            raise ValueError(
-                f"TempBalanceCallback: no power-law fit for {bad} ({why or 'degenerate spectrum'}). "
-                "Pruned or low-rank layers have many zero eigenvalues: filter_zeros=True fits only the non-zero "
-                "ones; or leave these layers out with layer_types / min_evals"
-            )
+        alphas = core.finite_alphas(self.measure_shards(host, module, [[layer] for layer in self.layers], fit),
+                                    type(self).__name__)
         # the scheduled LR matters to sample_lr alone: the other assignments (and plan()) need no optimizer
         return alphas, self.controls(host)[0].scheduled_lrs()[0] if self.assign == "sample_lr" else 1.0
 
     def decide(self, measured: tuple[dict[str, float], float]) -> Decision:
         alphas, base_lr = measured
-        names = list(alphas)
-        a = np.array([alphas[n] for n in names], dtype=np.float64)
+        a = np.array(list(alphas.values()), dtype=np.float64)
         rng = np.random.default_rng([self.seed, self._n_updates])
         m = assign_multipliers(a, self.assign, lr_min_ratio=self.lr_min_ratio, lr_max_ratio=self.lr_max_ratio,
                                rng=rng, std=self.std, base_lr=base_lr)
-        return Decision(values=dict(zip(names, m.tolist())), scores=dict(zip(names, a.tolist())))
+        return Decision(values=dict(zip(alphas, m.tolist())), scores=dict(zip(alphas, a.tolist())))
 
     def apply(self, host: Host) -> None:
         self.apply_multipliers(host, self.multipliers)

@@ -19,6 +19,8 @@ and scaled so that the parameter-weighted mean of the ratios is the target spars
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -35,6 +37,7 @@ from lalr_lightning.core.model.layers import (
     num_eigenvalues,
     output_layer,
 )
+from lalr_lightning.core.spectral import htsr
 
 __all__ = [
     "PRUNING_METRICS",
@@ -53,6 +56,9 @@ __all__ = [
     "out_dim",
     "layer_masks",
     "block_groups",
+    "dense_note",
+    "finite_metric",
+    "layer_metric",
 ]
 
 #: The HT-SR metrics of thesis ch. 3.2 that :func:`spectral.analyze` computes per layer.
@@ -394,3 +400,32 @@ def block_groups(model: torch.nn.Module, layers: Sequence[Layer], blocks: Sequen
         pn = set(b.params)
         groups.append([layer.name for layer in layers if any(k in pn for k in layer.params)])
     return groups
+
+
+def dense_note(excluded: Mapping[str, str]) -> str | None:
+    """The warning naming the layers left dense for their size (the head left out by ``head=False``
+    goes unsaid), or None."""
+    small = {k: v for k, v in excluded.items() if not v.startswith("classifier head")}
+    if not small:
+        return None
+    return ("HTSRPruning leaves these layers dense: " + "; ".join(f"{k} ({v})" for k, v in small.items())
+            + ". Lower min_numel / min_evals to include them.")
+
+
+def layer_metric(layers: Sequence[Layer], metric: str, *, fit: str, filter_zeros: bool) -> dict[str, float]:
+    """``metric`` of every layer (:func:`lalr_lightning.core.spectral.htsr.analyze`, which leaves
+    out no layer here: the callers chose them)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # analyze's skip warnings: the layers are chosen
+        df = htsr.analyze(layers, fit=fit, metrics=[metric], min_evals=1, filter_zeros=filter_zeros)
+    return dict(zip(df["name"], df[metric].astype(float)))
+
+
+def finite_metric(values: Mapping[str, float], names: Sequence[str], metric: str) -> dict[str, float]:
+    """``values`` of the layers ``names``, in that order; a ValueError naming the layers whose
+    ``metric`` is missing or not finite."""
+    bad = {n: values.get(n) for n in names if n not in values or not math.isfinite(values[n])}
+    if bad:
+        raise ValueError(f"metric {metric!r} is not finite for layers {bad} (all-zero or constant weights?); "
+                         "exclude them (min_numel) or choose another metric")
+    return {n: values[n] for n in names}

@@ -28,7 +28,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from lalr_lightning.core.model.layers import Layer
+from lalr_lightning.core.model.batch_loss import call_model, split_batch, step_loss
+from lalr_lightning.core.model.layers import Layer, inside_attention
 from lalr_lightning.core.model.probe import take
 from lalr_lightning.core.pruning.calibration import (
     capture_block_inputs,
@@ -39,7 +40,8 @@ from lalr_lightning.core.pruning.calibration import (
 )
 from lalr_lightning.core.pruning.criteria import InputStats, check_nm, needs_stats, prune_weight
 
-__all__ = ["LINEAR_KINDS", "take_samples", "sample_count", "find_causal_lm", "weight_name", "criterion_prune", "load_weights"]
+__all__ = ["LINEAR_KINDS", "take_samples", "sample_count", "find_causal_lm", "weight_name", "criterion_prune",
+           "load_weights", "readable_layers", "calibration_forward"]
 
 #: layer kinds the row-wise criteria (Wanda, SparseGPT, N:M) prune: ``(out, in)`` matrices
 LINEAR_KINDS = ("linear", "hf_conv1d")
@@ -281,3 +283,42 @@ def load_weights(params: Mapping[str, torch.Tensor], values: Mapping[str, torch.
     another rank computed (SparseGPT updates the kept weights, not only the mask)."""
     for name, value in values.items():
         params[name].copy_(value.to(params[name].device, params[name].dtype))
+
+
+def readable_layers(layers: Sequence[Layer], criterion: str, n: int, m: int) -> tuple[list[Layer], dict[str, str]]:
+    """(the ``layers`` whose inputs ``criterion`` -- or N:M -- can read, {left out: why}): the
+    row-wise criteria hook a Linear's own inputs, which the projections packed inside
+    ``nn.MultiheadAttention`` do not have; a ValueError when none is left."""
+    if criterion == "magnitude" and not m:
+        return list(layers), {}
+    packed = [la.name for la in layers if inside_attention(la)]
+    nm = f" (n={n}, m={m})" if m else ""
+    why = (f"a projection inside nn.MultiheadAttention, whose inputs criterion={criterion!r}{nm} cannot read: "
+           "criterion='magnitude' prunes it")
+    kept = [la for la in layers if la.name not in packed]
+    if not kept:
+        raise ValueError(f"HTSRPruning(criterion={criterion!r}) has no layer left to prune: {', '.join(packed)} are "
+                         "projections inside nn.MultiheadAttention, whose inputs it cannot read; use "
+                         "criterion='magnitude'")
+    return kept, dict.fromkeys(packed, why)
+
+
+def calibration_forward(module: nn.Module, batch, criterion: str) -> None:
+    """Run a model without transformer blocks on one calibration batch: its inputs (``x`` of a
+    ``(x, ...)`` batch, a tensor batch, a dict's entries but ``labels`` as keyword arguments)
+    through its ``forward`` (or the one child holding its parameters), else its own
+    ``training_step`` (logging silenced): :mod:`lalr_lightning.core.model.batch_loss`. A batch
+    that does not fit the model is a one-line ValueError."""
+    try:
+        try:
+            call_model(module, split_batch(module, batch)[0])
+        except TypeError:  # no forward to call with these inputs: the step the module trains with
+            if not callable(getattr(module, "training_step", None)):
+                raise
+            step_loss(module, batch)
+    except Exception as err:  # noqa: BLE001 -- any failure means the batches do not fit the model
+        raise ValueError(
+            f"HTSRPruning(criterion={criterion!r}) could not run {type(module).__name__} on a calibration batch "
+            f"({type(err).__name__}: {err}); pass calibration=<a loader whose batches are (x, ...) tuples of the "
+            "model's input>"
+        ) from err

@@ -31,6 +31,7 @@ How a block is run as a function of its parameters and tapped for its states and
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -47,11 +48,17 @@ __all__ = [
     "block_direction",
     "block_score",
     "block_scores",
+    "choose_blocks",
     "hamiltonian",
+    "hamiltonian_terms",
+    "inner_optimizer",
     "linear_j_hat",
     "linear_rho_hat",
     "linear_rho_star",
     "maximize_hamiltonian",
+    "mean_flat",
+    "measurement_cost",
+    "nonfinite_blocks",
     "output_change",
     "rho_hat",
     "select_smallest",
@@ -216,6 +223,15 @@ def select_smallest(scores: Mapping[str, float], k: int = 1) -> list[str]:
     return [n for i, n in enumerate(names) if i in chosen]
 
 
+def choose_blocks(scores: Mapping[str, float], select: str, k: int = 1) -> list[str]:
+    """The blocks ``select`` picks from their ``J_hat``: every one (``"all"``) or the ``k``
+    smallest (``"min"``); a RuntimeError when every block's ``J_hat`` is inf or NaN."""
+    if all(not math.isfinite(v) for v in scores.values()):
+        raise RuntimeError("LMSAStepper: every block's one-step update diverged (J_hat is inf/NaN for all); "
+                           "raise rho_scale or set metric_rho")
+    return list(scores) if select == "all" else select_smallest(scores, k)
+
+
 # ============================================================================ Hamiltonian
 
 
@@ -269,6 +285,73 @@ def hamiltonian(
         total = total + term.weight * h
     prox = sum((t - a).square().sum() for t, a in zip(theta, anchor))
     return total - rho / 2 * prox
+
+
+def hamiltonian_terms(taps: BlockTaps, names: Sequence[str], loss_of: Callable[[object], Tensor]
+                      ) -> tuple[list[nn.Parameter], list[HamiltonianTerm], list[tuple[str, Tensor]]] | None:
+    """The parameters of the blocks ``names`` and a :class:`HamiltonianTerm` per block and
+    captured micro-batch (weighted ``1 / micro-batches``), with ``(block, co-state all finite)``
+    per term (a device flag, read later); None when there is nothing to maximize (no block, or a
+    block captured nothing for this step). ``loss_of(context)`` is the loss of a captured batch
+    (it runs the rest of the network)."""
+    if not names or not all(taps.captures[n] for n in names):
+        return None
+    params: list[nn.Parameter] = []
+    terms: list[HamiltonianTerm] = []
+    finite: list[tuple[str, Tensor]] = []
+    for name in names:
+        caps = taps.captures[name]
+        theta = taps.theta(name)
+        index = list(range(len(params), len(params) + len(theta)))
+        params.extend(theta)
+        for cap in caps:
+            finite.append((name, torch.isfinite(cap.p).all()))
+            run = functools.partial(loss_of, cap.context)
+            terms.append(HamiltonianTerm(taps.block_fn(name, cap, run), index, cap.p, x_next=cap.out, x_in=cap.x_in,
+                                         p_in=cap.p_in, weight=1.0 / len(caps)))
+    return params, terms, finite
+
+
+def nonfinite_blocks(flags: Sequence[tuple[str, Tensor]]) -> list[str]:
+    """The blocks of ``(block, all finite)`` device flags with a false one, sorted: one
+    device-to-host read for all of them."""
+    if not flags:
+        return []
+    ok = torch.stack([flag.to(flags[0][1].device) for _, flag in flags]).tolist()
+    return sorted({name for (name, _), good in zip(flags, ok) if not good})
+
+
+def mean_flat(grads: Sequence[Tensor], mean: Callable[[Tensor], Tensor]) -> list[Tensor]:
+    """``grads`` averaged by ``mean`` (across processes) as one flat tensor: one collective call."""
+    flat = mean(torch.cat([g.reshape(-1) for g in grads]))
+    return [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)]
+
+
+def inner_optimizer(spec: str | Callable, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    """The optimizer of the Hamiltonian maximization: ``"adam"``, ``"sgd"`` (at ``lr``) or the
+    user's callable ``params -> Optimizer``."""
+    if callable(spec):
+        return spec(params)
+    return (torch.optim.Adam if spec == "adam" else torch.optim.SGD)(params, lr=lr)
+
+
+def measurement_cost(sizes: Mapping[str, int], n_batches: int, limit: int, head: str | None = None
+                     ) -> tuple[str, bool]:
+    """(the sentence saying what a measurement holds and runs, whether that is more than
+    ``limit`` bytes) from the bytes of every block's states and co-states of a batch. Over the
+    limit it says what helps: ``head=False`` when the largest is the ``head`` block (a language
+    model's logits), else a smaller batch."""
+    total = sum(sizes.values())
+    big = max(sizes, key=sizes.get)
+    text = (f"L-MSA: measuring holds the states and co-states of {len(sizes)} blocks, about {total / 2**20:.3g} MiB "
+            f"per batch (the most: {big!r}, {sizes[big] / 2**20:.3g} MiB), and runs the model once per block and "
+            f"batch ({len(sizes)} x n_batches={n_batches} forward passes per selection)")
+    if total <= limit:
+        return text, False
+    if big == head:
+        return text + ("; head=False leaves the head to the module's optimizer and its outputs (the logits) out of "
+                       "the measurement"), True
+    return text + "; a smaller batch holds less", True
 
 
 def maximize_hamiltonian(

@@ -5,12 +5,13 @@ at lr 1e-4 for 5 inner iterations) and the checks of its numbers. Pure Python;
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from lalr_lightning.choices import unknown
+from lalr_lightning.core.runtime.errors import reject_stray
 
-__all__ = ["INNER_OPTIMIZERS", "SELECT", "UPDATE", "lmsa_settings"]
+__all__ = ["INNER_OPTIMIZERS", "SELECT", "UPDATE", "check_blocks", "lmsa_settings"]
 
 SELECT = ("min", "all")
 UPDATE = ("msa", "optimizer")
@@ -25,6 +26,16 @@ def lmsa_settings(
 ) -> dict[str, Any]:
     """The settings under their own names, defaults filled in; a ValueError (TypeError for a
     wrong kind of argument) naming the first that is out of range."""
+    if select not in SELECT:
+        raise unknown("select", select, SELECT)
+    if update not in UPDATE:
+        raise unknown("update", update, UPDATE)
+    inner = ("rho", "inner_optimizer", "inner_lr", "inner_steps", "feasibility")
+    reject_stray("LMSAStepper", "update", update, dict(zip(inner, (rho, inner_optimizer, inner_lr, inner_steps,
+                                                                  feasibility))), {"msa": inner, "optimizer": ()})
+    reject_stray("LMSAStepper", "select", select, {"num_blocks": num_blocks}, {"min": ("num_blocks",), "all": ()})
+    if metric_rho is not None and rho_scale is not None:
+        raise ValueError("rho_scale scales rho_hat, which metric_rho replaces; give one of them")
     rho = 1.0 if rho is None else rho
     inner_optimizer = "adam" if inner_optimizer is None else inner_optimizer
     inner_lr = 1e-4 if inner_lr is None else inner_lr
@@ -60,3 +71,22 @@ def lmsa_settings(
                 feasibility=float(feasibility), rho_scale=float(rho_scale), metric_rho=metric_rho,
                 output_dim=output_dim, n_batches=int(n_batches), every_n_epochs=every_n_epochs, head=head,
                 loss_fn=loss_fn, seed=int(seed))
+
+
+
+def check_blocks(trainable: Mapping[str, bool], select: str, num_blocks: int) -> str | None:
+    """A ValueError for a block with no parameter that requires grad (``trainable``: block ->
+    whether one does) or for more blocks asked than found; the warning when ``num_blocks``
+    selects every block, else None."""
+    names = list(trainable)
+    frozen = [n for n in names if not trainable[n]]
+    if frozen:
+        raise ValueError(f"LMSAStepper: block {frozen[0]!r} has no parameter that requires grad; do not freeze blocks "
+                         "with requires_grad=False (LMSAStepper freezes through the optimizer), or leave the block "
+                         "out with blocks=[...]")
+    if select == "min" and num_blocks > len(names):
+        raise ValueError(f"num_blocks={num_blocks} but the model has {len(names)} blocks: {names}")
+    if select == "min" and num_blocks == len(names):
+        return (f"LMSAStepper cannot choose: num_blocks={num_blocks} selects every block ({names}) at every "
+                "selection; lower num_blocks, or split the model into more blocks with blocks=[...]")
+    return None

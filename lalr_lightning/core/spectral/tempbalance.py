@@ -5,15 +5,18 @@ decides when.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 from torch import nn
 
 from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.layers import Layer, block_layers, matrix_layers, num_eigenvalues, output_layer
+from lalr_lightning.core.spectral import htsr
 
-__all__ = ["ASSIGN", "FIRST", "RANGED", "SAMPLING", "assign_multipliers", "eligible_layers"]
+__all__ = ["ASSIGN", "FIRST", "RANGED", "SAMPLING", "assign_multipliers", "eligible_layers", "finite_alphas",
+           "fit_alphas"]
 
 
 # ---------------------------------------------------------------------------- assignment
@@ -220,3 +223,29 @@ def eligible_layers(
             f"(excluded: {detail}); lower min_evals, set first=True / head=True or widen layer_types"
         )
     return eligible, excluded
+
+
+# ---------------------------------------------------------------------------- alphas
+
+
+def fit_alphas(layers: Sequence[Layer], fit: str, filter_zeros: bool) -> dict[str, tuple[float, str]]:
+    """``{layer: (alpha, the warnings of its fit)}``: the warnings say why a degenerate layer's
+    fit failed (:func:`finite_alphas` reports them, as an error)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = htsr.alphas(layers, fit=fit, filter_zeros=filter_zeros)
+    return {n: (a, "; ".join(str(w.message) for w in caught)) for n, a in out.items()}
+
+
+def finite_alphas(fitted: Mapping[str, tuple[float, str]], who: str = "TempBalanceCallback") -> dict[str, float]:
+    """The alphas of :func:`fit_alphas`; a ValueError naming the layers with no power-law fit and why."""
+    alphas = {n: a for n, (a, _) in fitted.items()}
+    bad = [n for n, a in alphas.items() if not np.isfinite(a)]
+    if bad:
+        why = " | ".join(dict.fromkeys(fitted[n][1] for n in bad if fitted[n][1]))
+        raise ValueError(
+            f"{who}: no power-law fit for {bad} ({why or 'degenerate spectrum'}). Pruned or low-rank layers have "
+            "many zero eigenvalues: filter_zeros=True fits only the non-zero ones; or leave these layers out with "
+            "layer_types / min_evals"
+        )
+    return alphas
