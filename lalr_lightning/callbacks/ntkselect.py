@@ -15,13 +15,14 @@ from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
 from lalr_lightning.callbacks.distributed import sharded
-from lalr_lightning.callbacks.host import Host, say, warn
+from lalr_lightning.callbacks.host import Host, say
+from lalr_lightning.callbacks.ntk import report
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
-from lalr_lightning.choices import unknown
 from lalr_lightning.core.linearization import ntk
 from lalr_lightning.core.linearization.anchor import trainable
-from lalr_lightning.core.model.layers import Layer, output_layer
+from lalr_lightning.core.model.layers import output_layer
 from lalr_lightning.core.model.probe import fixed_batch, probe_inputs
+from lalr_lightning.core.runtime.checks import check_counts
 
 __all__ = ["NTKSelect"]
 
@@ -98,16 +99,12 @@ class NTKSelect(LayerSelection):
             raise ValueError(f"kappa_max must be a finite number >= 1 (a condition number is at least 1), got {kappa_max}")
         if not (math.isfinite(sigma) and sigma > 0):
             raise ValueError(f"sigma must be a finite number > 0 (a fraction of trace(K) / M), got {sigma}")
-        for arg, value in (("max_layers", max_layers), ("probe_size", probe_size)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{arg} must be an integer >= 1, got {value!r}")
-        if kernel not in ntk.MODES:
-            raise unknown("kernel", kernel, ntk.MODES, show=repr)
+        check_counts({"max_layers": max_layers, "probe_size": probe_size}, optional=("max_layers",))
         self.kappa_max = float(kappa_max)
         self.sigma = float(sigma)
         self.max_layers = max_layers
         self.probe_size = int(probe_size)
-        self.kernel = kernel
+        self.kernel = ntk.check_kernel(kernel)
         self.positions = ntk.check_positions(positions)
         self.outputs = ntk.check_outputs(outputs)
         self.head = bool(head)
@@ -131,8 +128,7 @@ class NTKSelect(LayerSelection):
         if self.head and len(self._groups) < 3:
             raise ValueError(f"{type(module).__name__} has one trainable layer besides the head; there is nothing "
                              "to select between (head=False ranks the head too)")
-        self.layers = [Layer(name=g, kind="layer", module=None, params={n: self._params[n] for n in members})
-                       for g, members in self._groups.items()]
+        self.layers = ntk.group_layers(self._groups, self._params)
         self.block_list = self.layers  # the units label the per-step log and own their norm layers
 
     def _head_group(self, module: nn.Module) -> str | None:
@@ -179,14 +175,10 @@ class NTKSelect(LayerSelection):
         to_device = lambda b: host.to_device(b, precision=not in_setup)  # noqa: E731
         x, _ = probe_inputs(module, loader, self.probe_size, to_device=to_device)
         params = {n: p.detach() for n, p in self._params.items()}
-        cost = ntk.ntk_cost(module, x, params, mode=self.kernel, positions=self.positions, outputs=self.outputs,
-                            check=stop_on_sigterm(host))
-        text, too_big = cost.report(type(self).__name__, self.outputs)  # stated before computing J
-        (warn if too_big else say)(text)
-        k = ntk.empirical_ntk(module, x, params, self._groups, mode=self.kernel, positions=self.positions,
-                              outputs=cost.outputs, check=stop_on_sigterm(host))
+        k, _ = ntk.sized_ntk(module, x, params, self._groups, report, who=type(self).__name__, mode=self.kernel,
+                             positions=self.positions, outputs=self.outputs, check=stop_on_sigterm(host))
         self.check_finite(host, k.S, "the per-layer NTK on the probe batch")
-        return {"S": {g: s.cpu() for g, s in k.S.items()}, "sigma": self.sigma * float(torch.trace(k.K)) / k.K.shape[0]}
+        return {"S": {g: s.cpu() for g, s in k.S.items()}, "sigma": k.ridge(self.sigma)}
 
     def decide(self, measured: dict) -> Decision:
         S = dict(measured["S"])

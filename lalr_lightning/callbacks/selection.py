@@ -341,8 +341,8 @@ def forward_trace(host: Host, module: nn.Module, loss_fn=None) -> Trace:
     loader run through the module's own loss (``core.model.batch_loss.batch_loss``: ``loss_fn``, its
     ``loss(output, target)`` or its ``training_step``, logging silenced)."""
     example = getattr(module, "example_input_array", None)
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
     if example is not None:
-        device = next((p.device for p in module.parameters()), torch.device("cpu"))
         example = to_device(example, device)
 
         def run():  # as Lightning's model summary calls it
@@ -353,26 +353,22 @@ def forward_trace(host: Host, module: nn.Module, loss_fn=None) -> Trace:
         try:
             batch = fixed_batch(host.batches(), 2)
         except Exception as err:  # noqa: BLE001 -- any failure: say what to add instead
-            raise ValueError(
-                f"cannot find the blocks of {type(module).__name__}: no timm group_matcher, repeated children or "
-                f"Sequential trunk, and no batch to run its forward pass on in setup ({type(err).__name__}: "
-                f"{str(err).splitlines()[0][:120] if str(err) else ''}); "
-                f"set {type(module).__name__}.example_input_array, or pass blocks=[...], e.g. "
-                f"blocks={suggest_blocks(module)!r}"
-            ) from None
-        batch = to_device(batch, next((p.device for p in module.parameters()), torch.device("cpu")))
+            raise _no_blocks(module, "no batch to run its forward pass on in setup", err) from None
+        batch = to_device(batch, device)
 
         def run():
             return batch_loss(module, batch, loss_fn)
     try:
         return trace_modules(module, run)
     except Exception as err:  # noqa: BLE001 -- the forward pass was for the blocks: say what else works
-        raise ValueError(
-            f"cannot find the blocks of {type(module).__name__}: no timm group_matcher, repeated children or "
-            f"Sequential trunk, and its forward pass on a training batch failed ({type(err).__name__}: "
-            f"{str(err).splitlines()[0][:120] if str(err) else ''}); set {type(module).__name__}.example_input_array,"
-            f" or pass blocks=[...], e.g. blocks={suggest_blocks(module)!r}"
-        ) from err
+        raise _no_blocks(module, "its forward pass on a training batch failed", err) from err
+
+
+def _no_blocks(module: nn.Module, why: str, err: Exception) -> ValueError:
+    name, first = type(module).__name__, str(err).splitlines()[0][:120] if str(err) else ""
+    return ValueError(f"cannot find the blocks of {name}: no timm group_matcher, repeated children or Sequential "
+                      f"trunk, and {why} ({type(err).__name__}: {first}); set {name}.example_input_array, or pass "
+                      f"blocks=[...], e.g. blocks={suggest_blocks(module)!r}")
 
 
 class SurgicalLayerSelect(LightningHooks):

@@ -32,8 +32,8 @@ from torch import Tensor
 
 from lalr_lightning.choices import unknown
 
-__all__ = ["GRANULARITIES", "GroupedStep", "coefficients", "deltas", "distances", "inner_products", "pull_decisions",
-           "proximal_step_"]
+__all__ = ["GRANULARITIES", "GroupedStep", "check_lam", "coefficients", "deltas", "distances", "inner_products",
+           "pull_decisions", "proximal_step_"]
 
 GRANULARITIES = ("tensor", "layer", "global")
 
@@ -195,12 +195,18 @@ def proximal_step_(
     return coef
 
 
-def coefficients(lam: float, lrs: Mapping[str, float] | float, names: Sequence[str]) -> dict[str, float]:
-    """``{name: lam * lr}`` (host numbers), checked: ``lam`` and each LR finite and >= 0, and no
-    coefficient above 1 (the step would overshoot the anchor)."""
+def check_lam(lam: float) -> float:
+    """``lam`` as a float, or a ValueError when it is not a finite number >= 0."""
     lam = float(lam)
     if not math.isfinite(lam) or lam < 0:
         raise ValueError(f"lam must be a finite number >= 0, got {lam}")
+    return lam
+
+
+def coefficients(lam: float, lrs: Mapping[str, float] | float, names: Sequence[str]) -> dict[str, float]:
+    """``{name: lam * lr}`` (host numbers), checked: ``lam`` and each LR finite and >= 0, and no
+    coefficient above 1 (the step would overshoot the anchor)."""
+    lam = check_lam(lam)
     coef: dict[str, float] = {}
     for n in names:
         lr = float(lrs if not isinstance(lrs, Mapping) else _get(lrs, n, "lrs"))
@@ -230,7 +236,8 @@ class GroupedStep:
     bitwise and the others are left bitwise untouched.
 
     ``layers``: the layer index of each tensor (``granularity="layer"``). Build one per set of
-    tensors (it holds their grouping and the layer index on the device) and reuse it.
+    tensors (it holds their grouping and the layer index on the device) and reuse it. It counts
+    its steps and, on the device, the steps that pulled each tensor, until :meth:`take` reads them.
     """
 
     def __init__(self, params: Sequence[Tensor], layers: Sequence[int] | None = None):
@@ -245,6 +252,7 @@ class GroupedStep:
         self._coefs: dict[int, tuple[Sequence[float], Tensor]] = {}
         self.layer_index = None
         self.n_layers = 0
+        self.steps, self.pulled = 0, None  # counted since the last take(); pulled on the device
         if layers is not None:
             self.n_layers = max(layers, default=-1) + 1
             self.layer_index = _on_device([layers[i] for i in self.order], torch.long, self.device)
@@ -272,7 +280,7 @@ class GroupedStep:
         if not selective:
             for g, ps, an in placed:
                 torch._foreach_lerp_(ps, an, [coefs[i] for i in g])
-            return torch.ones(self.size, dtype=torch.bool, device=self.device)
+            return self._tally(torch.ones(self.size, dtype=torch.bool, device=self.device))
         ips = []
         for g, ps, an in placed:
             ct = torch.promote_types(ps[0].dtype, torch.float32)
@@ -310,7 +318,22 @@ class GroupedStep:
                 target = torch._foreach_lerp(ps, an, list(on.unbind()))
                 torch._foreach_lerp_(ps, target, [coefs[i] for i in g])
                 del target
+        return self._tally(pull)
+
+    def _tally(self, pull: Tensor) -> Tensor:
+        self.steps += 1
+        self.pulled = pull.long() if self.pulled is None else self.pulled.add_(pull)
         return pull
+
+    def take(self) -> tuple[int, list[int]]:
+        """(the steps since the last call, and per tensor in the caller's order the steps of those that
+        pulled it), with one device-to-host transfer; the counts start again from 0."""
+        steps, pulled = self.steps, [0] * self.size
+        if self.pulled is not None:
+            for i, k in zip(self.order, self.pulled.tolist()):
+                pulled[i] = k
+        self.steps, self.pulled = 0, None
+        return steps, pulled
 
     def _coef_tensor(self, gi: int, coefs: Sequence[float], dtype: torch.dtype, device: torch.device) -> Tensor:
         """Group ``gi``'s ``lam * lr`` on the device, copied once per new ``coefs`` list (pinned and

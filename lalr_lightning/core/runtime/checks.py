@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ArgumentTypeError", "check_arguments", "check_min_evals", "coerce", "lazy_error", "lazy_parameters", "orphaned_masks",
-           "uninitialized"]
+__all__ = ["ArgumentTypeError", "check_arguments", "check_counts", "check_loss_fn", "check_min_evals", "coerce",
+           "lazy_error", "lazy_parameters", "orphaned_masks", "uninitialized"]
 
 _NUMBERS = {int: "an integer", float: "a number"}
 
@@ -121,6 +121,23 @@ def check_min_evals(who: str, min_evals: int, why: str = "a power-law fit needs 
         raise ValueError(f"{who}: min_evals must be an integer >= 2, got {min_evals!r}: {why} "
                          "(a layer with fewer is left out)")
     return int(min_evals)
+
+
+def check_counts(values: Mapping[str, Any], optional: tuple[str, ...] = ()) -> None:
+    """ValueError naming the first of ``{argument: value}`` that is not an integer >= 1 (``None``
+    allowed for the arguments in ``optional``)."""
+    for arg, value in values.items():
+        if value is None and arg in optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{arg} must be an integer >= 1, got {value!r}")
+
+
+def check_loss_fn(loss_fn: Any) -> Any:
+    """``loss_fn`` when it is None or callable, else a one-line TypeError saying what it must be."""
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a callable (module, batch) -> loss, got {type(loss_fn).__name__}")
+    return loss_fn
 
 
 # --------------------------------------------------------------------------- lazy modules
