@@ -18,7 +18,7 @@ from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.layers import MATRIX_KINDS, check_kinds, matrix_layers, output_layer
 from lalr_lightning.core.spectral import htsr
-from lalr_lightning.core.spectral.spectrum_snr import GROUPINGS, chosen_count, group_types, module_type, top_by_type
+from lalr_lightning.core.spectral.spectrum_snr import GROUPINGS, group_types, grouping_report, module_type, top_by_type
 
 __all__ = ["SpectrumSelect"]
 
@@ -124,40 +124,10 @@ class SpectrumSelect(LayerSelection):
                              self.grouping)
         self.module_types = {la.name: groups.get(la.name) or module_type(la.name, self.types) for la in self.layers}
         self._groups = groups
-        self._report_grouping(groups)
-
-    def _report_grouping(self, groups: dict[str, str]) -> None:
-        """Say how the ranked matrices were grouped (info), and warn about types that get none."""
-        by_type: dict[str, list[str]] = {}
-        for n, t in groups.items():
-            by_type.setdefault(t, []).append(n)
-        p = self.top_percent
-        parts = [f"{t}: {chosen_count(len(ns), p)} of {len(ns)}" for t, ns in by_type.items()]
-        pooled = [t for t in by_type if t.endswith(" (pooled)")]
-        note = (f"; {', '.join(pooled)}: matrices without a repeated-block name (Spectrum's rule would give each "
-                "its own type), pooled by kind") if pooled else ""
-        self.grouping_summary = (f"{type(self).__name__}: {len(groups)} ranked matrices in {len(by_type)} type(s), "
-                                 f"trained at top_percent={p:g}: " + ", ".join(parts) + note
-                                 + f"; always trained: {', '.join(self._always) or 'none'}")
+        self.grouping_summary, warning = grouping_report(type(self).__name__, groups, self.top_percent, self._always)
         say(self.grouping_summary)
-        if p == 0 or not groups:
-            return
-        empty = {t: ns for t, ns in by_type.items() if chosen_count(len(ns), p) == 0}
-        if len(empty) == len(by_type):
-            warn(
-                f"{type(self).__name__}(top_percent={p:g}) selects none of the {len(groups)} ranked matrices "
-                f"(int(n * {p:g} / 100) = 0 in every type: " + ", ".join(f"{t} has {len(ns)}" for t, ns in empty.items())
-                + "), so " + (f"only {', '.join(self._always)} trains" if self._always else "no matrix trains")
-                + "; raise top_percent or group the "
-                "matrices with types={name suffix: type}"
-            )
-        elif empty:
-            warn(
-                f"{type(self).__name__}(top_percent={p:g}) selects no matrix of type(s) "
-                + ", ".join(f"{t} ({', '.join(ns)})" for t, ns in empty.items())
-                + f": int(n * {p:g} / 100) = 0; they stay frozen. Raise top_percent or group them with "
-                "types={name suffix: type}"
-            )
+        if warning is not None:
+            warn(warning)
 
     def decide_in_setup(self, host: Host, module: nn.Module) -> Decision:
         """The SNR needs only the weights: decided before the strategy wraps the model, so the
