@@ -124,13 +124,6 @@ class NTKDiagnostics(LayerwiseCallback):
         self._groups = ntk.layer_groups(module, self._params)
         self._chosen = "unset"  # chosen at the first measurement (a checkpoint loaded after this restores it)
 
-    def _whole_params(self) -> dict[str, torch.Tensor]:
-        """The parameters the kernel is taken over, whole (under FSDP: the skeleton's, meta)."""
-        if self.whole is None:
-            return self._params
-        live = dict(self.whole.skeleton.named_parameters())
-        return {n: live[n] for n in self._params}
-
     def after_start(self, host: Host) -> None:
         if self.restored and self._anchor is not None:  # where the strategy's restore is done
             self._restore_anchor()
@@ -149,7 +142,9 @@ class NTKDiagnostics(LayerwiseCallback):
             self._anchor = snapshot(self._params)
 
     def _restore_anchor(self) -> None:
-        check_anchor(self._anchor, self._whole_params(), "the checkpoint")
+        # checked against the parameters whole (under FSDP: the skeleton's, meta)
+        whole = self._params if self.whole is None else dict(self.whole.skeleton.named_parameters())
+        check_anchor(self._anchor, {n: whole[n] for n in self._params}, "the checkpoint")
         if self.whole is None:
             self._anchor = follow({n: self._anchor[n] for n in self._params}, self._params)
 

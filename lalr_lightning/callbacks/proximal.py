@@ -110,7 +110,6 @@ class ProximalRegularizer(LayerwiseCallback):
     decision_attr = "regularized_fraction"
     decision_key = "regularized_fraction"
     score_key = "distance"
-    measures = "weights"
     logs_lr = False
     heatmap = ("regularized_fraction", "proximal: share of steps pulled", "fraction")
     volatile_settings = ("offload_anchor",)
@@ -260,16 +259,12 @@ class ProximalRegularizer(LayerwiseCallback):
         names = [n for n, k in zip(names, list(got)) if k > 0]
         if not names:
             return
-        params = {n: local_tensor(self._params[n]) for n in names}
         anchor = self._placed_anchor()
-        anchors = {n: local_tensor(anchor[n]) for n in names}
-        pull = dict.fromkeys(names, True)
-        if self.selective:
-            groups = {g: kept for g, m in self._groups.items() if (kept := [n for n in m if n in params])}
-            grads = {n: None if self._params[n].grad is None else local_tensor(self._params[n].grad) for n in names}
-            pull = proximal.pull_decisions(grads, proximal.deltas(params, anchors), self.granularity, groups,
-                                           reduce=all_sum)
-        proximal.proximal_step_(params, anchors, self.lam, {n: step.lr(self._params[n]) for n in names}, pull)
+        grads = {n: None if self._params[n].grad is None else local_tensor(self._params[n].grad) for n in names}
+        pull = proximal.selective_step_({n: local_tensor(self._params[n]) for n in names},
+                                        {n: local_tensor(anchor[n]) for n in names}, grads, self.lam,
+                                        {n: step.lr(self._params[n]) for n in names}, selective=self.selective,
+                                        granularity=self.granularity, groups=self._groups, reduce=all_sum)
         for n in names:
             self._steps[n] += 1
             self._pulled[n] += int(pull[n])

@@ -33,7 +33,7 @@ from torch import Tensor
 from lalr_lightning.choices import unknown
 
 __all__ = ["GRANULARITIES", "GroupedStep", "check_lam", "coefficients", "deltas", "distances", "inner_products",
-           "pull_decisions", "proximal_step_"]
+           "pull_decisions", "proximal_step_", "selective_step_"]
 
 GRANULARITIES = ("tensor", "layer", "global")
 
@@ -193,6 +193,30 @@ def proximal_step_(
                   for n, p in zip(dev_names, ps)]
             torch._foreach_lerp_(ps, an, [coef[n] for n in dev_names])
     return coef
+
+
+def selective_step_(
+    params: Mapping[str, Tensor],
+    anchors: Mapping[str, Tensor],
+    grads: Mapping[str, Tensor | None],
+    lam: float,
+    lrs: Mapping[str, float] | float,
+    *,
+    selective: bool = True,
+    granularity: str = "tensor",
+    groups: Mapping[str, Sequence[str]] | None = None,
+    reduce: Callable[[Tensor], Tensor] | None = None,
+) -> dict[str, bool]:
+    """:func:`pull_decisions` (``groups`` cut to the tensors of ``params``), then
+    :func:`proximal_step_` in place; returns the decisions. ``selective=False`` pulls every tensor
+    without computing ``theta - theta_0``."""
+    pull = dict.fromkeys(params, True)
+    if selective:
+        kept = None if groups is None else {
+            g: m for g, members in groups.items() if (m := [n for n in members if n in params])}
+        pull = pull_decisions(grads, deltas(params, anchors), granularity, kept, reduce=reduce)
+    proximal_step_(params, anchors, lam, lrs, pull)
+    return pull
 
 
 def check_lam(lam: float) -> float:
