@@ -251,10 +251,6 @@ class AutoRGN(LayerSelection):
             warn(note)
         return Decision(values=values, scores=dict(scores))
 
-    def receive(self, decision: Decision) -> None:
-        super().receive(decision)
-        self.multipliers = dict(decision.values)
-
     def apply(self, host: Host) -> None:
         self.apply_multipliers(host, self.multipliers)
         self.apply_frozen(host, [k for k, v in self.multipliers.items() if v == 0])

@@ -20,7 +20,6 @@ from lalr_lightning.callbacks.ntk import report
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.core.linearization import ntk
 from lalr_lightning.core.linearization.anchor import trainable
-from lalr_lightning.core.model.layers import output_layer
 from lalr_lightning.core.model.probe import fixed_batch, probe_inputs
 from lalr_lightning.core.runtime.checks import check_counts
 
@@ -133,12 +132,7 @@ class NTKSelect(LayerSelection):
 
     def _head_group(self, module: nn.Module) -> str | None:
         """The group holding the trainable output weight (peft's ``modules_to_save`` copy included)."""
-        out = output_layer(module)
-        if out is None:
-            return None
-        ids = {id(p) for p in out.params.values()}
-        names = {n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in ids}
-        return next((g for g, members in self._groups.items() if names & set(members)), None)
+        return ntk.head_group(module, self._groups)
 
     def decide_in_setup(self, host: Host, module: nn.Module) -> Decision | None:
         """Decide before the model is wrapped when the training loader can be built already
@@ -181,17 +175,10 @@ class NTKSelect(LayerSelection):
         return {"S": {g: s.cpu() for g, s in k.S.items()}, "sigma": k.ridge(self.sigma)}
 
     def decide(self, measured: dict) -> Decision:
-        S = dict(measured["S"])
-        base = S.pop(self.head_layer) if self.head_layer is not None else None
-        sel = ntk.greedy_ntk_selection(S, self.kappa_max, measured["sigma"], base=base, max_layers=self.max_layers)
-        if not sel.layers and (base is None or sel.kappa[0] > self.kappa_max):
-            start = "" if base is None else f" with the head {self.head_layer!r} (alone: {sel.kappa[0]:.4g})"
-            raise ValueError(f"NTKSelect: no layer keeps kappa(K + sigma I) <= kappa_max={self.kappa_max:g}{start} "
-                             f"(the best, {sel.rejected!r}, gives {sel.rejected_kappa:.4g}); raise kappa_max or sigma")
-        if not sel.layers:
-            warnings.warn(f"NTKSelect: only the head {self.head_layer!r} trains: adding the best layer, "
-                          f"{sel.rejected!r}, gives kappa {sel.rejected_kappa:.4g} > kappa_max={self.kappa_max:g}",
-                          stacklevel=2)
+        sel, note = ntk.head_selection(measured["S"], self.head_layer, self.kappa_max, measured["sigma"],
+                                       self.max_layers)
+        if note is not None:
+            warnings.warn(note, stacklevel=2)
         chosen = set(sel.layers) | ({self.head_layer} if self.head_layer is not None else set())
         summary = {"kappa": sel.kappa[-1], "num_selected": float(len(chosen)), "sigma": measured["sigma"]}
         return Decision(values={g: float(g in chosen) for g in self._groups}, scores=dict(sel.eta_rounds[0]),

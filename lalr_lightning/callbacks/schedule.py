@@ -162,7 +162,8 @@ class BlockSchedule(LayerSelection):
         return host.global_step // self.every_n_steps
 
     def decide(self, switch: int) -> Decision:
-        chosen = scheduled_blocks(self.schedule, self.layers, switch, order=self.order, gamma=self.gamma, seed=self.seed)
+        chosen = scheduled_blocks(self.schedule, self.layers, switch, order=self.order, gamma=self.gamma,
+                                  seed=self.seed)
         return Decision(values={b: float(b in chosen) for b in self.block_names}, record={"switch": switch})
 
     def receive(self, decision: Decision) -> None:

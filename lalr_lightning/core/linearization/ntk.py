@@ -50,7 +50,7 @@ from torch.func import functional_call, jvp, vjp, vmap
 
 from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.batch_loss import batch_loss, call_model, forward_module, output_tensor, split_batch
-from lalr_lightning.core.model.layers import Layer, clean_name, matrix_layers
+from lalr_lightning.core.model.layers import Layer, clean_name, matrix_layers, output_layer
 from lalr_lightning.core.model.taps import call_with_params
 
 __all__ = [
@@ -71,11 +71,13 @@ __all__ = [
     "layer_groups",
     "matching_groups",
     "group_layers",
+    "head_group",
     "empirical_ntk",
     "condition_number",
     "eta",
     "layer_etas",
     "greedy_ntk_selection",
+    "head_selection",
     "linearize",
     "linearization_gap",
     "jacobian_spectral_norm",
@@ -190,6 +192,17 @@ def group_layers(groups: Mapping[str, Sequence[str]], params: Mapping[str, Tenso
     """One :class:`~lalr_lightning.core.model.layers.Layer` per group, holding its parameters."""
     return [Layer(name=g, kind="layer", module=None, params={n: params[n] for n in members})
             for g, members in groups.items()]
+
+
+def head_group(model: nn.Module, groups: Mapping[str, Sequence[str]]) -> str | None:
+    """The group holding the model's output layer (peft's trainable ``modules_to_save`` copy
+    included), or None."""
+    out = output_layer(model)
+    if out is None:
+        return None
+    ids = {id(p) for p in out.params.values()}
+    names = {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids}
+    return next((g for g, members in groups.items() if names & set(members)), None)
 
 
 def _check_params(model: nn.Module, params: Mapping[str, Tensor] | None) -> dict[str, Tensor]:
@@ -975,6 +988,25 @@ def greedy_ntk_selection(
 
 
 # --------------------------------------------------------------------------- linearization
+
+
+def head_selection(S: Mapping[str, Tensor], head: str | None, kappa_max: float, sigma: float,
+                   max_layers: int | None = None) -> tuple[NTKSelection, str | None]:
+    """NTKSelect's rule: :func:`greedy_ntk_selection` over the kernels ``S`` but the ``head``'s,
+    which is the start (``K_sel = S_head``; ``None``: no head, every layer ranked). A ValueError
+    when no layer fits (nor the head alone); with the selection, the warning line when only the
+    head fits (else None)."""
+    S = dict(S)
+    base = S.pop(head) if head is not None else None
+    sel = greedy_ntk_selection(S, kappa_max, sigma, base=base, max_layers=max_layers)
+    if not sel.layers and (base is None or sel.kappa[0] > kappa_max):
+        start = "" if base is None else f" with the head {head!r} (alone: {sel.kappa[0]:.4g})"
+        raise ValueError(f"NTKSelect: no layer keeps kappa(K + sigma I) <= kappa_max={kappa_max:g}{start} "
+                         f"(the best, {sel.rejected!r}, gives {sel.rejected_kappa:.4g}); raise kappa_max or sigma")
+    if sel.layers:
+        return sel, None
+    return sel, (f"NTKSelect: only the head {head!r} trains: adding the best layer, {sel.rejected!r}, gives kappa "
+                 f"{sel.rejected_kappa:.4g} > kappa_max={kappa_max:g}")
 
 
 def _deltas(params: Mapping[str, Tensor], anchor: Mapping[str, Tensor]) -> dict[str, Tensor]:

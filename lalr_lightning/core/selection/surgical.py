@@ -253,7 +253,8 @@ def scheduled_blocks(schedule: str, blocks: Sequence[Layer], switch: int, *, ord
     if schedule == "lift":
         return {blocks[lift_block(order, switch, len(blocks), seed)].name}
     middle = [b.name for b in blocks if b.role == "block"]
-    return {b.name for b in blocks if b.role != "block"} | {middle[i] for i in lisa_sample(len(middle), gamma, switch, seed)}
+    drawn = {middle[i] for i in lisa_sample(len(middle), gamma, switch, seed)}
+    return {b.name for b in blocks if b.role != "block"} | drawn
 
 
 def lisa_warnings(blocks: Sequence[Layer], gamma: int, output: Layer | None, hint: str) -> list[str]:

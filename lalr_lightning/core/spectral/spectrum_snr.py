@@ -25,12 +25,16 @@ transformer names keep Spectrum's types (their types hold one matrix per block).
 from __future__ import annotations
 
 import math
+import warnings
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
 from lalr_lightning.choices import unknown
+from lalr_lightning.core.model.layers import Layer
+from lalr_lightning.core.spectral import htsr
 
 __all__ = ["GROUPINGS", "module_type", "group_types", "types_of", "top_by_type", "chosen_count", "grouping_report",
+           "snr_of", "always_trained",
            "unfrozen_yaml",
            "read_unfrozen_yaml"]
 
@@ -106,6 +110,22 @@ def top_by_type(snr: Mapping[str, float], top_percent: float,
 def chosen_count(n: int, top_percent: float) -> int:
     """How many of a type of ``n`` matrices train: Spectrum's floor, ``int(n * top_percent / 100)``."""
     return int(n * top_percent / 100)
+
+
+def snr_of(layers: Sequence[Layer]) -> dict[str, float]:
+    """``{name: SNR}`` of each layer's matrix (:func:`htsr.analyze`'s ``snr``; a matrix with NaN is
+    reported by :func:`top_by_type`, not warned about here)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        df = htsr.analyze(layers, metrics=["snr"], min_evals=1)
+    return dict(zip(df["name"], df["snr"].astype(float)))
+
+
+def always_trained(layers: Sequence[Layer], output: Layer | None, head: bool, embeddings: bool) -> list[str]:
+    """The names of the layers that train whatever their SNR: the ``output`` layer (with ``head``)
+    and the input embeddings (with ``embeddings``), as Spectrum's YAML always unfreezes them."""
+    return [la.name for la in layers if (head and output is not None and la.name == output.name)
+            or (embeddings and la.kind == "embedding")]
 
 
 def grouping_report(who: str, groups: Mapping[str, str], top_percent: float,
