@@ -18,7 +18,7 @@ from lalr_lightning.callbacks.host import Host, say, warn
 from lalr_lightning.core.linearization import ntk
 from lalr_lightning.core.linearization.anchor import check_anchor, snapshot, trainable
 from lalr_lightning.core.model.probe import probe_inputs
-from lalr_lightning.core.runtime.checks import check_counts
+from lalr_lightning.core.runtime.checks import check_counts, check_number
 from lalr_lightning.core.runtime.placement import follow
 
 __all__ = ["NTKDiagnostics", "report"]
@@ -101,11 +101,9 @@ class NTKDiagnostics(LayerwiseCallback):
         super().__init__(name=name, strict_resume=strict_resume)
         check_counts({"every_n_epochs": every_n_epochs, "probe_size": probe_size,
                       "max_jacobian_numel": max_jacobian_numel})
-        if not (math.isfinite(sigma) and sigma >= 0):
-            raise ValueError(f"sigma must be a finite number >= 0 (a fraction of trace(K) / M), got {sigma}")
         self.every_n_epochs = every_n_epochs
         self.probe_size = probe_size
-        self.sigma = float(sigma)
+        self.sigma = check_number("sigma", sigma, low=0, note=" (a fraction of trace(K) / M)")
         self.kernel = ntk.check_kernel(kernel)
         self.max_jacobian_numel = max_jacobian_numel
         self.positions = ntk.check_positions(positions)
@@ -155,11 +153,8 @@ class NTKDiagnostics(LayerwiseCallback):
     def measure(self, host: Host, module: nn.Module) -> dict[str, Any]:
         """Every rank computes the same numbers (same probe, same weights); rank zero's are used.
         Under FSDP rank zero computes them on a whole copy of the model and broadcasts them."""
-        if self.whole is None:
-            measured = self._measure_on(host, module, self._params)
-        else:
-            measured = self.whole.run(host, module, lambda whole: self._measure_on(
-                host, whole, {n: p for n, p in whole.named_parameters() if n in self._params}))
+        measured = self.with_whole_model(host, lambda m: self._measure_on(
+            host, m, {n: p for n, p in m.named_parameters() if n in self._params}))
         self._chosen = measured.pop("outputs")  # chosen on rank zero: every rank keeps it
         return measured
 

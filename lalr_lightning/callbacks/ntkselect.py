@@ -21,7 +21,7 @@ from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.core.linearization import ntk
 from lalr_lightning.core.linearization.anchor import trainable
 from lalr_lightning.core.model.probe import fixed_batch, probe_inputs
-from lalr_lightning.core.runtime.checks import check_counts
+from lalr_lightning.core.runtime.checks import check_counts, check_number
 
 __all__ = ["NTKSelect"]
 
@@ -94,13 +94,9 @@ class NTKSelect(LayerSelection):
                  save_compute: bool = True, positions: str = "last", outputs: int | str | None = None,
                  name: str | None = None, strict_resume: bool = True):
         super().__init__(norm_eval=norm_eval, save_compute=save_compute, name=name, strict_resume=strict_resume)
-        if not (kappa_max >= 1) or not math.isfinite(kappa_max):
-            raise ValueError(f"kappa_max must be a finite number >= 1 (a condition number is at least 1), got {kappa_max}")
-        if not (math.isfinite(sigma) and sigma > 0):
-            raise ValueError(f"sigma must be a finite number > 0 (a fraction of trace(K) / M), got {sigma}")
+        self.kappa_max = check_number("kappa_max", kappa_max, low=1, note=" (a condition number is at least 1)")
+        self.sigma = check_number("sigma", sigma, low=0, strict=True, note=" (a fraction of trace(K) / M)")
         check_counts({"max_layers": max_layers, "probe_size": probe_size}, optional=("max_layers",))
-        self.kappa_max = float(kappa_max)
-        self.sigma = float(sigma)
         self.max_layers = max_layers
         self.probe_size = int(probe_size)
         self.kernel = ntk.check_kernel(kernel)

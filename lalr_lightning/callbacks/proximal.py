@@ -35,7 +35,7 @@ from lalr_lightning.core.linearization.anchor import check_anchor, load_anchor, 
 from lalr_lightning.core.linearization.ntk import group_layers, layer_groups, matching_groups, unit_lambda_o
 from lalr_lightning.core.model.batch_loss import loss_source
 from lalr_lightning.core.model.probe import fixed_batch
-from lalr_lightning.core.runtime.checks import check_counts, check_loss_fn
+from lalr_lightning.core.runtime.checks import check_counts, check_loss_fn, check_number
 from lalr_lightning.core.runtime.control import PostStep
 from lalr_lightning.core.runtime.placement import follow, placed
 from lalr_lightning.core.runtime.shards import ShardLayout, all_sum, local_tensor
@@ -136,8 +136,6 @@ class ProximalRegularizer(LayerwiseCallback):
             raise unknown("granularity", granularity, GRANULARITIES, show=repr)
         if not isinstance(anchor, (str, os.PathLike)) or not str(anchor):
             raise ValueError(f"anchor must be 'fit_start' or the path of a checkpoint / state dict, got {anchor!r}")
-        if radius is not None and not (math.isfinite(radius) and radius > 0):
-            raise ValueError(f"radius must be a finite number > 0 (or None: the current distance), got {radius}")
         check_counts({"probe_size": probe_size, "every_n_epochs": every_n_epochs}, optional=("every_n_epochs",))
         self.loss_fn = check_loss_fn(loss_fn)
         self.selective = bool(selective)
@@ -145,7 +143,8 @@ class ProximalRegularizer(LayerwiseCallback):
         self.anchor = os.fspath(anchor)
         self.include = None if include is None else [include] if isinstance(include, str) else list(include)
         self.offload_anchor = bool(offload_anchor)
-        self.radius = None if radius is None else float(radius)
+        self.radius = None if radius is None else check_number("radius", radius, low=0, strict=True,
+                                                               note=" (or None: the current distance)")
         self.probe_size = probe_size
         self.every_n_epochs = every_n_epochs
         self.distances: dict[str, float] = {}
@@ -285,24 +284,16 @@ class ProximalRegularizer(LayerwiseCallback):
 
     def fractions(self) -> dict[str, float]:
         self._flush()
-        out = {}
-        for g, members in self._groups.items():
-            steps = sum(self._steps[n] for n in members)
-            out[g] = sum(self._pulled[n] for n in members) / steps if steps else 0.0
-        return out
+        return proximal.pulled_fractions(self._steps, self._pulled, self._groups)
 
     def estimate_lambda_o(self, host: Host, module: nn.Module, r: float) -> float:
         """Theorem 4's ``lambda_o`` for radius ``r``, with the residual and ``Lip(f)`` at
         ``theta_0`` on the probe batch (computed once per fit: they do not change). Under FSDP
         rank zero computes it on a whole copy of the model, from the whole ``theta_0``."""
         if self._unit_lambda_o is None:
-            anchor = self._placed_anchor()
-            if self.whole is None:
-                self._unit_lambda_o = self._unit_lambda_o_on(host, module, anchor)
-            else:  # the anchor's pieces put together (collective, the same order on every rank)
-                theta0 = {n: self._layout.whole(p, anchor[n]) for n, p in self._params.items()}
-                self._unit_lambda_o = self.whole.run(
-                    host, module, lambda whole: self._unit_lambda_o_on(host, whole, theta0))
+            anchor = self._placed_anchor()  # under FSDP its pieces put together (collective, the same order everywhere)
+            theta0 = {n: self._layout.whole(p, anchor[n]) for n, p in self._params.items()}
+            self._unit_lambda_o = self.with_whole_model(host, lambda m: self._unit_lambda_o_on(host, m, theta0))
         return self._unit_lambda_o / r if r > 0 else math.nan
 
     def _unit_lambda_o_on(self, host: Host, module: nn.Module, anchor: dict[str, torch.Tensor]) -> float:

@@ -31,9 +31,10 @@ import torch
 from torch import Tensor
 
 from lalr_lightning.choices import unknown
+from lalr_lightning.core.runtime.checks import check_number
 
 __all__ = ["GRANULARITIES", "GroupedStep", "check_lam", "coefficients", "deltas", "distances", "inner_products",
-           "pull_decisions", "proximal_step_", "selective_step_"]
+           "pull_decisions", "proximal_step_", "pulled_fractions", "selective_step_"]
 
 GRANULARITIES = ("tensor", "layer", "global")
 
@@ -219,12 +220,19 @@ def selective_step_(
     return pull
 
 
+def pulled_fractions(steps: Mapping[str, int], pulled: Mapping[str, int],
+                     groups: Mapping[str, Sequence[str]]) -> dict[str, float]:
+    """Per group, the share of its tensors' steps that pulled (0 before any step)."""
+    out = {}
+    for g, members in groups.items():
+        total = sum(steps[n] for n in members)
+        out[g] = sum(pulled[n] for n in members) / total if total else 0.0
+    return out
+
+
 def check_lam(lam: float) -> float:
     """``lam`` as a float, or a ValueError when it is not a finite number >= 0."""
-    lam = float(lam)
-    if not math.isfinite(lam) or lam < 0:
-        raise ValueError(f"lam must be a finite number >= 0, got {lam}")
-    return lam
+    return check_number("lam", float(lam), low=0)
 
 
 def coefficients(lam: float, lrs: Mapping[str, float] | float, names: Sequence[str]) -> dict[str, float]:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ArgumentTypeError", "check_arguments", "check_counts", "check_loss_fn", "check_min_evals", "coerce",
+__all__ = ["ArgumentTypeError", "check_arguments", "check_counts", "check_loss_fn", "check_min_evals", "check_number", "coerce",
            "lazy_error", "lazy_parameters", "orphaned_masks", "uninitialized"]
 
 _NUMBERS = {int: "an integer", float: "a number"}
@@ -131,6 +131,14 @@ def check_counts(values: Mapping[str, Any], optional: tuple[str, ...] = ()) -> N
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{arg} must be an integer >= 1, got {value!r}")
+
+
+def check_number(arg: str, value: Any, *, low: float, strict: bool = False, note: str = "") -> float:
+    """``value`` as a float when it is a finite number ``>= low`` (``> low`` with ``strict``), else a
+    one-line ValueError: ``<arg> must be a finite number >= <low><note>, got <value>``."""
+    if not (math.isfinite(value) and (value > low if strict else value >= low)):
+        raise ValueError(f"{arg} must be a finite number {'>' if strict else '>='} {low:g}{note}, got {value}")
+    return float(value)
 
 
 def check_loss_fn(loss_fn: Any) -> Any:
