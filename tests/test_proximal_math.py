@@ -216,3 +216,19 @@ def test_selective_step_and_pulled_fractions():
     assert selective_step_(params, anchors, {}, 1.0, 0.5, selective=False) == dict.fromkeys("abc", True)
     assert pulled_fractions({"a": 4, "b": 4, "c": 2, "d": 0}, {"a": 1, "b": 3, "c": 2, "d": 0},
                             {"L1": ["a", "b"], "L2": ["c"], "L3": ["d"]}) == {"L1": 0.5, "L2": 1.0, "L3": 0.0}
+
+
+def test_grouped_step_coefficients_are_checked_and_kept_while_the_learning_rates_are():
+    from lalr_lightning.core.linearization.proximal import GroupedStep
+
+    plan = GroupedStep([torch.ones(2), torch.ones(1)])
+    token, calls = object(), []
+
+    def lrs():
+        calls.append(1)
+        return {"w": 0.1, "b": 0.2}
+
+    assert plan.coefficients(2.0, token, lrs) == pytest.approx([0.2, 0.4])
+    assert plan.coefficients(2.0, token, lrs) == pytest.approx([0.2, 0.4]) and len(calls) == 1  # same LRs: kept
+    with pytest.raises(ValueError, match=r"lam \* lr = 20.0 \* 0.1 = 2 > 1 for 'w'"):
+        plan.coefficients(20.0, object(), lrs)

@@ -193,8 +193,6 @@ class AutoRGN(LayerSelection):
             raise ValueError(f"every trainable tensor is excluded by exclude={list(self.exclude)}; nothing to measure")
         params = [next(iter(u.params.values())) for u in units]
         self._zero_scales = surgical.zero_scales(self.layers)  # the degeneracy warning names them
-        total = torch.zeros(len(units), dtype=torch.float64)
-        n = 0
         frozen = [u for u in units if u.name not in set(self.selected)] if self._sharded else []
         self.set_requires_grad(frozen, True)  # FSDP: the tensors frozen now are measured too (see apply)
         check = stop_on_sigterm(host)
@@ -203,25 +201,28 @@ class AutoRGN(LayerSelection):
         # buffers and the random state (the loader's shuffle, dropout) are put back: the epoch that
         # follows trains as it would without the measurement
         with torch.enable_grad(), preserve_buffers(module), torch.random.fork_rng(devices=rng):
-            for batch in itertools.islice(loader, self.n_batches):
-                check()
-                batch = self.device_batch(host, batch)
-                if sharded(host):
-                    total += self._sharded_scores(host, module, batch, n, units, params)
-                else:
-                    loss = batch_loss(module, batch, self.loss_fn, batch_idx=n)
-                    grads = torch.autograd.grad(loss, params, allow_unused=True)
-                    self.check_finite(host, {u.name: g for u, g in zip(units, grads) if g is not None},
-                                      f"the gradients measured for {self.criterion}")
-                    total += surgical.batch_scores(self.criterion, grads, params)
-                n += 1
+            scores = [self._batch_scores(host, module, batch, i, units, params, check)
+                      for i, batch in enumerate(itertools.islice(loader, self.n_batches))]
         self.set_requires_grad(frozen, False)
-        if n == 0:
+        if not scores:
             raise ValueError(f"{self.criterion}: the training dataloader yielded no batch to measure on")
         # each rank measured its own shard: average over ranks (inf, from zero-norm tensors, stays inf)
-        mean = host.mean((total / n).to(module.device)).cpu()
+        mean = host.mean((sum(scores, torch.zeros(len(units), dtype=torch.float64)) / len(scores)).to(device)).cpu()
         self._measured_epoch = host.current_epoch
         return {u.name: float(v) for u, v in zip(units, mean.tolist())}
+
+    def _batch_scores(self, host: Host, module: nn.Module, batch: Any, batch_idx: int, units: list, params: list,
+                      check: Callable[[], None]) -> torch.Tensor:
+        """One batch's score per measured tensor, from its gradients (under FSDP: :meth:`_sharded_scores`)."""
+        check()
+        batch = self.device_batch(host, batch)
+        if self._sharded:
+            return self._sharded_scores(host, module, batch, batch_idx, units, params)
+        loss = batch_loss(module, batch, self.loss_fn, batch_idx=batch_idx)
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        self.check_finite(host, {u.name: g for u, g in zip(units, grads) if g is not None},
+                          f"the gradients measured for {self.criterion}")
+        return surgical.batch_scores(self.criterion, grads, params)
 
     def _sharded_scores(self, host: Host, module: nn.Module, batch: Any, batch_idx: int,
                         units: list, params: list) -> torch.Tensor:

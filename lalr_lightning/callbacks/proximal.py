@@ -157,7 +157,6 @@ class ProximalRegularizer(LayerwiseCallback):
         # per set of stepped tensors its grouped step, which counts the steps and pulls on the device
         # (a step makes no device-to-host transfer) until _flush adds them to _steps and _pulled
         self._plans: dict[tuple[str, ...], proximal.GroupedStep] = {}
-        self._coefs: tuple[object, tuple[str, ...], list[float]] | None = None
         self._steps: dict[str, int] = {}  # per tensor, the optimizer steps it took part in
         self._pulled: dict[str, int] = {}  # of those, the steps that pulled it toward the anchor
         self._unit_lambda_o: float | None = None  # lambda_o at r = 1 (it scales as 1 / r)
@@ -178,7 +177,7 @@ class ProximalRegularizer(LayerwiseCallback):
         self._layer_of = {n: i for i, members in enumerate(groups.values()) for n in members}
         self._params = {n: params[n] for members in groups.values() for n in members}
         self.layers = group_layers(groups, params)
-        self._plans, self._coefs, self._installed = {}, None, set()
+        self._plans, self._installed = {}, set()
 
     def after_wrap(self, host: Host) -> None:
         self._layout = shard_layout(host, host.module)  # under FSDP the anchor is cut like the weights
@@ -234,12 +233,10 @@ class ProximalRegularizer(LayerwiseCallback):
             self._flush()  # counts held on the device the model left
             plan = self._plans[key] = proximal.GroupedStep(params, [self._layer_of[n] for n in key])
         anchor = self._placed_anchor()
-        if self._coefs is None or self._coefs[0] is not step._lrs or self._coefs[1] != key:
-            # lam * lr per tensor, checked; the same while the step's LRs are (LayerControl keeps them)
-            coef = proximal.coefficients(self.lam, {n: step.lr(self._params[n]) for n in key}, key)
-            self._coefs = (step._lrs, key, [coef[n] for n in key])
-        plan.step_(params, [anchor[n] for n in key], [p.grad for p in params], self._coefs[2],
-                   selective=self.selective, granularity=self.granularity)
+        # lam * lr per tensor, the same while the step's LRs are (LayerControl keeps them)
+        coefs = plan.coefficients(self.lam, step._lrs, lambda: {n: step.lr(self._params[n]) for n in key})
+        plan.step_(params, [anchor[n] for n in key], [p.grad for p in params], coefs, selective=self.selective,
+                   granularity=self.granularity)
 
     def _flush(self) -> None:
         """Add the counts the grouped steps hold on the device to ``_steps`` and ``_pulled``."""

@@ -285,9 +285,19 @@ class GroupedStep:
         self.layer_index = None
         self.n_layers = 0
         self.steps, self.pulled = 0, None  # counted since the last take(); pulled on the device
+        self._host_coefs: tuple[object, list[float]] | None = None
         if layers is not None:
             self.n_layers = max(layers, default=-1) + 1
             self.layer_index = _on_device([layers[i] for i in self.order], torch.long, self.device)
+
+    def coefficients(self, lam: float, token: object, lrs: Callable[[], Mapping[str, float]]) -> list[float]:
+        """``lam * lr`` per tensor (:func:`coefficients`, checked) from ``lrs()``, ``{name: learning
+        rate}`` of the tensors in the caller's order; computed again only when ``token`` (the object
+        holding the step's learning rates) is a new one."""
+        if self._host_coefs is None or self._host_coefs[0] is not token:
+            named = lrs()
+            self._host_coefs = (token, list(coefficients(lam, named, list(named)).values()))
+        return self._host_coefs[1]
 
     def placed(self, params: Sequence[Tensor]) -> bool:
         """Whether ``params`` are still where this grouping was made (the model was not moved)."""
