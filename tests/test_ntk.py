@@ -409,3 +409,15 @@ def test_unit_lambda_o_reads_class_targets_or_the_modules_own_loss():
     value, own = N.unit_lambda_o(model, (x, y), theta0, loss_fn)
     want = N.estimate_lambda_o(model, x, None, 1.0, theta0, loss=lambda: loss_fn(model, (x, y)))["lambda_o"]
     assert own and value == pytest.approx(want)
+
+
+def test_selectable_head_or_why_there_is_nothing_to_select():
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 3))
+    groups = N.layer_groups(model)
+    assert N.selectable_head(model, groups, False) is None and N.selectable_head(model, groups, True) == "4"
+    with pytest.raises(ValueError, match="one trainable layer besides the head"):
+        N.selectable_head(model, {g: groups[g] for g in ("0", "4")}, True)
+    with pytest.raises(ValueError, match=r"has one trainable layer \(\['0'\]\); there is nothing to select between"):
+        N.selectable_head(model, {"0": groups["0"]}, False)
+    with pytest.raises(ValueError, match=r"NTKSelect\(head=True\): no trainable output layer found in Sequential"):
+        N.selectable_head(model, {g: groups[g] for g in ("0", "2")}, True)

@@ -113,16 +113,7 @@ class NTKSelect(LayerSelection):
     def configure(self, host: Host, module: nn.Module) -> None:
         self._params = trainable(module, type(self).__name__)
         self._groups = ntk.layer_groups(module, self._params)
-        if len(self._groups) < 2:
-            raise ValueError(f"{type(module).__name__} has one trainable layer ({list(self._groups)}); there is "
-                             "nothing to select between")
-        self.head_layer = self._head_group(module) if self.head else None
-        if self.head and self.head_layer is None:
-            raise ValueError(f"NTKSelect(head=True): no trainable output layer found in {type(module).__name__} "
-                             "(its classifier is frozen or not recognised); use head=False to rank every layer")
-        if self.head and len(self._groups) < 3:
-            raise ValueError(f"{type(module).__name__} has one trainable layer besides the head; there is nothing "
-                             "to select between (head=False ranks the head too)")
+        self.head_layer = ntk.selectable_head(module, self._groups, self.head)
         self.layers = ntk.group_layers(self._groups, self._params)
         self.block_list = self.layers  # the units label the per-step log and own their norm layers
 

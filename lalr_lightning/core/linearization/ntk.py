@@ -72,6 +72,7 @@ __all__ = [
     "matching_groups",
     "group_layers",
     "head_group",
+    "selectable_head",
     "empirical_ntk",
     "condition_number",
     "eta",
@@ -203,6 +204,24 @@ def head_group(model: nn.Module, groups: Mapping[str, Sequence[str]]) -> str | N
     ids = {id(p) for p in out.params.values()}
     names = {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids}
     return next((g for g, members in groups.items() if names & set(members)), None)
+
+
+def selectable_head(model: nn.Module, groups: Mapping[str, Sequence[str]], head: bool) -> str | None:
+    """NTKSelect's head group (:func:`head_group`; None without ``head``), or a ValueError where the
+    groups leave nothing to select between."""
+    name = type(model).__name__
+    if len(groups) < 2:
+        raise ValueError(f"{name} has one trainable layer ({list(groups)}); there is nothing to select between")
+    if not head:
+        return None
+    found = head_group(model, groups)
+    if found is None:
+        raise ValueError(f"NTKSelect(head=True): no trainable output layer found in {name} (its classifier is frozen "
+                         "or not recognised); use head=False to rank every layer")
+    if len(groups) < 3:
+        raise ValueError(f"{name} has one trainable layer besides the head; there is nothing to select between "
+                         "(head=False ranks the head too)")
+    return found
 
 
 def _check_params(model: nn.Module, params: Mapping[str, Tensor] | None) -> dict[str, Tensor]:
