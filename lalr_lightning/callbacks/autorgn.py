@@ -142,7 +142,6 @@ class AutoRGN(LayerSelection):
         self.excluded_multiplier = float(excluded_multiplier)
         self.eb_threshold = float(eb_threshold)
         self.multipliers: dict[str, float] = {}
-        self._measured_epoch: int | None = None
         self._block_of: dict[str, str] = {}
         self._weights: list[str] = []  # the conv/linear weight tensors (the degeneracy warning counts them)
         self._zero_scales: list[str] = []
@@ -208,7 +207,6 @@ class AutoRGN(LayerSelection):
             raise ValueError(f"{self.criterion}: the training dataloader yielded no batch to measure on")
         # each rank measured its own shard: average over ranks (inf, from zero-norm tensors, stays inf)
         mean = host.mean((sum(scores, torch.zeros(len(units), dtype=torch.float64)) / len(scores)).to(device)).cpu()
-        self._measured_epoch = host.current_epoch
         return {u.name: float(v) for u, v in zip(units, mean.tolist())}
 
     def _batch_scores(self, host: Host, module: nn.Module, batch: Any, batch_idx: int, units: list, params: list,
@@ -269,12 +267,11 @@ class AutoRGN(LayerSelection):
 
     # ------------------------------------------------------------------ state
 
-    def _state(self) -> dict:
-        return {"measured_epoch": self._measured_epoch}
+    def _state(self) -> dict:  # the epoch of the latest measurement
+        return {"measured_epoch": self.history[-1]["epoch"] if self.history else None}
 
     def _load_state(self, state: dict) -> None:
         self.selected = [k for k, v in self.multipliers.items() if v > 0]
-        self._measured_epoch = state.get("measured_epoch")
 
 
 register_mode("auto_rgn", AutoRGN, criterion="rgn")

@@ -120,7 +120,6 @@ class BlockSchedule(LayerSelection):
         self.order = order
         self.gamma = gamma
         self.seed = seed
-        self._switch: int | None = None
 
     @property
     def title(self) -> str:
@@ -166,10 +165,6 @@ class BlockSchedule(LayerSelection):
                                   seed=self.seed)
         return Decision(values={b: float(b in chosen) for b in self.block_names}, record={"switch": switch})
 
-    def receive(self, decision: Decision) -> None:
-        super().receive(decision)
-        self._switch = decision.record["switch"]
-
     def heatmap_columns(self) -> list[str]:
         return [str(h["step"]) for h in self.history]
 
@@ -179,11 +174,8 @@ class BlockSchedule(LayerSelection):
 
     # ------------------------------------------------------------------ state
 
-    def _state(self) -> dict:
-        return {"switch": self._switch}
-
-    def _load_state(self, state: dict) -> None:
-        self._switch = state.get("switch")
+    def _state(self) -> dict:  # the latest switch index (the history has every one)
+        return {"switch": self.history[-1].get("switch") if self.history else None}
 
 
 register_mode("lift", BlockSchedule, schedule="lift")
