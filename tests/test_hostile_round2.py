@@ -580,3 +580,21 @@ def test_a_matrix_no_layer_covers_is_warned_once_with_its_share():
         L.matrix_layers(ToyMLP())  # nothing left out: no warning
         L.matrix_layers(_Encoder())
     assert not [w for w in again if "in no layer" in str(w.message)]
+
+
+def test_argument_checks_name_the_argument_and_what_it_takes():
+    import math
+
+    from lalr_lightning.core.runtime.checks import check_counts, check_loss_fn, check_number
+
+    check_counts({"a": 1, "b": None}, optional=("b",))
+    for bad in (0, True, 1.5, None, "2"):
+        with pytest.raises(ValueError, match=rf"^a must be an integer >= 1, got {re.escape(repr(bad))}$"):
+            check_counts({"a": bad})
+    assert check_number("s", 0, low=0) == 0.0 and check_number("k", 2, low=1, strict=True) == 2.0
+    for value, strict in ((-1e-9, False), (0.0, True), (math.inf, False), (math.nan, False)):
+        with pytest.raises(ValueError, match=r"^s must be a finite number >=? 0 \(why\), got "):
+            check_number("s", value, low=0, strict=strict, note=" (why)")
+    assert check_loss_fn(None) is None and check_loss_fn(len) is len
+    with pytest.raises(TypeError, match="loss_fn must be a callable .* got str"):
+        check_loss_fn("mse")

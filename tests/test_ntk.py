@@ -358,3 +358,66 @@ def test_bad_input_errors():
         N.empirical_ntk(frozen, x)
     with pytest.raises(ValueError, match="anchor has no value"):
         N.linearize(model, x, {})
+
+
+def test_callback_helpers_groups_head_and_sized_kernel():
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    params = N.trainable_parameters(model)
+    groups = N.layer_groups(model, params)
+    assert list(groups) == ["0", "2"] and N.head_group(model, groups) == "2"
+    assert N.matching_groups(groups, None) == groups
+    assert N.matching_groups(groups, ["2*"]) == {"2": ["2.weight", "2.bias"]}
+    with pytest.raises(ValueError, match=r"include pattern 'fc\*' matches no trainable layer; layers are: \['0', "):
+        N.matching_groups(groups, ["fc*"])
+    layers = N.group_layers(groups, params)
+    assert [(la.name, list(la.params)) for la in layers] == [("0", ["0.weight", "0.bias"]),
+                                                              ("2", ["2.weight", "2.bias"])]
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    said = []
+    k, chosen = N.sized_ntk(model, x, params, groups, lambda text, warning: said.append((text, warning)), who="T",
+                            mode="trace", positions="all", outputs=None)
+    assert chosen is None and len(said) == 1 and said[0][0].startswith("T: J: 6 samples x 3 outputs") and not said[0][1]
+    torch.testing.assert_close(k.K, N.empirical_ntk(model, x, params, groups).K)
+    k2, chosen = N.sized_ntk(model, x, params, groups, lambda *_: said.append("again"), who="T", mode="trace",
+                             positions="all", outputs=None, chosen=2)  # chosen already: no second estimate
+    assert chosen == 2 and len(said) == 1 and k2.projected == 2
+    assert k.ridge(0.5) == pytest.approx(0.5 * float(torch.trace(k.K)) / 6)
+    with pytest.raises(ValueError, match="kernel"):
+        N.check_kernel("diag")
+
+
+def test_head_selection_starts_from_the_head_and_says_when_only_it_fits():
+    eye, spike = torch.eye(2, dtype=torch.float64), torch.diag(torch.tensor([100.0, 0.0], dtype=torch.float64))
+    sel, note = N.head_selection({"a": eye, "head": eye}, "head", 10.0, 1e-6)
+    assert sel.layers == ["a"] and note is None
+    sel, note = N.head_selection({"a": spike, "head": eye}, "head", 10.0, 1e-6)
+    assert sel.layers == [] and note.startswith("NTKSelect: only the head 'head' trains")
+    sel, note = N.head_selection({"a": eye, "b": 2 * eye}, None, 10.0, 1e-6)
+    assert sel.layers[0] == "b" and note is None  # no head: every layer ranked, the largest eta first
+    with pytest.raises(ValueError, match="no layer keeps kappa"):
+        N.head_selection({"a": spike}, None, 10.0, 1e-6)
+
+
+def test_unit_lambda_o_reads_class_targets_or_the_modules_own_loss():
+    model = nn.Sequential(nn.Linear(4, 3))
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    y = torch.tensor([0, 1, 2, 0, 1])
+    theta0 = N.trainable_parameters(model)
+    value, own = N.unit_lambda_o(model, (x, y), theta0)
+    assert not own and value == pytest.approx(N.estimate_lambda_o(model, x, y, 1.0, theta0)["lambda_o"])
+    loss_fn = lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])  # noqa: E731
+    value, own = N.unit_lambda_o(model, (x, y), theta0, loss_fn)
+    want = N.estimate_lambda_o(model, x, None, 1.0, theta0, loss=lambda: loss_fn(model, (x, y)))["lambda_o"]
+    assert own and value == pytest.approx(want)
+
+
+def test_selectable_head_or_why_there_is_nothing_to_select():
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 3))
+    groups = N.layer_groups(model)
+    assert N.selectable_head(model, groups, False) is None and N.selectable_head(model, groups, True) == "4"
+    with pytest.raises(ValueError, match="one trainable layer besides the head"):
+        N.selectable_head(model, {g: groups[g] for g in ("0", "4")}, True)
+    with pytest.raises(ValueError, match=r"has one trainable layer \(\['0'\]\); there is nothing to select between"):
+        N.selectable_head(model, {"0": groups["0"]}, False)
+    with pytest.raises(ValueError, match=r"NTKSelect\(head=True\): no trainable output layer found in Sequential"):
+        N.selectable_head(model, {g: groups[g] for g in ("0", "2")}, True)

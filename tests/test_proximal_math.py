@@ -180,3 +180,55 @@ def test_grouped_step_is_the_per_tensor_step_bitwise(dtype, granularity):
     for n, t in zip(names, got):
         assert torch.equal(t, want[n]), n
     assert 0 < sum(pull.values()) < len(names) or granularity in ("global", "l2sp")
+
+
+# ----------------------------------------------------------------------------- helpers the callback uses
+
+
+def test_grouped_step_counts_its_steps_and_pulls_until_taken():
+    from lalr_lightning.core.linearization.proximal import GroupedStep
+
+    params = [torch.ones(2), torch.ones(3, dtype=torch.float64), torch.ones(1)]  # two dtype groups: order != input
+    anchors = [torch.zeros_like(p) for p in params]
+    grads = [torch.ones(2), -torch.ones(3, dtype=torch.float64), torch.ones(1)]  # <g, d>: +, -, +
+    plan = GroupedStep(params, [0, 1, 2])
+    assert plan.order != [0, 1, 2]
+    for _ in range(3):
+        plan.step_(params, anchors, grads, [0.0, 0.0, 0.0])  # coefficient 0: the weights stay, the counts grow
+    assert plan.take() == (3, [3, 0, 3]) and plan.take() == (0, [0, 0, 0])  # read once, then from zero
+    plan.step_(params, anchors, grads, [0.0] * 3, selective=False)
+    assert plan.take() == (1, [1, 1, 1])
+
+
+def test_selective_step_and_pulled_fractions():
+    from lalr_lightning.core.linearization.proximal import pulled_fractions, selective_step_
+
+    grads, dl, groups = hand_built()  # layer L1 = {a, b}: -2 (kept), L2 = {c}: +4 (pulled)
+    params = {n: d.clone() for n, d in dl.items()}  # theta_0 = 0, so theta - theta_0 = dl
+    anchors = {n: torch.zeros_like(d) for n, d in dl.items()}
+    # groups are cut to the stepped tensors: without "b", layer L1's sum is +3 and it is pulled
+    pull = selective_step_({n: params[n] for n in "ac"}, anchors, grads, 1.0, 0.5, granularity="layer",
+                           groups=groups)
+    assert pull == {"a": True, "c": True} and torch.equal(params["a"], 0.5 * dl["a"])
+    assert torch.equal(params["b"], dl["b"])
+    pull = selective_step_(params, anchors, grads, 1.0, 0.5, granularity="layer", groups=groups)
+    assert pull == {"a": False, "b": False, "c": True}
+    assert selective_step_(params, anchors, {}, 1.0, 0.5, selective=False) == dict.fromkeys("abc", True)
+    assert pulled_fractions({"a": 4, "b": 4, "c": 2, "d": 0}, {"a": 1, "b": 3, "c": 2, "d": 0},
+                            {"L1": ["a", "b"], "L2": ["c"], "L3": ["d"]}) == {"L1": 0.5, "L2": 1.0, "L3": 0.0}
+
+
+def test_grouped_step_coefficients_are_checked_and_kept_while_the_learning_rates_are():
+    from lalr_lightning.core.linearization.proximal import GroupedStep
+
+    plan = GroupedStep([torch.ones(2), torch.ones(1)])
+    token, calls = object(), []
+
+    def lrs():
+        calls.append(1)
+        return {"w": 0.1, "b": 0.2}
+
+    assert plan.coefficients(2.0, token, lrs) == pytest.approx([0.2, 0.4])
+    assert plan.coefficients(2.0, token, lrs) == pytest.approx([0.2, 0.4]) and len(calls) == 1  # same LRs: kept
+    with pytest.raises(ValueError, match=r"lam \* lr = 20.0 \* 0.1 = 2 > 1 for 'w'"):
+        plan.coefficients(20.0, object(), lrs)

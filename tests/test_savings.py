@@ -514,3 +514,25 @@ def test_hand_sync_buckets_split_by_dtype_and_size():
     assert _buckets(ts, cap=100) == [[0], [2], [3], [4], [1]]
     assert _buckets(ts, cap=4 * 30) == [[0, 2], [3], [4], [1]]
     assert _buckets(ts) == [[0, 2, 3, 4], [1]]
+
+
+def test_ddp_options_and_the_parameters_a_switching_selection_keeps_out_of_ddp():
+    from lalr_lightning.core.runtime.handsync import ddp_for_switching, kept_out
+
+    kwargs = {}
+    assert ddp_for_switching(kwargs, "W").startswith("W: DDP set to find_unused_parameters=True")
+    assert kwargs == {"find_unused_parameters": True} and ddp_for_switching(kwargs, "W") is None
+    with pytest.raises(ValueError, match="W turns requires_grad on and off .* static_graph=True forbids"):
+        ddp_for_switching({"static_graph": True}, "W")
+    with pytest.raises(ValueError, match="drop find_unused_parameters=False or pass save_compute=False"):
+        ddp_for_switching({"find_unused_parameters": False}, "W")
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 8), nn.Linear(8, 1))
+    a, b, c = (list(m.parameters()) for m in model)
+    # a and c always train: b's tensors (and the one shared with a always-trained unit, kept in) go out
+    assert kept_out(model, [b, a[:1]], [a, c]) == b
+    # everything switches: the smallest trainable tensor stays in, so DDP has something to reduce
+    out = kept_out(model, [a, b, c], [])
+    assert len(out) == 5 and all(p is not c[1] for p in out)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    assert kept_out(model, [a, b, c], []) == []  # nothing trains: DDP says so at the wrap

@@ -105,3 +105,28 @@ def test_analyze_streams_every_matrix_and_writes_a_spectrum_yaml_that_round_trip
     # the writer and the reader agree on an explicit choice
     text = unfrozen_yaml({"mlp.up_proj": ["model.layers.1.mlp.up_proj"]}, ["lm_head.weight"])
     assert read_unfrozen_yaml(text) == ["^lm_head.weight$", "model.layers.1.mlp.up_proj"]
+
+
+def test_grouping_report_and_always_trained_matrices():
+    from lalr_lightning.core.model.layers import matrix_layers, output_layer
+    from lalr_lightning.core.spectral import htsr
+    from lalr_lightning.core.spectral.spectrum_snr import always_trained, grouping_report, snr_of
+
+    groups = {"l.0.q": "q", "l.1.q": "q", "l.0.v": "v", "fc": "linear (pooled)"}
+    line, warning = grouping_report("S", groups, 50, ["lm_head"])
+    assert line == ("S: 4 ranked matrices in 3 type(s), trained at top_percent=50: q: 1 of 2, v: 0 of 1, linear "
+                    "(pooled): 0 of 1; linear (pooled): matrices without a repeated-block name (Spectrum's rule would "
+                    "give each its own type), pooled by kind; always trained: lm_head")
+    assert warning.startswith("S(top_percent=50) selects no matrix of type(s) v (l.0.v), linear (pooled) (fc)")
+    _, warning = grouping_report("S", {"a": "q", "b": "v"}, 50, [])
+    assert warning.startswith("S(top_percent=50) selects none of the 2 ranked matrices")
+    assert "no matrix trains" in warning
+    assert grouping_report("S", {"a": "q", "b": "q"}, 50, [])[1] is None
+    assert grouping_report("S", {"a": "q"}, 0, [])[1] is None  # top_percent=0 asks for none: no warning
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 10))
+    layers = matrix_layers(model)
+    out = output_layer(model, layers)
+    assert always_trained(layers, out, True, True) == ["0", "2"]
+    assert always_trained(layers, out, False, True) == ["0"] and always_trained(layers, None, True, False) == []
+    df = htsr.analyze(layers[1:], metrics=["snr"], min_evals=1)
+    assert snr_of(layers[1:]) == dict(zip(df["name"], df["snr"].astype(float)))

@@ -412,3 +412,57 @@ def test_gamma_larger_than_the_middle_blocks():
 def test_single_block_model_is_a_clear_error():
     with pytest.raises(ValueError, match="single block"):
         _setup(SurgicalLayerSelect(mode="lift", blocks=["net"]), ToyMLP())
+
+
+# ----------------------------------------------------------------------------- the pure helpers of the callbacks
+
+
+def test_criterion_scores_multipliers_and_fsdp_scores_agree_with_the_closed_forms():
+    from lalr_lightning.core.selection import surgical as S
+
+    g = [torch.tensor([3.0, 4.0]), None, torch.tensor([[1.0, 2.0], [3.0, 5.0]])]
+    p = [torch.tensor([0.0, 10.0]), torch.ones(2), torch.zeros(2, 2)]
+    assert S.batch_scores("rgn", g, p).tolist() == relative_grad_norms(g, p).tolist() == [0.5, 0.0, float("inf")]
+    assert torch.equal(S.batch_scores("eb", g, p), eb_scores(g))
+    # the FSDP path: (||g||, eb score) per tensor read whole, ||theta|| from the ranks' pieces -> the same scores
+    stats = {n: S.gradient_stat(c, t) for c in ("eb",) for n, t in (("a", g[0]), ("c", g[2]))}
+    assert stats["a"][0] == 5.0 and stats["c"][1] == pytest.approx(float(eb_scores([g[2]])[0]))
+    assert S.sharded_scores("eb", stats, ["a", "b", "c"], []).tolist() == eb_scores(g).tolist()
+    rgn = {n: S.gradient_stat("rgn", t) for n, t in (("a", g[0]), ("c", g[2]))}
+    assert rgn["a"] == (5.0, 0.0) and S.sharded_scores("rgn", rgn, ["a", "b", "c"], [10.0, 1.0, 0.0]).tolist() == [
+        0.5, 0.0, float("inf")]
+    assert S.criterion_multipliers("rgn", {"a": 0.5, "b": 0.25, "c": float("inf")}, 0.95) == {"a": 1.0, "b": 0.5,
+                                                                                            "c": 1.0}
+    assert S.criterion_multipliers("eb", {"a": 0.96, "b": 0.9}, 0.95) == {"a": 1.0, "b": 0.0}
+
+
+def test_tensor_rules_exclusions_zero_scales_and_weight_tensors():
+    from lalr_lightning.core.selection import surgical as S
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+    torch.nn.init.zeros_(model[1].weight)
+    units = S.tensor_layers(model)
+    assert S.excluded("1.bn.weight", ("bn",)) and not S.excluded("downsample.1.weight", ("bn",))
+    assert S.zero_scales(units) == ["1.weight"]  # the zeroed norm scale; a zero bias is no scale
+    assert S.weight_tensors(model, units, ()) == ["0.weight", "2.weight"]
+    assert S.weight_tensors(model, units, ("2.",)) == ["0.weight"]
+
+
+def test_scheduled_blocks_and_lisa_checks():
+    from lalr_lightning.core.model.layers import Layer
+    from lalr_lightning.core.selection import surgical as S
+
+    roles = ["stem", "block", "block", "block", "head"]
+    blocks = [Layer(name=f"b{i}", kind="block", module=None, params={}, role=r) for i, r in enumerate(roles)]
+    for switch in range(7):
+        assert S.scheduled_blocks("lift", blocks, switch, order="end_to_front") == {f"b{4 - switch % 5}"}
+        drawn = {f"b{i + 1}" for i in lisa_sample(3, 2, switch, seed=3)}
+        assert S.scheduled_blocks("lisa", blocks, switch, gamma=2, seed=3) == {"b0", "b4"} | drawn
+    assert S.lisa_warnings(blocks, 2, None, "") == []
+    with pytest.raises(ValueError, match=r"gamma=4 is larger than the number of middle blocks \(3"):
+        S.lisa_warnings(blocks, 4, None, "")
+    with pytest.raises(ValueError, match="are all stem or head; pass blocks=.* e.g. x$"):
+        S.lisa_warnings([blocks[0], blocks[4]], 1, None, "e.g. x")
+    lines = S.lisa_warnings(blocks, 3, blocks[2], "e.g. x")
+    assert lines[0].startswith("LISA cannot switch: gamma=3") and lines[0].endswith("smaller blocks (e.g. x)")
+    assert lines[1].startswith("LISA: the model's output layer is in the middle block 'b2'")

@@ -41,6 +41,7 @@ Decided here (the paper and the reference are explicit about the rest):
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -53,21 +54,14 @@ from lalr_lightning.callbacks.host import Cadence, Host, warn
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.batch_loss import batch_loss
-from lalr_lightning.core.model.layers import matrix_layers
 from lalr_lightning.core.model.taps import gradient_taps, preserve_buffers
+from lalr_lightning.core.runtime.checks import check_counts, check_loss_fn
 from lalr_lightning.core.runtime.shards import all_sum, backward_discarded, local_tensor, loss_through_root, sharded
-from lalr_lightning.core.selection.surgical import (
-    eb_multipliers,
-    eb_scores,
-    relative_grad_norms,
-    rgn_multipliers,
-    tensor_layers,
-    zero_gradient_warning,
-)
+from lalr_lightning.core.selection import surgical
 
 __all__ = ["AutoRGN", "CRITERIA"]
 
-CRITERIA = ("rgn", "eb")
+CRITERIA = surgical.CRITERIA
 
 
 class AutoRGN(LayerSelection):
@@ -133,25 +127,20 @@ class AutoRGN(LayerSelection):
         if criterion not in CRITERIA:
             raise unknown("criterion", criterion, CRITERIA)
         self.reject("criterion", criterion, {"eb_threshold": eb_threshold}, {"rgn": (), "eb": ("eb_threshold",)})
-        for arg, value in (("n_batches", n_batches), ("every_n_epochs", every_n_epochs)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{arg} must be an integer >= 1, got {value!r}")
+        check_counts({"n_batches": n_batches, "every_n_epochs": every_n_epochs})
         eb_threshold = 0.95 if eb_threshold is None else eb_threshold
         if not math.isfinite(eb_threshold):
             raise ValueError(f"eb_threshold must be finite, got {eb_threshold}")
         if not (math.isfinite(excluded_multiplier) and excluded_multiplier >= 0):
             raise ValueError(f"excluded_multiplier must be finite and >= 0, got {excluded_multiplier}")
-        if loss_fn is not None and not callable(loss_fn):
-            raise TypeError(f"loss_fn must be a callable (module, batch) -> loss, got {type(loss_fn).__name__}")
+        self.loss_fn = check_loss_fn(loss_fn)
         self.criterion = criterion
         self.n_batches = n_batches
         self.every_n_epochs = every_n_epochs
         self.exclude = (exclude,) if isinstance(exclude, str) else tuple(exclude)
         self.excluded_multiplier = float(excluded_multiplier)
         self.eb_threshold = float(eb_threshold)
-        self.loss_fn = loss_fn
         self.multipliers: dict[str, float] = {}
-        self._measured_epoch: int | None = None
         self._block_of: dict[str, str] = {}
         self._weights: list[str] = []  # the conv/linear weight tensors (the degeneracy warning counts them)
         self._zero_scales: list[str] = []
@@ -165,9 +154,6 @@ class AutoRGN(LayerSelection):
         on = {self._block_of.get(t) for t in self.selected}
         return [b for b in self.block_names if b in on]
 
-    def _excluded(self, tensor: str) -> bool:
-        return any(s in tensor for s in self.exclude)
-
     # ------------------------------------------------------------------ when
 
     def configure(self, host: Host, module: nn.Module) -> None:
@@ -175,12 +161,10 @@ class AutoRGN(LayerSelection):
             self.find_blocks(module, min_blocks=0, host=host)
         except ValueError:
             self.block_list = []  # tensors are the units; blocks only label the logs
-        self.layers = tensor_layers(module)
+        self.layers = surgical.tensor_layers(module)
         self._sharded = sharded(host)
         self._block_of = {n: b.name for b in self.block_list for n in b.params}
-        units = {u.name for u in self.layers}
-        self._weights = [n for la in matrix_layers(module) for n, p in la.params.items()
-                         if p is la.weight and n in units and not self._excluded(n)]
+        self._weights = surgical.weight_tensors(module, self.layers, self.exclude)
 
     @property
     def cadence(self) -> Cadence:
@@ -189,7 +173,7 @@ class AutoRGN(LayerSelection):
     def first_decision(self, host: Host) -> None:
         # until the first measurement (before any step): excluded tensors at their fixed
         # multiplier, so that norm layers are in the same mode for every measurement
-        self.multipliers = {u.name: (self.excluded_multiplier if self._excluded(u.name) else 1.0)
+        self.multipliers = {u.name: (self.excluded_multiplier if surgical.excluded(u.name, self.exclude) else 1.0)
                             for u in self.layers}
         self.selected = [k for k, v in self.multipliers.items() if v > 0]
         self.apply(host)
@@ -202,15 +186,11 @@ class AutoRGN(LayerSelection):
         if loader is None or isinstance(loader, (Mapping, list, tuple)):
             raise ValueError(f"{self.criterion} measures gradients on the training dataloader and needs exactly one; "
                              f"got {type(loader).__name__}")
-        units = [u for u in self.layers if not self._excluded(u.name)]
+        units = [u for u in self.layers if not surgical.excluded(u.name, self.exclude)]
         if not units:
             raise ValueError(f"every trainable tensor is excluded by exclude={list(self.exclude)}; nothing to measure")
         params = [next(iter(u.params.values())) for u in units]
-        # norm scales at zero (timm's zero_init_last) block their branch's gradient: the warning names them
-        self._zero_scales = [u.name for u in self.layers if u.name.endswith("weight") and all(
-            p.ndim == 1 and not bool(p.detach().any()) for p in u.params.values())]
-        total = torch.zeros(len(units), dtype=torch.float64)
-        n = 0
+        self._zero_scales = surgical.zero_scales(self.layers)  # the degeneracy warning names them
         frozen = [u for u in units if u.name not in set(self.selected)] if self._sharded else []
         self.set_requires_grad(frozen, True)  # FSDP: the tensors frozen now are measured too (see apply)
         check = stop_on_sigterm(host)
@@ -219,27 +199,27 @@ class AutoRGN(LayerSelection):
         # buffers and the random state (the loader's shuffle, dropout) are put back: the epoch that
         # follows trains as it would without the measurement
         with torch.enable_grad(), preserve_buffers(module), torch.random.fork_rng(devices=rng):
-            for batch in loader:
-                if n >= self.n_batches:
-                    break
-                check()
-                batch = self.device_batch(host, batch)
-                if sharded(host):
-                    total += self._sharded_scores(host, module, batch, n, units, params)
-                else:
-                    loss = batch_loss(module, batch, self.loss_fn, batch_idx=n)
-                    grads = torch.autograd.grad(loss, params, allow_unused=True)
-                    self.check_finite(host, {u.name: g for u, g in zip(units, grads) if g is not None},
-                                      f"the gradients measured for {self.criterion}")
-                    total += relative_grad_norms(grads, params) if self.criterion == "rgn" else eb_scores(grads)
-                n += 1
+            scores = [self._batch_scores(host, module, batch, i, units, params, check)
+                      for i, batch in enumerate(itertools.islice(loader, self.n_batches))]
         self.set_requires_grad(frozen, False)
-        if n == 0:
+        if not scores:
             raise ValueError(f"{self.criterion}: the training dataloader yielded no batch to measure on")
         # each rank measured its own shard: average over ranks (inf, from zero-norm tensors, stays inf)
-        mean = host.mean((total / n).to(module.device)).cpu()
-        self._measured_epoch = host.current_epoch
+        mean = host.mean((sum(scores, torch.zeros(len(units), dtype=torch.float64)) / len(scores)).to(device)).cpu()
         return {u.name: float(v) for u, v in zip(units, mean.tolist())}
+
+    def _batch_scores(self, host: Host, module: nn.Module, batch: Any, batch_idx: int, units: list, params: list,
+                      check: Callable[[], None]) -> torch.Tensor:
+        """One batch's score per measured tensor, from its gradients (under FSDP: :meth:`_sharded_scores`)."""
+        check()
+        batch = self.device_batch(host, batch)
+        if self._sharded:
+            return self._sharded_scores(host, module, batch, batch_idx, units, params)
+        loss = batch_loss(module, batch, self.loss_fn, batch_idx=batch_idx)
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        self.check_finite(host, {u.name: g for u, g in zip(units, grads) if g is not None},
+                          f"the gradients measured for {self.criterion}")
+        return surgical.batch_scores(self.criterion, grads, params)
 
     def _sharded_scores(self, host: Host, module: nn.Module, batch: Any, batch_idx: int,
                         units: list, params: list) -> torch.Tensor:
@@ -249,40 +229,25 @@ class AutoRGN(LayerSelection):
         and backward of the strategy's own (whose reduced gradients are then dropped); the
         weights' norms from the ranks' pieces."""
         keys = {id(p): u.name for u, p in zip(units, params)}
-
-        def stat(g: torch.Tensor) -> tuple[float, float]:  # (||g||, for the finiteness check; the score)
-            score = float(eb_scores([g])[0]) if self.criterion == "eb" else 0.0
-            return torch.linalg.vector_norm(g.detach().double()).item(), score
-
-        with gradient_taps(module, keys, stat) as got:
+        with gradient_taps(module, keys, lambda g: surgical.gradient_stat(self.criterion, g)) as got:
             loss = loss_through_root(host, module,
                                      lambda b: batch_loss(module, b, self.loss_fn, batch_idx=batch_idx), batch)
             backward_discarded(module, loss)
         self.check_finite(host, {k: v[0] for k, v in got.items()}, f"the gradients measured for {self.criterion}")
-        if self.criterion == "eb":
-            return torch.tensor([got[u.name][1] if u.name in got else 0.0 for u in units], dtype=torch.float64)
-        # ||theta|| from the squared norms of the ranks' pieces; as relative_grad_norms: inf where it is 0
-        norms = all_sum(torch.stack([local_tensor(p.detach()).double().square().sum() for p in params])).sqrt()
-        return torch.tensor([(got[u.name][0] if u.name in got else 0.0) / pn if pn > 0 else math.inf
-                             for u, pn in zip(units, norms.tolist())], dtype=torch.float64)
+        norms = [] if self.criterion == "eb" else (  # ||theta|| from the squared norms of the ranks' pieces
+            all_sum(torch.stack([local_tensor(p.detach()).double().square().sum() for p in params])).sqrt().tolist())
+        return surgical.sharded_scores(self.criterion, got, [u.name for u in units], norms)
 
     def decide(self, scores: dict[str, float]) -> Decision:
-        if self.criterion == "rgn":
-            mults = rgn_multipliers(scores)
-        else:
-            mults = eb_multipliers(scores, self.eb_threshold)
-            if not any(mults.values()):
-                warn(f"eb_criterion: no tensor reaches eb_threshold={self.eb_threshold} (max score "
-                               f"{max(scores.values()):.3g}); all measured tensors are frozen this epoch")
+        mults = surgical.criterion_multipliers(self.criterion, scores, self.eb_threshold)
+        if self.criterion == "eb" and not any(mults.values()):
+            warn(f"eb_criterion: no tensor reaches eb_threshold={self.eb_threshold} (max score "
+                 f"{max(scores.values()):.3g}); all measured tensors are frozen this epoch")
         values = {u.name: mults.get(u.name, self.excluded_multiplier) for u in self.layers}
-        note = zero_gradient_warning(values, scores, self._weights, self._zero_scales, self.exclude)
+        note = surgical.zero_gradient_warning(values, scores, self._weights, self._zero_scales, self.exclude)
         if note is not None:
             warn(note)
         return Decision(values=values, scores=dict(scores))
-
-    def receive(self, decision: Decision) -> None:
-        super().receive(decision)
-        self.multipliers = dict(decision.values)
 
     def apply(self, host: Host) -> None:
         self.apply_multipliers(host, self.multipliers)
@@ -301,12 +266,11 @@ class AutoRGN(LayerSelection):
 
     # ------------------------------------------------------------------ state
 
-    def _state(self) -> dict:
-        return {"measured_epoch": self._measured_epoch}
+    def _state(self) -> dict:  # the epoch of the latest measurement
+        return {"measured_epoch": self.history[-1]["epoch"] if self.history else None}
 
     def _load_state(self, state: dict) -> None:
         self.selected = [k for k, v in self.multipliers.items() if v > 0]
-        self._measured_epoch = state.get("measured_epoch")
 
 
 register_mode("auto_rgn", AutoRGN, criterion="rgn")

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["SHARDINGS", "Cadence", "Host", "rank", "say", "warn"]
+__all__ = ["SHARDINGS", "Cadence", "Host", "rank", "say", "say_or_warn", "warn"]
 
 #: how the strategy holds the parameters: one process or replicated (``none``, ``ddp``), or in shards
 #: across the ranks (``fsdp1``: FSDP with ``use_orig_params``; ``fsdp2``: ``fully_shard``)
@@ -55,6 +55,11 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
     """A warning (``UserWarning``), from rank zero only."""
     if rank() == 0:
         warnings.warn(message, category, stacklevel=2)
+
+
+def say_or_warn(message: str, warning: bool) -> None:
+    """:func:`warn` where ``warning``, else :func:`say` (a cost beyond a budget is a warning)."""
+    (warn if warning else say)(message)
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, stop_on_sigterm
-from lalr_lightning.callbacks.host import Host, say, warn
-from lalr_lightning.choices import unknown
+from lalr_lightning.callbacks.host import Host, say_or_warn
 from lalr_lightning.core.linearization import ntk
 from lalr_lightning.core.linearization.anchor import check_anchor, snapshot, trainable
 from lalr_lightning.core.model.probe import probe_inputs
+from lalr_lightning.core.runtime.checks import check_counts, check_number
 from lalr_lightning.core.runtime.placement import follow
 
 __all__ = ["NTKDiagnostics"]
@@ -94,18 +94,12 @@ class NTKDiagnostics(LayerwiseCallback):
                  max_jacobian_numel: int = 2**28, positions: str = "last", outputs: int | str | None = None,
                  name: str | None = None, strict_resume: bool = True):
         super().__init__(name=name, strict_resume=strict_resume)
-        for arg, value in (("every_n_epochs", every_n_epochs), ("probe_size", probe_size),
-                           ("max_jacobian_numel", max_jacobian_numel)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{arg} must be an integer >= 1, got {value!r}")
-        if not (math.isfinite(sigma) and sigma >= 0):
-            raise ValueError(f"sigma must be a finite number >= 0 (a fraction of trace(K) / M), got {sigma}")
-        if kernel not in ntk.MODES:
-            raise unknown("kernel", kernel, ntk.MODES, show=repr)
+        check_counts({"every_n_epochs": every_n_epochs, "probe_size": probe_size,
+                      "max_jacobian_numel": max_jacobian_numel})
         self.every_n_epochs = every_n_epochs
         self.probe_size = probe_size
-        self.sigma = float(sigma)
-        self.kernel = kernel
+        self.sigma = check_number("sigma", sigma, low=0, note=" (a fraction of trace(K) / M)")
+        self.kernel = ntk.check_kernel(kernel)
         self.max_jacobian_numel = max_jacobian_numel
         self.positions = ntk.check_positions(positions)
         self.outputs = ntk.check_outputs(outputs)
@@ -122,13 +116,6 @@ class NTKDiagnostics(LayerwiseCallback):
         self._params = trainable(module, type(self).__name__)
         self._groups = ntk.layer_groups(module, self._params)
         self._chosen = "unset"  # chosen at the first measurement (a checkpoint loaded after this restores it)
-
-    def _whole_params(self) -> dict[str, torch.Tensor]:
-        """The parameters the kernel is taken over, whole (under FSDP: the skeleton's, meta)."""
-        if self.whole is None:
-            return self._params
-        live = dict(self.whole.skeleton.named_parameters())
-        return {n: live[n] for n in self._params}
 
     def after_start(self, host: Host) -> None:
         if self.restored and self._anchor is not None:  # where the strategy's restore is done
@@ -148,7 +135,9 @@ class NTKDiagnostics(LayerwiseCallback):
             self._anchor = snapshot(self._params)
 
     def _restore_anchor(self) -> None:
-        check_anchor(self._anchor, self._whole_params(), "the checkpoint")
+        # checked against the parameters whole (under FSDP: the skeleton's, meta)
+        whole = self._params if self.whole is None else dict(self.whole.skeleton.named_parameters())
+        check_anchor(self._anchor, {n: whole[n] for n in self._params}, "the checkpoint")
         if self.whole is None:
             self._anchor = follow({n: self._anchor[n] for n in self._params}, self._params)
 
@@ -159,13 +148,9 @@ class NTKDiagnostics(LayerwiseCallback):
     def measure(self, host: Host, module: nn.Module) -> dict[str, Any]:
         """Every rank computes the same numbers (same probe, same weights); rank zero's are used.
         Under FSDP rank zero computes them on a whole copy of the model and broadcasts them."""
-        if self.whole is not None:
-            measured = self.whole.run(host, module, lambda whole: self._measure_on(
-                host, whole, {n: p for n, p in whole.named_parameters() if n in self._params}))
-            self._chosen = measured.pop("outputs")  # chosen on rank zero: every rank keeps it
-            return measured
-        measured = self._measure_on(host, module, self._params)
-        measured.pop("outputs")
+        measured = self.with_whole_model(host, lambda m: self._measure_on(
+            host, m, {n: p for n, p in m.named_parameters() if n in self._params}))
+        self._chosen = measured.pop("outputs")  # chosen on rank zero: every rank keeps it
         return measured
 
     def _measure_on(self, host: Host, module: nn.Module,
@@ -173,18 +158,13 @@ class NTKDiagnostics(LayerwiseCallback):
         x, _ = probe_inputs(module, host.batches(), self.probe_size,
                             to_device=lambda b: self.device_batch(host, b))
         params = {n: p.detach() for n, p in live.items()}
-        if self._chosen == "unset":  # once: the size and time of J, stated before computing it
-            cost = ntk.ntk_cost(module, x, params, mode=self.kernel, positions=self.positions,
-                                outputs=self.outputs, max_jacobian_numel=self.max_jacobian_numel,
-                                check=stop_on_sigterm(host))
-            text, too_big = cost.report(type(self).__name__, self.outputs)
-            (warn if too_big else say)(text)
-            self._chosen = cost.outputs
-        k = ntk.empirical_ntk(module, x, params, self._groups, mode=self.kernel,
-                              max_jacobian_numel=self.max_jacobian_numel, positions=self.positions,
-                              outputs=self._chosen, check=stop_on_sigterm(host))
+        # the size and time of J, stated before the first measurement computes it
+        k, self._chosen = ntk.sized_ntk(module, x, params, self._groups, say_or_warn, who=type(self).__name__,
+                                        mode=self.kernel, positions=self.positions, outputs=self.outputs,
+                                        chosen=self._chosen, max_jacobian_numel=self.max_jacobian_numel,
+                                        check=stop_on_sigterm(host))
         self.check_finite(host, {"K": k.K}, "the NTK on the probe batch")
-        sigma = self.sigma * float(torch.trace(k.K)) / k.K.shape[0]
+        sigma = k.ridge(self.sigma)
         eig = torch.linalg.eigvalsh(k.K)
         # theta_0 where the weights are now (Lightning moves the model after the snapshot); under FSDP
         # a placed copy, the kept one stays on rank zero's CPU

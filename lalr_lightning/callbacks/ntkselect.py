@@ -14,13 +14,12 @@ import torch
 from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
-from lalr_lightning.callbacks.host import Host, say, warn
+from lalr_lightning.callbacks.host import Host, say, say_or_warn
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
-from lalr_lightning.choices import unknown
 from lalr_lightning.core.linearization import ntk
 from lalr_lightning.core.linearization.anchor import trainable
-from lalr_lightning.core.model.layers import Layer, output_layer
 from lalr_lightning.core.model.probe import fixed_batch, probe_inputs
+from lalr_lightning.core.runtime.checks import check_counts, check_number
 from lalr_lightning.core.runtime.shards import sharded
 
 __all__ = ["NTKSelect"]
@@ -94,20 +93,12 @@ class NTKSelect(LayerSelection):
                  save_compute: bool = True, positions: str = "last", outputs: int | str | None = None,
                  name: str | None = None, strict_resume: bool = True):
         super().__init__(norm_eval=norm_eval, save_compute=save_compute, name=name, strict_resume=strict_resume)
-        if not (kappa_max >= 1) or not math.isfinite(kappa_max):
-            raise ValueError(f"kappa_max must be a finite number >= 1 (a condition number is at least 1), got {kappa_max}")
-        if not (math.isfinite(sigma) and sigma > 0):
-            raise ValueError(f"sigma must be a finite number > 0 (a fraction of trace(K) / M), got {sigma}")
-        for arg, value in (("max_layers", max_layers), ("probe_size", probe_size)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{arg} must be an integer >= 1, got {value!r}")
-        if kernel not in ntk.MODES:
-            raise unknown("kernel", kernel, ntk.MODES, show=repr)
-        self.kappa_max = float(kappa_max)
-        self.sigma = float(sigma)
+        self.kappa_max = check_number("kappa_max", kappa_max, low=1, note=" (a condition number is at least 1)")
+        self.sigma = check_number("sigma", sigma, low=0, strict=True, note=" (a fraction of trace(K) / M)")
+        check_counts({"max_layers": max_layers, "probe_size": probe_size}, optional=("max_layers",))
         self.max_layers = max_layers
         self.probe_size = int(probe_size)
-        self.kernel = kernel
+        self.kernel = ntk.check_kernel(kernel)
         self.positions = ntk.check_positions(positions)
         self.outputs = ntk.check_outputs(outputs)
         self.head = bool(head)
@@ -121,28 +112,13 @@ class NTKSelect(LayerSelection):
     def configure(self, host: Host, module: nn.Module) -> None:
         self._params = trainable(module, type(self).__name__)
         self._groups = ntk.layer_groups(module, self._params)
-        if len(self._groups) < 2:
-            raise ValueError(f"{type(module).__name__} has one trainable layer ({list(self._groups)}); there is "
-                             "nothing to select between")
-        self.head_layer = self._head_group(module) if self.head else None
-        if self.head and self.head_layer is None:
-            raise ValueError(f"NTKSelect(head=True): no trainable output layer found in {type(module).__name__} "
-                             "(its classifier is frozen or not recognised); use head=False to rank every layer")
-        if self.head and len(self._groups) < 3:
-            raise ValueError(f"{type(module).__name__} has one trainable layer besides the head; there is nothing "
-                             "to select between (head=False ranks the head too)")
-        self.layers = [Layer(name=g, kind="layer", module=None, params={n: self._params[n] for n in members})
-                       for g, members in self._groups.items()]
+        self.head_layer = ntk.selectable_head(module, self._groups, self.head)
+        self.layers = ntk.group_layers(self._groups, self._params)
         self.block_list = self.layers  # the units label the per-step log and own their norm layers
 
     def _head_group(self, module: nn.Module) -> str | None:
         """The group holding the trainable output weight (peft's ``modules_to_save`` copy included)."""
-        out = output_layer(module)
-        if out is None:
-            return None
-        ids = {id(p) for p in out.params.values()}
-        names = {n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in ids}
-        return next((g for g, members in self._groups.items() if names & set(members)), None)
+        return ntk.head_group(module, self._groups)
 
     def decide_in_setup(self, host: Host, module: nn.Module) -> Decision | None:
         """Decide before the model is wrapped when the training loader can be built already
@@ -179,27 +155,16 @@ class NTKSelect(LayerSelection):
         to_device = lambda b: host.to_device(b, precision=not in_setup)  # noqa: E731
         x, _ = probe_inputs(module, loader, self.probe_size, to_device=to_device)
         params = {n: p.detach() for n, p in self._params.items()}
-        cost = ntk.ntk_cost(module, x, params, mode=self.kernel, positions=self.positions, outputs=self.outputs,
-                            check=stop_on_sigterm(host))
-        text, too_big = cost.report(type(self).__name__, self.outputs)  # stated before computing J
-        (warn if too_big else say)(text)
-        k = ntk.empirical_ntk(module, x, params, self._groups, mode=self.kernel, positions=self.positions,
-                              outputs=cost.outputs, check=stop_on_sigterm(host))
+        k, _ = ntk.sized_ntk(module, x, params, self._groups, say_or_warn, who=type(self).__name__, mode=self.kernel,
+                             positions=self.positions, outputs=self.outputs, check=stop_on_sigterm(host))
         self.check_finite(host, k.S, "the per-layer NTK on the probe batch")
-        return {"S": {g: s.cpu() for g, s in k.S.items()}, "sigma": self.sigma * float(torch.trace(k.K)) / k.K.shape[0]}
+        return {"S": {g: s.cpu() for g, s in k.S.items()}, "sigma": k.ridge(self.sigma)}
 
     def decide(self, measured: dict) -> Decision:
-        S = dict(measured["S"])
-        base = S.pop(self.head_layer) if self.head_layer is not None else None
-        sel = ntk.greedy_ntk_selection(S, self.kappa_max, measured["sigma"], base=base, max_layers=self.max_layers)
-        if not sel.layers and (base is None or sel.kappa[0] > self.kappa_max):
-            start = "" if base is None else f" with the head {self.head_layer!r} (alone: {sel.kappa[0]:.4g})"
-            raise ValueError(f"NTKSelect: no layer keeps kappa(K + sigma I) <= kappa_max={self.kappa_max:g}{start} "
-                             f"(the best, {sel.rejected!r}, gives {sel.rejected_kappa:.4g}); raise kappa_max or sigma")
-        if not sel.layers:
-            warnings.warn(f"NTKSelect: only the head {self.head_layer!r} trains: adding the best layer, "
-                          f"{sel.rejected!r}, gives kappa {sel.rejected_kappa:.4g} > kappa_max={self.kappa_max:g}",
-                          stacklevel=2)
+        sel, note = ntk.head_selection(measured["S"], self.head_layer, self.kappa_max, measured["sigma"],
+                                       self.max_layers)
+        if note is not None:
+            warnings.warn(note, stacklevel=2)
         chosen = set(sel.layers) | ({self.head_layer} if self.head_layer is not None else set())
         summary = {"kappa": sel.kappa[-1], "num_selected": float(len(chosen)), "sigma": measured["sigma"]}
         return Decision(values={g: float(g in chosen) for g in self._groups}, scores=dict(sel.eta_rounds[0]),

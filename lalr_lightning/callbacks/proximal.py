@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Sequence
-from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
@@ -32,10 +31,10 @@ from lalr_lightning.callbacks.host import Host, say
 from lalr_lightning.choices import unknown
 from lalr_lightning.core.linearization import proximal
 from lalr_lightning.core.linearization.anchor import check_anchor, load_anchor, snapshot, trainable
-from lalr_lightning.core.linearization.ntk import estimate_lambda_o, layer_groups
-from lalr_lightning.core.model.batch_loss import batch_loss, loss_source, split_batch
-from lalr_lightning.core.model.layers import Layer
+from lalr_lightning.core.linearization.ntk import group_layers, layer_groups, matching_groups, unit_lambda_o
+from lalr_lightning.core.model.batch_loss import loss_source
 from lalr_lightning.core.model.probe import fixed_batch
+from lalr_lightning.core.runtime.checks import check_counts, check_loss_fn, check_number
 from lalr_lightning.core.runtime.control import PostStep
 from lalr_lightning.core.runtime.placement import follow, placed
 from lalr_lightning.core.runtime.shards import ShardLayout, all_sum, local_tensor, shard_layout, sharded
@@ -110,7 +109,6 @@ class ProximalRegularizer(LayerwiseCallback):
     decision_attr = "regularized_fraction"
     decision_key = "regularized_fraction"
     score_key = "distance"
-    measures = "weights"
     logs_lr = False
     heatmap = ("regularized_fraction", "proximal: share of steps pulled", "fraction")
     volatile_settings = ("offload_anchor",)
@@ -132,32 +130,22 @@ class ProximalRegularizer(LayerwiseCallback):
         strict_resume: bool = True,
     ):
         super().__init__(name=name, strict_resume=strict_resume)
-        lam = float(lam)
-        if not math.isfinite(lam) or lam < 0:
-            raise ValueError(f"lam must be a finite number >= 0, got {lam}")
+        self.lam = proximal.check_lam(lam)
         if granularity not in GRANULARITIES:
             raise unknown("granularity", granularity, GRANULARITIES, show=repr)
         if not isinstance(anchor, (str, os.PathLike)) or not str(anchor):
             raise ValueError(f"anchor must be 'fit_start' or the path of a checkpoint / state dict, got {anchor!r}")
-        if radius is not None and not (math.isfinite(radius) and radius > 0):
-            raise ValueError(f"radius must be a finite number > 0 (or None: the current distance), got {radius}")
-        for arg, value in (("probe_size", probe_size), ("every_n_epochs", every_n_epochs)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{arg} must be an integer >= 1, got {value!r}")
-        if probe_size is None:
-            raise ValueError("probe_size must be an integer >= 1, got None")
-        if loss_fn is not None and not callable(loss_fn):
-            raise TypeError(f"loss_fn must be a callable (module, batch) -> loss, got {type(loss_fn).__name__}")
-        self.lam = lam
+        check_counts({"probe_size": probe_size, "every_n_epochs": every_n_epochs}, optional=("every_n_epochs",))
+        self.loss_fn = check_loss_fn(loss_fn)
         self.selective = bool(selective)
         self.granularity = granularity
         self.anchor = os.fspath(anchor)
         self.include = None if include is None else [include] if isinstance(include, str) else list(include)
         self.offload_anchor = bool(offload_anchor)
-        self.radius = None if radius is None else float(radius)
+        self.radius = None if radius is None else check_number("radius", radius, low=0, strict=True,
+                                                               note=" (or None: the current distance)")
         self.probe_size = probe_size
         self.every_n_epochs = every_n_epochs
-        self.loss_fn = loss_fn
         self.distances: dict[str, float] = {}
         self.regularized_fraction: dict[str, float] = {}
         self.lambda_o = math.nan
@@ -165,13 +153,11 @@ class ProximalRegularizer(LayerwiseCallback):
         self._groups: dict[str, list[str]] = {}
         self._layer_of: dict[str, int] = {}
         self._anchor: dict[str, torch.Tensor] | None = None
-        # per set of stepped tensors: its grouped step, and the step and pull counts not yet read
-        # (kept on the device, so a step makes no device-to-host transfer)
+        # per set of stepped tensors its grouped step, which counts the steps and pulls on the device
+        # (a step makes no device-to-host transfer) until _flush adds them to _steps and _pulled
         self._plans: dict[tuple[str, ...], proximal.GroupedStep] = {}
-        self._pending: dict[tuple[str, ...], list] = {}
-        self._coefs: tuple[object, tuple[str, ...], list[float]] | None = None
-        self._steps = {}
-        self._pulled = {}
+        self._steps: dict[str, int] = {}  # per tensor, the optimizer steps it took part in
+        self._pulled: dict[str, int] = {}  # of those, the steps that pulled it toward the anchor
         self._unit_lambda_o: float | None = None  # lambda_o at r = 1 (it scales as 1 / r)
         self._installed: set[int] = set()
         self._sharded = False  # the strategy shards the weights (FSDP): sums over the ranks' pieces
@@ -185,21 +171,12 @@ class ProximalRegularizer(LayerwiseCallback):
 
     def configure(self, host: Host, module: nn.Module) -> None:
         self._sharded = sharded(host)
-        # lambda_o runs the whole model through torch.func: under FSDP on a whole copy on rank zero
         params = trainable(module, type(self).__name__)
-        groups = layer_groups(module, params)
-        if self.include is not None:
-            for pat in self.include:
-                if not any(fnmatchcase(g, pat) for g in groups):
-                    raise ValueError(f"include pattern {pat!r} matches no trainable layer; layers are: {list(groups)}")
-            groups = {g: m for g, m in groups.items() if any(fnmatchcase(g, pat) for pat in self.include)}
-        self._groups = groups
+        self._groups = groups = matching_groups(layer_groups(module, params), self.include)
         self._layer_of = {n: i for i, members in enumerate(groups.values()) for n in members}
-        self._plans, self._coefs = {}, None
         self._params = {n: params[n] for members in groups.values() for n in members}
-        self.layers = [Layer(name=g, kind="layer", module=None, params={n: params[n] for n in m})
-                       for g, m in groups.items()]
-        self._installed = set()
+        self.layers = group_layers(groups, params)
+        self._plans, self._installed = {}, set()
 
     def after_wrap(self, host: Host) -> None:
         self._layout = shard_layout(host, host.module)  # under FSDP the anchor is cut like the weights
@@ -210,27 +187,26 @@ class ProximalRegularizer(LayerwiseCallback):
         elif self.anchor == "fit_start":
             self._anchor = snapshot(self._params, self.offload_anchor)
         else:
-            whole = {n: torch.empty(self._layout.shape(p), dtype=p.dtype, device="meta") for n, p in self._params.items()}
-            self._anchor = load_anchor(self.anchor, whole, offload=True)
+            self._anchor = load_anchor(self.anchor, self._whole_shapes(), offload=True)
             self._cut_anchor()
         if not self.restored:
-            self._steps = dict.fromkeys(self._params, 0)
-            self._pulled = dict.fromkeys(self._params, 0)
+            self._steps, self._pulled = dict.fromkeys(self._params, 0), dict.fromkeys(self._params, 0)
         missing = [n for n in self._params if n not in self._steps]
         if missing:
             raise ValueError(f"{self.state_key}: the checkpoint has no step counts for {missing[0]!r}; resume with the "
                              "same parameters trainable")
         self.apply(host)
 
+    def _whole_shapes(self) -> dict[str, torch.Tensor]:
+        """Each parameter whole (under FSDP: not this rank's piece), on the meta device."""
+        return {n: torch.empty(self._layout.shape(p), dtype=p.dtype, device="meta") for n, p in self._params.items()}
+
     def _cut_anchor(self) -> None:
         """A whole ``theta_0`` (a checkpoint's, a file's) put where each parameter is: on its device
         (the CPU with ``offload_anchor``), under FSDP this rank's piece of it."""
-        layout = self._layout
-        check_anchor(self._anchor, {n: torch.empty(layout.shape(p), device="meta") for n, p in self._params.items()},
-                     "the checkpoint")
-        self._anchor = {n: layout.local(p, self._anchor[n]) for n, p in self._params.items()}
-        if self.offload_anchor:
-            self._anchor = {n: a.cpu() for n, a in self._anchor.items()}
+        check_anchor(self._anchor, self._whole_shapes(), "the checkpoint")
+        anchor = {n: self._layout.local(p, self._anchor[n]) for n, p in self._params.items()}
+        self._anchor = {n: a.cpu() for n, a in anchor.items()} if self.offload_anchor else anchor
         self._placed_anchor()  # in each parameter's dtype
 
     def apply(self, host: Host) -> None:
@@ -246,8 +222,7 @@ class ProximalRegularizer(LayerwiseCallback):
         operations and no device-to-host transfer (:class:`~lalr_lightning.core.proximal.GroupedStep`);
         under FSDP the ranks' sums go through collectives (:meth:`_sharded_step`)."""
         if self._sharded:
-            self._sharded_step(step)
-            return
+            return self._sharded_step(step)
         key = tuple(n for n, p in self._params.items() if p.grad is not None and step.stepped(p))
         if not key:
             return
@@ -257,73 +232,37 @@ class ProximalRegularizer(LayerwiseCallback):
             self._flush()  # counts held on the device the model left
             plan = self._plans[key] = proximal.GroupedStep(params, [self._layer_of[n] for n in key])
         anchor = self._placed_anchor()
-        if self._coefs is None or self._coefs[0] is not step._lrs or self._coefs[1] != key:
-            # lam * lr per tensor, checked; the same while the step's LRs are (LayerControl keeps them)
-            coef = proximal.coefficients(self.lam, {n: step.lr(self._params[n]) for n in key}, key)
-            self._coefs = (step._lrs, key, [coef[n] for n in key])
-        pull = plan.step_(params, [anchor[n] for n in key], [p.grad for p in params], self._coefs[2],
-                          selective=self.selective, granularity=self.granularity)
-        pending = self._pending.get(key)
-        if pending is None:
-            pending = self._pending[key] = [0, torch.zeros(plan.size, dtype=torch.long, device=plan.device), plan.order]
-        pending[0] += 1
-        pending[1] += pull
+        # lam * lr per tensor, the same while the step's LRs are (LayerControl keeps them)
+        coefs = plan.coefficients(self.lam, step._lrs, lambda: {n: step.lr(self._params[n]) for n in key})
+        plan.step_(params, [anchor[n] for n in key], [p.grad for p in params], coefs, selective=self.selective,
+                   granularity=self.granularity)
 
     def _flush(self) -> None:
-        """Add the counts held on the device to :attr:`_steps` and :attr:`_pulled` (one transfer)."""
-        pending, self._pending = self._pending, {}
-        for key, (count, pulled, order) in pending.items():
-            for i, k in zip(order, pulled.tolist()):
-                self._steps_d[key[i]] = self._steps_d.get(key[i], 0) + count
-                self._pulled_d[key[i]] = self._pulled_d.get(key[i], 0) + k
-
-    @property
-    def _steps(self) -> dict[str, int]:
-        """Optimizer steps per tensor that it took part in."""
-        self._flush()
-        return self._steps_d
-
-    @_steps.setter
-    def _steps(self, value: dict[str, int]) -> None:
-        self._pending = {}
-        self._steps_d = value
-
-    @property
-    def _pulled(self) -> dict[str, int]:
-        """Of those, the steps that pulled it toward the anchor."""
-        self._flush()
-        return self._pulled_d
-
-    @_pulled.setter
-    def _pulled(self, value: dict[str, int]) -> None:
-        self._pending = {}
-        self._pulled_d = value
+        """Add the counts the grouped steps hold on the device to ``_steps`` and ``_pulled``."""
+        for key, plan in self._plans.items():
+            steps, pulled = plan.take()
+            for n, k in zip(key, pulled) if steps else ():  # one transfer per plan
+                self._steps[n] = self._steps.get(n, 0) + steps
+                self._pulled[n] = self._pulled.get(n, 0) + k
 
     def _sharded_step(self, step: PostStep) -> None:
         held = {id(p) for p in step.params}
-        names = [n for n, p in self._params.items() if id(p) in held and p.grad is not None]
-        reduce = None
-        if self._sharded:  # a rank may hold no piece of a stepped tensor: the ranks agree on which stepped
-            names = [n for n, p in self._params.items() if id(p) in held]
-            got = all_sum(torch.tensor([self._params[n].grad is not None for n in names], dtype=torch.float64,
-                                       device=self._params[names[0]].device)) if names else []
-            names, reduce = [n for n, k in zip(names, list(got)) if k > 0], all_sum
+        names = [n for n, p in self._params.items() if id(p) in held]
+        # a rank may hold no piece of a stepped tensor: the ranks agree on which stepped
+        got = all_sum(torch.tensor([self._params[n].grad is not None for n in names], dtype=torch.float64,
+                                   device=self._params[names[0]].device)) if names else []
+        names = [n for n, k in zip(names, list(got)) if k > 0]
         if not names:
             return
-        params = {n: local_tensor(self._params[n]) for n in names}
         anchor = self._placed_anchor()
-        anchors = {n: local_tensor(anchor[n]) for n in names}
-        if self.selective:
-            groups = {g: [n for n in m if n in params] for g, m in self._groups.items()}
-            grads = {n: None if self._params[n].grad is None else local_tensor(self._params[n].grad) for n in names}
-            pull = proximal.pull_decisions(grads, proximal.deltas(params, anchors), self.granularity,
-                                           {g: m for g, m in groups.items() if m}, reduce=reduce)
-        else:
-            pull = dict.fromkeys(names, True)
-        proximal.proximal_step_(params, anchors, self.lam, {n: step.lr(self._params[n]) for n in names}, pull)
+        grads = {n: None if self._params[n].grad is None else local_tensor(self._params[n].grad) for n in names}
+        pull = proximal.selective_step_({n: local_tensor(self._params[n]) for n in names},
+                                        {n: local_tensor(anchor[n]) for n in names}, grads, self.lam,
+                                        {n: step.lr(self._params[n]) for n in names}, selective=self.selective,
+                                        granularity=self.granularity, groups=self._groups, reduce=all_sum)
         for n in names:
-            self._steps_d[n] += 1
-            self._pulled_d[n] += int(pull[n])
+            self._steps[n] += 1
+            self._pulled[n] += int(pull[n])
 
     def _placed_anchor(self) -> dict[str, torch.Tensor]:
         """``theta_0`` in each parameter's dtype and (unless offloaded) on its device: Lightning
@@ -340,47 +279,34 @@ class ProximalRegularizer(LayerwiseCallback):
         return per_layer, math.sqrt(math.fsum(v * v for v in per_layer.values()))
 
     def fractions(self) -> dict[str, float]:
-        out = {}
-        for g, members in self._groups.items():
-            steps = sum(self._steps[n] for n in members)
-            out[g] = sum(self._pulled[n] for n in members) / steps if steps else 0.0
-        return out
+        self._flush()
+        return proximal.pulled_fractions(self._steps, self._pulled, self._groups)
 
     def estimate_lambda_o(self, host: Host, module: nn.Module, r: float) -> float:
         """Theorem 4's ``lambda_o`` for radius ``r``, with the residual and ``Lip(f)`` at
         ``theta_0`` on the probe batch (computed once per fit: they do not change). Under FSDP
         rank zero computes it on a whole copy of the model, from the whole ``theta_0``."""
         if self._unit_lambda_o is None:
-            anchor = self._placed_anchor()
-            if self.whole is None:
-                self._unit_lambda_o = self._unit_lambda_o_on(host, module, anchor)
-            else:  # the anchor's pieces put together (collective, the same order on every rank)
-                theta0 = {n: self._layout.whole(p, anchor[n]) for n, p in self._params.items()}
-                self._unit_lambda_o = self.whole.run(
-                    host, module, lambda whole: self._unit_lambda_o_on(host, whole, theta0))
+            anchor = self._placed_anchor()  # under FSDP its pieces put together (collective, the same order everywhere)
+            theta0 = {n: self._layout.whole(p, anchor[n]) for n, p in self._params.items()}
+            self._unit_lambda_o = self.with_whole_model(host, lambda m: self._unit_lambda_o_on(host, m, theta0))
         return self._unit_lambda_o / r if r > 0 else math.nan
 
-    def _unit_lambda_o_on(self, host: Host, module: nn.Module,
-                          anchor: dict[str, torch.Tensor]) -> float:
+    def _unit_lambda_o_on(self, host: Host, module: nn.Module, anchor: dict[str, torch.Tensor]) -> float:
         batch = self.device_batch(host, fixed_batch(host.batches(), self.probe_size))
-        x, y = split_batch(module, batch)
         live = dict(module.named_parameters())
-        theta0 = {n: placed(a, live[n]) for n, a in anchor.items()}
-        check = stop_on_sigterm(host)
-        if self.loss_fn is None and _squared_targets(y):
-            return estimate_lambda_o(module, x, y, 1.0, theta0, check=check)["lambda_o"]
-        # the residual from the gradient of the module's own loss (class docstring)
-        say(f"{type(self).__name__}: lambda_o's residual is N ||dL/df|| of "
-                       f"{loss_source(module, self.loss_fn)} (the targets are not class indices)")
-        return estimate_lambda_o(module, x, None, 1.0, theta0, check=check,
-                                 loss=lambda: batch_loss(module, batch, self.loss_fn))["lambda_o"]
+        value, own_loss = unit_lambda_o(module, batch, {n: placed(a, live[n]) for n, a in anchor.items()},
+                                        self.loss_fn, check=stop_on_sigterm(host))
+        if own_loss:  # the residual from the gradient of the module's own loss (class docstring)
+            say(f"{type(self).__name__}: lambda_o's residual is N ||dL/df|| of "
+                f"{loss_source(module, self.loss_fn)} (the targets are not class indices)")
+        return value
 
     def measure(self, host: Host, module: nn.Module) -> dict[str, Any]:
         dist, total = self.current_distances()
         self.check_finite(host, dist, "the distance to the anchor theta_0")
         lam_o = math.nan
-        every = self.every_n_epochs
-        if every is not None and (host.current_epoch + 1) % every == 0:
+        if self.every_n_epochs is not None and (host.current_epoch + 1) % self.every_n_epochs == 0:
             lam_o = self.estimate_lambda_o(host, module, self.radius or total)
         return {"distances": dist, "total": total, "fractions": self.fractions(), "lambda_o": lam_o}
 
@@ -403,7 +329,7 @@ class ProximalRegularizer(LayerwiseCallback):
             self.distances, _ = self.current_distances()
             p = self.prefix
             self.log_values(host, {**{f"{p}/distance/{k}": v for k, v in self.distances.items()},
-                                      **{f"{p}/regularized_fraction/{k}": v for k, v in self.fractions().items()}})
+                                   **{f"{p}/regularized_fraction/{k}": v for k, v in self.fractions().items()}})
 
     def after_epoch(self, host: Host) -> None:
         self.update(host, host.module)
@@ -423,19 +349,13 @@ class ProximalRegularizer(LayerwiseCallback):
         # under FSDP the whole anchor (a collective: Lightning takes every rank's state at a checkpoint)
         whole = {n: self._layout.whole(self._params[n], t).detach().cpu() for n, t in self._anchor.items()} if keep \
             else None
-        return {"anchor": whole,
-                "steps": dict(self._steps), "pulled": dict(self._pulled), "distances": dict(self.distances),
-                "lambda_o": self.lambda_o, "unit_lambda_o": self._unit_lambda_o}
+        self._flush()
+        return {"anchor": whole, "steps": dict(self._steps), "pulled": dict(self._pulled),
+                "distances": dict(self.distances), "lambda_o": self.lambda_o, "unit_lambda_o": self._unit_lambda_o}
 
     def _load_state(self, state: dict) -> None:
         self._anchor = None if state.get("anchor") is None else dict(state["anchor"])
-        self._steps = dict(state.get("steps", {}))
-        self._pulled = dict(state.get("pulled", {}))
+        self._steps, self._pulled = dict(state.get("steps", {})), dict(state.get("pulled", {}))
         self.distances = dict(state.get("distances", {}))
         self.lambda_o = float(state.get("lambda_o", math.nan))
         self._unit_lambda_o = state.get("unit_lambda_o")
-
-
-def _squared_targets(y: Any) -> bool:
-    """Targets the paper's squared loss reads: class indices ``[N]``, or float targets."""
-    return isinstance(y, torch.Tensor) and (y.is_floating_point() or y.ndim == 1)

@@ -26,7 +26,8 @@ from lalr_lightning.callbacks.host import Cadence, Host, say, warn
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.layers import describe_blocks, output_layer, suggest_blocks
-from lalr_lightning.core.selection.surgical import LIFT_ORDERS, lift_block, lisa_sample
+from lalr_lightning.core.runtime.checks import check_counts
+from lalr_lightning.core.selection.surgical import LIFT_ORDERS, lisa_warnings, scheduled_blocks
 
 __all__ = ["BlockSchedule", "SCHEDULES"]
 
@@ -111,9 +112,7 @@ class BlockSchedule(LayerSelection):
         gamma = 2 if gamma is None else gamma
         if order not in LIFT_ORDERS:
             raise unknown("LIFT order", order, LIFT_ORDERS)
-        for arg, value in (("every_n_steps (switch_every)", every_n_steps), ("gamma", gamma)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{arg} must be an integer >= 1, got {value!r}")
+        check_counts({"every_n_steps (switch_every)": every_n_steps, "gamma": gamma})
         if not (isinstance(seed, int) and seed >= 0):
             raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
         self.schedule = schedule
@@ -121,14 +120,10 @@ class BlockSchedule(LayerSelection):
         self.order = order
         self.gamma = gamma
         self.seed = seed
-        self._switch: int | None = None
 
     @property
     def title(self) -> str:
         return self.schedule.upper()
-
-    def _middle(self) -> list[str]:
-        return [b.name for b in self.layers if b.role == "block"]
 
     def switching_units(self):
         """LIFT: every block; LISA: the middle blocks (its stem and head always train)."""
@@ -141,33 +136,10 @@ class BlockSchedule(LayerSelection):
     def configure(self, host: Host, module: nn.Module) -> None:
         self.layers = self.find_blocks(module, host=host)
         say(f"{self.title} blocks of {type(module).__name__}: {describe_blocks(self.layers)}")
-        if self.schedule == "lisa":
-            self._check_lisa(module)
-
-    def _check_lisa(self, module: nn.Module) -> None:
-        """Errors for a LISA that cannot sample, warnings for one that cannot switch or that
-        would freeze the output layer."""
-        middle = self._middle()
-        hint = f"e.g. blocks={suggest_blocks(module)!r}" if self.blocks is not None else ""
-        if not middle:
-            raise ValueError(f"LISA samples middle blocks, but the blocks {self.block_names} are all stem or "
-                             f"head; pass blocks=[...] to define the middle blocks {hint}".rstrip())
-        if self.gamma > len(middle):
-            raise ValueError(f"gamma={self.gamma} is larger than the number of middle blocks ({len(middle)}: "
-                             f"{middle}); choose gamma <= {len(middle)}")
-        if self.gamma == len(middle):
-            warn(
-                f"LISA cannot switch: gamma={self.gamma} equals the number of middle blocks ({middle}), so every "
-                f"block trains at every step; choose gamma < {len(middle)} or more, smaller blocks"
-                + (f" ({hint})" if hint else "")
-            )
-        out = output_layer(module, self.layers)
-        if out is not None and out.role == "block":
-            warn(
-                f"LISA: the model's output layer is in the middle block {out.name!r}, which LISA freezes whenever it "
-                "does not sample it; LISA keeps the head (what comes after the last block) always trainable: "
-                "leave the output layer out of blocks=[...]" + (f" ({hint})" if hint else "")
-            )
+        if self.schedule == "lisa":  # errors for a LISA that cannot sample, warnings for one that cannot switch
+            hint = f"e.g. blocks={suggest_blocks(module)!r}" if self.blocks is not None else ""
+            for line in lisa_warnings(self.layers, self.gamma, output_layer(module, self.layers), hint):
+                warn(line)
 
     @property
     def cadence(self) -> Cadence:
@@ -189,18 +161,9 @@ class BlockSchedule(LayerSelection):
         return host.global_step // self.every_n_steps
 
     def decide(self, switch: int) -> Decision:
-        names = self.block_names
-        if self.schedule == "lift":
-            chosen = {names[lift_block(self.order, switch, len(names), self.seed)]}
-        else:
-            middle = self._middle()
-            picked = {middle[i] for i in lisa_sample(len(middle), self.gamma, switch, self.seed)}
-            chosen = {b.name for b in self.layers if b.role != "block"} | picked
-        return Decision(values={b: float(b in chosen) for b in names}, record={"switch": switch})
-
-    def receive(self, decision: Decision) -> None:
-        super().receive(decision)
-        self._switch = decision.record["switch"]
+        chosen = scheduled_blocks(self.schedule, self.layers, switch, order=self.order, gamma=self.gamma,
+                                  seed=self.seed)
+        return Decision(values={b: float(b in chosen) for b in self.block_names}, record={"switch": switch})
 
     def heatmap_columns(self) -> list[str]:
         return [str(h["step"]) for h in self.history]
@@ -211,11 +174,8 @@ class BlockSchedule(LayerSelection):
 
     # ------------------------------------------------------------------ state
 
-    def _state(self) -> dict:
-        return {"switch": self._switch}
-
-    def _load_state(self, state: dict) -> None:
-        self._switch = state.get("switch")
+    def _state(self) -> dict:  # the latest switch index (the history has every one)
+        return {"switch": self.history[-1].get("switch") if self.history else None}
 
 
 register_mode("lift", BlockSchedule, schedule="lift")

@@ -44,7 +44,7 @@ from lalr_lightning.core.model.norm_modes import NORM_EVAL, norm_layers, set_nor
 from lalr_lightning.core.model.probe import fixed_batch
 from lalr_lightning.core.model.tied import join_tied
 from lalr_lightning.core.runtime.control import LayerControl
-from lalr_lightning.core.runtime.handsync import HandSync
+from lalr_lightning.core.runtime.handsync import HandSync, ddp_for_switching, kept_out
 from lalr_lightning.core.runtime.shards import replaces_parameters
 
 __all__ = ["LayerSelection", "SurgicalLayerSelect", "MODES", "OPTIMIZER_STATE", "forward_trace", "register_mode"]
@@ -183,43 +183,23 @@ class LayerSelection(LayerwiseCallback):
             return False
         who = f"{type(self).__name__}(save_compute=True)"
         kwargs = host.ddp_options  # read when the model is wrapped, after every setup hook
-        if kwargs is not None:
-            if kwargs.get("static_graph"):
-                raise ValueError(f"{who} turns requires_grad on and off at every switch, which DDP's "
-                                 "static_graph=True forbids; drop static_graph or pass save_compute=False")
-            if kwargs.get("find_unused_parameters", True) is False:
-                raise ValueError(f"{who} turns requires_grad on and off at every switch, which needs DDP's "
-                                 "find_unused_parameters=True; drop find_unused_parameters=False or pass "
-                                 "save_compute=False")
-            if not kwargs.get("find_unused_parameters"):
-                kwargs["find_unused_parameters"] = True
-                say(f"{who}: DDP set to find_unused_parameters=True, so the blocks that do not train "
-                               "get no weight gradient (save_compute=False keeps DDP's default)")
-            self._keep_out_of_ddp()
-            if self._handsync is not None:
-                say(f"{who}: {len(self._handsync.params)} parameter tensors of the switching blocks kept out "
-                               "of DDP's gradient buckets; their gradients are averaged across ranks by hand")
-            return True
-        raise RuntimeError(f"{who} turns requires_grad on and off at every switch, which this multi-process "
-                           "strategy cannot follow; use strategy='ddp' or pass save_compute=False")
-
-    def _keep_out_of_ddp(self) -> None:
-        """Keep the switching units' parameters out of DDP's buckets (before the wrap). DDP
-        refuses a model with nothing to reduce, so when they are all it has, the smallest one
-        stays in (a few bytes, toggled under ``find_unused_parameters=True``)."""
-        module = self._module
+        if kwargs is None:
+            raise RuntimeError(f"{who} turns requires_grad on and off at every switch, which this multi-process "
+                               "strategy cannot follow; use strategy='ddp' or pass save_compute=False")
+        note = ddp_for_switching(kwargs, who)
+        if note is not None:
+            say(note)
+        # the switching units' parameters kept out of DDP's buckets (before the wrap)
         switching = self.switching_units()
         names = {u.name for u in switching}
-        always = {id(p) for u in self.layers if u.name not in names for p in u.params.values()}
-        out = {id(p): p for u in switching for p in u.params.values() if id(p) not in always}
-        if not any(p.requires_grad and id(p) not in out for p in module.parameters()):
-            trainable = [p for p in out.values() if p.requires_grad]
-            if not trainable:
-                return  # nothing trains at all; DDP says so at the wrap
-            del out[id(min(trainable, key=lambda p: p.numel()))]
+        out = kept_out(self._module, [u.params.values() for u in switching],
+                       [u.params.values() for u in self.layers if u.name not in names])
         if out:
-            self._handsync = HandSync(module, out.values())
+            self._handsync = HandSync(self._module, out)
             self._handsync.exclude()
+            say(f"{who}: {len(self._handsync.params)} parameter tensors of the switching blocks kept out "
+                "of DDP's gradient buckets; their gradients are averaged across ranks by hand")
+        return True
 
     def after_wrap(self, host: Host) -> None:
         if self._handsync is not None:  # wrapped now: equal starting values, averaging from here on
@@ -341,8 +321,8 @@ def forward_trace(host: Host, module: nn.Module, loss_fn=None) -> Trace:
     loader run through the module's own loss (``core.model.batch_loss.batch_loss``: ``loss_fn``, its
     ``loss(output, target)`` or its ``training_step``, logging silenced)."""
     example = getattr(module, "example_input_array", None)
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
     if example is not None:
-        device = next((p.device for p in module.parameters()), torch.device("cpu"))
         example = to_device(example, device)
 
         def run():  # as Lightning's model summary calls it
@@ -353,26 +333,22 @@ def forward_trace(host: Host, module: nn.Module, loss_fn=None) -> Trace:
         try:
             batch = fixed_batch(host.batches(), 2)
         except Exception as err:  # noqa: BLE001 -- any failure: say what to add instead
-            raise ValueError(
-                f"cannot find the blocks of {type(module).__name__}: no timm group_matcher, repeated children or "
-                f"Sequential trunk, and no batch to run its forward pass on in setup ({type(err).__name__}: "
-                f"{str(err).splitlines()[0][:120] if str(err) else ''}); "
-                f"set {type(module).__name__}.example_input_array, or pass blocks=[...], e.g. "
-                f"blocks={suggest_blocks(module)!r}"
-            ) from None
-        batch = to_device(batch, next((p.device for p in module.parameters()), torch.device("cpu")))
+            raise _no_blocks(module, "no batch to run its forward pass on in setup", err) from None
+        batch = to_device(batch, device)
 
         def run():
             return batch_loss(module, batch, loss_fn)
     try:
         return trace_modules(module, run)
     except Exception as err:  # noqa: BLE001 -- the forward pass was for the blocks: say what else works
-        raise ValueError(
-            f"cannot find the blocks of {type(module).__name__}: no timm group_matcher, repeated children or "
-            f"Sequential trunk, and its forward pass on a training batch failed ({type(err).__name__}: "
-            f"{str(err).splitlines()[0][:120] if str(err) else ''}); set {type(module).__name__}.example_input_array,"
-            f" or pass blocks=[...], e.g. blocks={suggest_blocks(module)!r}"
-        ) from err
+        raise _no_blocks(module, "its forward pass on a training batch failed", err) from err
+
+
+def _no_blocks(module: nn.Module, why: str, err: Exception) -> ValueError:
+    name, first = type(module).__name__, str(err).splitlines()[0][:120] if str(err) else ""
+    return ValueError(f"cannot find the blocks of {name}: no timm group_matcher, repeated children or Sequential "
+                      f"trunk, and {why} ({type(err).__name__}: {first}); set {name}.example_input_array, or pass "
+                      f"blocks=[...], e.g. blocks={suggest_blocks(module)!r}")
 
 
 class SurgicalLayerSelect(LightningHooks):

@@ -7,7 +7,6 @@ frozen (:mod:`lalr_lightning.core.spectral.spectrum_snr` for the rules; the SNR 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
 
 from torch import nn
@@ -17,8 +16,7 @@ from lalr_lightning.callbacks.host import Host, say, warn
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.layers import MATRIX_KINDS, check_kinds, matrix_layers, output_layer
-from lalr_lightning.core.spectral import htsr
-from lalr_lightning.core.spectral.spectrum_snr import GROUPINGS, chosen_count, group_types, module_type, top_by_type
+from lalr_lightning.core.spectral import spectrum_snr
 
 __all__ = ["SpectrumSelect"]
 
@@ -98,8 +96,8 @@ class SpectrumSelect(LayerSelection):
             raise ValueError(f"top_percent must be in [0, 100], got {top_percent!r}")
         self.top_percent = float(top_percent)
         self.types = None if types is None else {str(k): str(v) for k, v in dict(types).items()}
-        if grouping not in GROUPINGS:
-            raise unknown("grouping", grouping, GROUPINGS)
+        if grouping not in spectrum_snr.GROUPINGS:
+            raise unknown("grouping", grouping, spectrum_snr.GROUPINGS)
         self.grouping = grouping
         self.head = bool(head)
         self.embeddings = bool(embeddings)
@@ -115,49 +113,17 @@ class SpectrumSelect(LayerSelection):
         if not self.layers:
             raise ValueError(f"SpectrumSelect found no matrices of kinds {self.layer_types} in "
                              f"{type(module).__name__}; widen layer_types")
-        out = output_layer(module, every)
-        self._always = [la.name for la in self.layers
-                        if (self.head and out is not None and la.name == out.name)
-                        or (self.embeddings and la.kind == "embedding")]
+        self._always = spectrum_snr.always_trained(self.layers, output_layer(module, every), self.head, self.embeddings)
         ranked = [la for la in self.layers if la.name not in self._always]
-        groups = group_types([la.name for la in ranked], {la.name: la.kind for la in ranked}, self.types,
-                             self.grouping)
-        self.module_types = {la.name: groups.get(la.name) or module_type(la.name, self.types) for la in self.layers}
-        self._groups = groups
-        self._report_grouping(groups)
-
-    def _report_grouping(self, groups: dict[str, str]) -> None:
-        """Say how the ranked matrices were grouped (info), and warn about types that get none."""
-        by_type: dict[str, list[str]] = {}
-        for n, t in groups.items():
-            by_type.setdefault(t, []).append(n)
-        p = self.top_percent
-        parts = [f"{t}: {chosen_count(len(ns), p)} of {len(ns)}" for t, ns in by_type.items()]
-        pooled = [t for t in by_type if t.endswith(" (pooled)")]
-        note = (f"; {', '.join(pooled)}: matrices without a repeated-block name (Spectrum's rule would give each "
-                "its own type), pooled by kind") if pooled else ""
-        self.grouping_summary = (f"{type(self).__name__}: {len(groups)} ranked matrices in {len(by_type)} type(s), "
-                                 f"trained at top_percent={p:g}: " + ", ".join(parts) + note
-                                 + f"; always trained: {', '.join(self._always) or 'none'}")
+        self._groups = groups = spectrum_snr.group_types(
+            [la.name for la in ranked], {la.name: la.kind for la in ranked}, self.types, self.grouping)
+        self.module_types = {la.name: groups.get(la.name) or spectrum_snr.module_type(la.name, self.types)
+                             for la in self.layers}
+        self.grouping_summary, warning = spectrum_snr.grouping_report(type(self).__name__, groups, self.top_percent,
+                                                                      self._always)
         say(self.grouping_summary)
-        if p == 0 or not groups:
-            return
-        empty = {t: ns for t, ns in by_type.items() if chosen_count(len(ns), p) == 0}
-        if len(empty) == len(by_type):
-            warn(
-                f"{type(self).__name__}(top_percent={p:g}) selects none of the {len(groups)} ranked matrices "
-                f"(int(n * {p:g} / 100) = 0 in every type: " + ", ".join(f"{t} has {len(ns)}" for t, ns in empty.items())
-                + "), so " + (f"only {', '.join(self._always)} trains" if self._always else "no matrix trains")
-                + "; raise top_percent or group the "
-                "matrices with types={name suffix: type}"
-            )
-        elif empty:
-            warn(
-                f"{type(self).__name__}(top_percent={p:g}) selects no matrix of type(s) "
-                + ", ".join(f"{t} ({', '.join(ns)})" for t, ns in empty.items())
-                + f": int(n * {p:g} / 100) = 0; they stay frozen. Raise top_percent or group them with "
-                "types={name suffix: type}"
-            )
+        if warning is not None:
+            warn(warning)
 
     def decide_in_setup(self, host: Host, module: nn.Module) -> Decision:
         """The SNR needs only the weights: decided before the strategy wraps the model, so the
@@ -170,15 +136,12 @@ class SpectrumSelect(LayerSelection):
 
         def snr(layers):
             self.check_finite(host, {la.name: la.weight for la in layers}, "the weights")
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # NaN rows are reported by top_by_type
-                df = htsr.analyze(layers, metrics=["snr"], min_evals=1)
-            return dict(zip(df["name"], df["snr"].astype(float)))
+            return spectrum_snr.snr_of(layers)
 
         return self.measure_shards(host, module, ranked, snr) if ranked else {}
 
     def decide(self, snr: dict[str, float]) -> Decision:
-        chosen = {n for names in top_by_type(snr, self.top_percent, self.types, self._groups).values()
+        chosen = {n for names in spectrum_snr.top_by_type(snr, self.top_percent, self.types, self._groups).values()
                   for n in names}
         chosen |= set(self._always)
         return Decision(values={la.name: float(la.name in chosen) for la in self.layers}, scores=dict(snr))

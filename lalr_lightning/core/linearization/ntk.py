@@ -41,6 +41,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
@@ -48,8 +49,8 @@ from torch import Tensor, nn
 from torch.func import functional_call, jvp, vjp, vmap
 
 from lalr_lightning.choices import unknown
-from lalr_lightning.core.model.batch_loss import call_model, forward_module, output_tensor
-from lalr_lightning.core.model.layers import Layer, clean_name, matrix_layers
+from lalr_lightning.core.model.batch_loss import batch_loss, call_model, forward_module, output_tensor, split_batch
+from lalr_lightning.core.model.layers import Layer, clean_name, matrix_layers, output_layer
 from lalr_lightning.core.model.taps import call_with_params
 
 __all__ = [
@@ -61,21 +62,29 @@ __all__ = [
     "ntk_cost",
     "check_outputs",
     "check_positions",
+    "check_kernel",
+    "sized_ntk",
     "projection",
     "NTKSelection",
     "LinearizationGap",
     "trainable_parameters",
     "layer_groups",
+    "matching_groups",
+    "group_layers",
+    "head_group",
+    "selectable_head",
     "empirical_ntk",
     "condition_number",
     "eta",
     "layer_etas",
     "greedy_ntk_selection",
+    "head_selection",
     "linearize",
     "linearization_gap",
     "jacobian_spectral_norm",
     "lambda_o",
     "estimate_lambda_o",
+    "unit_lambda_o",
     "output_gradient_norm",
 ]
 
@@ -167,6 +176,52 @@ def layer_groups(
     order = {n: i for i, n in enumerate(params)}
     out = {k: sorted(v, key=order.__getitem__) for k, v in groups.items()}
     return dict(sorted(out.items(), key=lambda kv: order[kv[1][0]]))
+
+
+def matching_groups(groups: Mapping[str, list[str]], include: Sequence[str] | None) -> dict[str, list[str]]:
+    """The groups whose layer name matches one of the glob patterns ``include`` (all when None); a
+    ValueError for a pattern that matches none."""
+    if include is None:
+        return dict(groups)
+    for pat in include:
+        if not any(fnmatchcase(g, pat) for g in groups):
+            raise ValueError(f"include pattern {pat!r} matches no trainable layer; layers are: {list(groups)}")
+    return {g: m for g, m in groups.items() if any(fnmatchcase(g, pat) for pat in include)}
+
+
+def group_layers(groups: Mapping[str, Sequence[str]], params: Mapping[str, Tensor]) -> list[Layer]:
+    """One :class:`~lalr_lightning.core.model.layers.Layer` per group, holding its parameters."""
+    return [Layer(name=g, kind="layer", module=None, params={n: params[n] for n in members})
+            for g, members in groups.items()]
+
+
+def head_group(model: nn.Module, groups: Mapping[str, Sequence[str]]) -> str | None:
+    """The group holding the model's output layer (peft's trainable ``modules_to_save`` copy
+    included), or None."""
+    out = output_layer(model)
+    if out is None:
+        return None
+    ids = {id(p) for p in out.params.values()}
+    names = {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids}
+    return next((g for g, members in groups.items() if names & set(members)), None)
+
+
+def selectable_head(model: nn.Module, groups: Mapping[str, Sequence[str]], head: bool) -> str | None:
+    """NTKSelect's head group (:func:`head_group`; None without ``head``), or a ValueError where the
+    groups leave nothing to select between."""
+    name = type(model).__name__
+    if len(groups) < 2:
+        raise ValueError(f"{name} has one trainable layer ({list(groups)}); there is nothing to select between")
+    if not head:
+        return None
+    found = head_group(model, groups)
+    if found is None:
+        raise ValueError(f"NTKSelect(head=True): no trainable output layer found in {name} (its classifier is frozen "
+                         "or not recognised); use head=False to rank every layer")
+    if len(groups) < 3:
+        raise ValueError(f"{name} has one trainable layer besides the head; there is nothing to select between "
+                         "(head=False ranks the head too)")
+    return found
 
 
 def _check_params(model: nn.Module, params: Mapping[str, Tensor] | None) -> dict[str, Tensor]:
@@ -344,6 +399,12 @@ def check_positions(positions: str) -> str:
     return positions
 
 
+def check_kernel(kernel: str) -> str:
+    if kernel not in MODES:
+        raise unknown("kernel", kernel, MODES, show=repr)
+    return kernel
+
+
 # --------------------------------------------------------------------------- the NTK
 
 
@@ -368,6 +429,10 @@ class NTK:
     vectorized: bool = True
     jacobian_blocks: int = 1
     projected: int | None = None
+
+    def ridge(self, fraction: float) -> float:
+        """``sigma`` as ``fraction`` of the kernel's mean eigenvalue ``trace(K) / M``."""
+        return fraction * float(torch.trace(self.K)) / self.K.shape[0]
 
 
 @dataclass
@@ -518,6 +583,34 @@ def ntk_cost(
     cost = NTKCost(n, c, total, chosen, mode, positions, 0.0, budget, tokens)
     cost.seconds = estimate(cost.rows_per_sample)
     return cost
+
+
+def sized_ntk(
+    model: nn.Module,
+    inputs: Inputs,
+    params: Mapping[str, Tensor],
+    groups: Mapping[str, Sequence[str]],
+    report: Callable[[str, bool], None],
+    *,
+    who: str,
+    mode: str,
+    positions: str,
+    outputs: int | str | None,
+    chosen: int | str | None = "unset",
+    max_jacobian_numel: int = 2**28,
+    check: Callable[[], None] | None = None,
+) -> tuple[NTK, int | None]:
+    """(:func:`empirical_ntk` over the outputs ``chosen``, the outputs used). ``chosen="unset"``:
+    chosen now from ``outputs`` by :func:`ntk_cost`, whose line (:meth:`NTKCost.report` for
+    ``who``) goes to ``report(text, is_warning)`` before ``J`` is computed."""
+    if chosen == "unset":
+        cost = ntk_cost(model, inputs, params, mode=mode, positions=positions, outputs=outputs,
+                        max_jacobian_numel=max_jacobian_numel, check=check)
+        report(*cost.report(who, outputs))
+        chosen = cost.outputs
+    k = empirical_ntk(model, inputs, params, groups, mode=mode, max_jacobian_numel=max_jacobian_numel,
+                      positions=positions, outputs=chosen, check=check)
+    return k, chosen
 
 
 def projection(c: int, k: int, seed: int = 0) -> Tensor:
@@ -916,6 +1009,25 @@ def greedy_ntk_selection(
 # --------------------------------------------------------------------------- linearization
 
 
+def head_selection(S: Mapping[str, Tensor], head: str | None, kappa_max: float, sigma: float,
+                   max_layers: int | None = None) -> tuple[NTKSelection, str | None]:
+    """NTKSelect's rule: :func:`greedy_ntk_selection` over the kernels ``S`` but the ``head``'s,
+    which is the start (``K_sel = S_head``; ``None``: no head, every layer ranked). A ValueError
+    when no layer fits (nor the head alone); with the selection, the warning line when only the
+    head fits (else None)."""
+    S = dict(S)
+    base = S.pop(head) if head is not None else None
+    sel = greedy_ntk_selection(S, kappa_max, sigma, base=base, max_layers=max_layers)
+    if not sel.layers and (base is None or sel.kappa[0] > kappa_max):
+        start = "" if base is None else f" with the head {head!r} (alone: {sel.kappa[0]:.4g})"
+        raise ValueError(f"NTKSelect: no layer keeps kappa(K + sigma I) <= kappa_max={kappa_max:g}{start} "
+                         f"(the best, {sel.rejected!r}, gives {sel.rejected_kappa:.4g}); raise kappa_max or sigma")
+    if sel.layers:
+        return sel, None
+    return sel, (f"NTKSelect: only the head {head!r} trains: adding the best layer, {sel.rejected!r}, gives kappa "
+                 f"{sel.rejected_kappa:.4g} > kappa_max={kappa_max:g}")
+
+
 def _deltas(params: Mapping[str, Tensor], anchor: Mapping[str, Tensor]) -> dict[str, Tensor]:
     missing = [n for n in params if n not in anchor]
     if missing:
@@ -1123,6 +1235,20 @@ def estimate_lambda_o(
                                  check=check)
     lam = lambda_o(res, lip, r)
     return {"lambda_o": lam / n if reduction == "mean" else lam, "residual_norm": res, "lip": lip}
+
+
+def unit_lambda_o(model: nn.Module, batch: Any, theta0: Mapping[str, Tensor],
+                  loss_fn: Callable[[nn.Module, Any], Tensor] | None = None,
+                  check: Callable[[], None] | None = None) -> tuple[float, bool]:
+    """(``lambda_o`` at ``r = 1`` and ``theta0`` on a probe ``batch``, whether its residual came from
+    the module's own loss). The paper's squared loss reads class-index targets ``[N]`` or float
+    targets; for any other (token labels, no targets) or a given ``loss_fn`` the residual is
+    ``N ||dL/df||`` of the module's loss (:func:`estimate_lambda_o`'s ``loss``)."""
+    x, y = split_batch(model, batch)
+    if loss_fn is None and isinstance(y, Tensor) and (y.is_floating_point() or y.ndim == 1):
+        return estimate_lambda_o(model, x, y, 1.0, theta0, check=check)["lambda_o"], False
+    loss = lambda: batch_loss(model, batch, loss_fn)  # noqa: E731
+    return estimate_lambda_o(model, x, None, 1.0, theta0, check=check, loss=loss)["lambda_o"], True
 
 
 def output_gradient_norm(

@@ -31,9 +31,10 @@ import torch
 from torch import Tensor
 
 from lalr_lightning.choices import unknown
+from lalr_lightning.core.runtime.checks import check_number
 
-__all__ = ["GRANULARITIES", "GroupedStep", "coefficients", "deltas", "distances", "inner_products", "pull_decisions",
-           "proximal_step_"]
+__all__ = ["GRANULARITIES", "GroupedStep", "check_lam", "coefficients", "deltas", "distances", "inner_products",
+           "pull_decisions", "proximal_step_", "pulled_fractions", "selective_step_"]
 
 GRANULARITIES = ("tensor", "layer", "global")
 
@@ -195,12 +196,49 @@ def proximal_step_(
     return coef
 
 
+def selective_step_(
+    params: Mapping[str, Tensor],
+    anchors: Mapping[str, Tensor],
+    grads: Mapping[str, Tensor | None],
+    lam: float,
+    lrs: Mapping[str, float] | float,
+    *,
+    selective: bool = True,
+    granularity: str = "tensor",
+    groups: Mapping[str, Sequence[str]] | None = None,
+    reduce: Callable[[Tensor], Tensor] | None = None,
+) -> dict[str, bool]:
+    """:func:`pull_decisions` (``groups`` cut to the tensors of ``params``), then
+    :func:`proximal_step_` in place; returns the decisions. ``selective=False`` pulls every tensor
+    without computing ``theta - theta_0``."""
+    pull = dict.fromkeys(params, True)
+    if selective:
+        kept = None if groups is None else {
+            g: m for g, members in groups.items() if (m := [n for n in members if n in params])}
+        pull = pull_decisions(grads, deltas(params, anchors), granularity, kept, reduce=reduce)
+    proximal_step_(params, anchors, lam, lrs, pull)
+    return pull
+
+
+def pulled_fractions(steps: Mapping[str, int], pulled: Mapping[str, int],
+                     groups: Mapping[str, Sequence[str]]) -> dict[str, float]:
+    """Per group, the share of its tensors' steps that pulled (0 before any step)."""
+    out = {}
+    for g, members in groups.items():
+        total = sum(steps[n] for n in members)
+        out[g] = sum(pulled[n] for n in members) / total if total else 0.0
+    return out
+
+
+def check_lam(lam: float) -> float:
+    """``lam`` as a float, or a ValueError when it is not a finite number >= 0."""
+    return check_number("lam", float(lam), low=0)
+
+
 def coefficients(lam: float, lrs: Mapping[str, float] | float, names: Sequence[str]) -> dict[str, float]:
     """``{name: lam * lr}`` (host numbers), checked: ``lam`` and each LR finite and >= 0, and no
     coefficient above 1 (the step would overshoot the anchor)."""
-    lam = float(lam)
-    if not math.isfinite(lam) or lam < 0:
-        raise ValueError(f"lam must be a finite number >= 0, got {lam}")
+    lam = check_lam(lam)
     coef: dict[str, float] = {}
     for n in names:
         lr = float(lrs if not isinstance(lrs, Mapping) else _get(lrs, n, "lrs"))
@@ -230,7 +268,8 @@ class GroupedStep:
     bitwise and the others are left bitwise untouched.
 
     ``layers``: the layer index of each tensor (``granularity="layer"``). Build one per set of
-    tensors (it holds their grouping and the layer index on the device) and reuse it.
+    tensors (it holds their grouping and the layer index on the device) and reuse it. It counts
+    its steps and, on the device, the steps that pulled each tensor, until :meth:`take` reads them.
     """
 
     def __init__(self, params: Sequence[Tensor], layers: Sequence[int] | None = None):
@@ -245,9 +284,20 @@ class GroupedStep:
         self._coefs: dict[int, tuple[Sequence[float], Tensor]] = {}
         self.layer_index = None
         self.n_layers = 0
+        self.steps, self.pulled = 0, None  # counted since the last take(); pulled on the device
+        self._host_coefs: tuple[object, list[float]] | None = None
         if layers is not None:
             self.n_layers = max(layers, default=-1) + 1
             self.layer_index = _on_device([layers[i] for i in self.order], torch.long, self.device)
+
+    def coefficients(self, lam: float, token: object, lrs: Callable[[], Mapping[str, float]]) -> list[float]:
+        """``lam * lr`` per tensor (:func:`coefficients`, checked) from ``lrs()``, ``{name: learning
+        rate}`` of the tensors in the caller's order; computed again only when ``token`` (the object
+        holding the step's learning rates) is a new one."""
+        if self._host_coefs is None or self._host_coefs[0] is not token:
+            named = lrs()
+            self._host_coefs = (token, list(coefficients(lam, named, list(named)).values()))
+        return self._host_coefs[1]
 
     def placed(self, params: Sequence[Tensor]) -> bool:
         """Whether ``params`` are still where this grouping was made (the model was not moved)."""
@@ -272,7 +322,7 @@ class GroupedStep:
         if not selective:
             for g, ps, an in placed:
                 torch._foreach_lerp_(ps, an, [coefs[i] for i in g])
-            return torch.ones(self.size, dtype=torch.bool, device=self.device)
+            return self._tally(torch.ones(self.size, dtype=torch.bool, device=self.device))
         ips = []
         for g, ps, an in placed:
             ct = torch.promote_types(ps[0].dtype, torch.float32)
@@ -310,7 +360,22 @@ class GroupedStep:
                 target = torch._foreach_lerp(ps, an, list(on.unbind()))
                 torch._foreach_lerp_(ps, target, [coefs[i] for i in g])
                 del target
+        return self._tally(pull)
+
+    def _tally(self, pull: Tensor) -> Tensor:
+        self.steps += 1
+        self.pulled = pull.long() if self.pulled is None else self.pulled.add_(pull)
         return pull
+
+    def take(self) -> tuple[int, list[int]]:
+        """(the steps since the last call, and per tensor in the caller's order the steps of those that
+        pulled it), with one device-to-host transfer; the counts start again from 0."""
+        steps, pulled = self.steps, [0] * self.size
+        if self.pulled is not None:
+            for i, k in zip(self.order, self.pulled.tolist()):
+                pulled[i] = k
+        self.steps, self.pulled = 0, None
+        return steps, pulled
 
     def _coef_tensor(self, gi: int, coefs: Sequence[float], dtype: torch.dtype, device: torch.device) -> Tensor:
         """Group ``gi``'s ``lam * lr`` on the device, copied once per new ``coefs`` list (pinned and

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["DEFAULT_FIGURES", "FIGURES", "ArgumentTypeError", "check_arguments", "check_figures", "check_min_evals",
-           "coerce", "lazy_error", "lazy_parameters", "non_finite", "orphaned_masks", "plain_setting",
-           "uninitialized"]
+__all__ = ["DEFAULT_FIGURES", "FIGURES", "ArgumentTypeError", "check_arguments", "check_counts", "check_figures",
+           "check_loss_fn", "check_min_evals", "check_number", "coerce", "lazy_error", "lazy_parameters",
+           "non_finite", "orphaned_masks", "plain_setting", "uninitialized"]
 
 _NUMBERS = {int: "an integer", float: "a number"}
 
@@ -122,6 +122,31 @@ def check_min_evals(who: str, min_evals: int, why: str = "a power-law fit needs 
         raise ValueError(f"{who}: min_evals must be an integer >= 2, got {min_evals!r}: {why} "
                          "(a layer with fewer is left out)")
     return int(min_evals)
+
+
+def check_counts(values: Mapping[str, Any], optional: tuple[str, ...] = ()) -> None:
+    """ValueError naming the first of ``{argument: value}`` that is not an integer >= 1 (``None``
+    allowed for the arguments in ``optional``)."""
+    for arg, value in values.items():
+        if value is None and arg in optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{arg} must be an integer >= 1, got {value!r}")
+
+
+def check_number(arg: str, value: Any, *, low: float, strict: bool = False, note: str = "") -> float:
+    """``value`` as a float when it is a finite number ``>= low`` (``> low`` with ``strict``), else a
+    one-line ValueError: ``<arg> must be a finite number >= <low><note>, got <value>``."""
+    if not (math.isfinite(value) and (value > low if strict else value >= low)):
+        raise ValueError(f"{arg} must be a finite number {'>' if strict else '>='} {low:g}{note}, got {value}")
+    return float(value)
+
+
+def check_loss_fn(loss_fn: Any) -> Any:
+    """``loss_fn`` when it is None or callable, else a one-line TypeError saying what it must be."""
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a callable (module, batch) -> loss, got {type(loss_fn).__name__}")
+    return loss_fn
 
 
 # --------------------------------------------------------------------------- lazy modules

@@ -29,12 +29,46 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["HandSync", "average_gradients", "broadcast_parameters", "ddp_names"]
+__all__ = ["HandSync", "average_gradients", "broadcast_parameters", "ddp_names", "ddp_for_switching", "kept_out"]
 
 _IGNORE = "_ddp_params_and_buffers_to_ignore"  # where DDP reads the names it leaves alone
 _MISSING = object()
 #: bytes per all-reduce: DDP's own bucket size (bucket_cap_mb=25), so the transient flat copy stays small
 BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def ddp_for_switching(kwargs: dict, who: str) -> str | None:
+    """DDP's keyword arguments ``kwargs`` (changed in place) made fit for a selection that turns
+    ``requires_grad`` on and off at every switch: ``find_unused_parameters=True``, and a one-line
+    ValueError where they forbid it. Returns the line that says DDP was changed, or None."""
+    if kwargs.get("static_graph"):
+        raise ValueError(f"{who} turns requires_grad on and off at every switch, which DDP's "
+                         "static_graph=True forbids; drop static_graph or pass save_compute=False")
+    if kwargs.get("find_unused_parameters", True) is False:
+        raise ValueError(f"{who} turns requires_grad on and off at every switch, which needs DDP's "
+                         "find_unused_parameters=True; drop find_unused_parameters=False or pass "
+                         "save_compute=False")
+    if kwargs.get("find_unused_parameters"):
+        return None
+    kwargs["find_unused_parameters"] = True
+    return (f"{who}: DDP set to find_unused_parameters=True, so the blocks that do not train "
+            "get no weight gradient (save_compute=False keeps DDP's default)")
+
+
+def kept_out(module: nn.Module, switching: Iterable[Iterable[nn.Parameter]],
+             always: Iterable[Iterable[nn.Parameter]]) -> list[nn.Parameter]:
+    """The parameters of the ``switching`` units (each an iterable of parameters) that are in no
+    ``always`` unit: what to keep out of DDP's buckets. DDP refuses a model with nothing to reduce,
+    so when they are all of ``module``'s trainable parameters, the smallest trainable one stays in
+    (a few bytes, toggled under ``find_unused_parameters=True``); none when none trains."""
+    kept = {id(p) for unit in always for p in unit}
+    out = {id(p): p for unit in switching for p in unit if id(p) not in kept}
+    if not any(p.requires_grad and id(p) not in out for p in module.parameters()):
+        trainable = [p for p in out.values() if p.requires_grad]
+        if not trainable:
+            return []  # nothing trains at all; DDP says so at the wrap
+        del out[id(min(trainable, key=lambda p: p.numel()))]
+    return list(out.values())
 
 
 def ddp_names(module: nn.Module, params: Iterable[nn.Parameter]) -> list[str]:

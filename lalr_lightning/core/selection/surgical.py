@@ -16,22 +16,34 @@ import torch
 from torch import nn
 
 from lalr_lightning.choices import unknown
-from lalr_lightning.core.model.layers import Layer, clean_name
+from lalr_lightning.core.model.layers import Layer, clean_name, matrix_layers
 
 __all__ = [
+    "CRITERIA",
     "LIFT_ORDERS",
     "relative_grad_norms",
     "eb_scores",
+    "batch_scores",
+    "gradient_stat",
+    "sharded_scores",
     "rgn_multipliers",
     "eb_multipliers",
+    "criterion_multipliers",
+    "excluded",
+    "zero_scales",
+    "weight_tensors",
     "check_selection",
     "select_blocks",
     "lift_block",
     "lisa_sample",
+    "scheduled_blocks",
+    "lisa_warnings",
     "tensor_layers",
 ]
 
 LIFT_ORDERS = ("front_to_end", "end_to_front", "random")
+#: Auto-RGN's relative gradient norm, the eb-criterion's signal-to-noise score
+CRITERIA = ("rgn", "eb")
 
 
 # ---------------------------------------------------------------------------- measurements
@@ -69,6 +81,28 @@ def eb_scores(grads: Sequence[torch.Tensor | None], eps: float = 1e-8) -> torch.
     return out
 
 
+def batch_scores(criterion: str, grads: Sequence[torch.Tensor | None], params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One batch's score per tensor under ``criterion`` (:data:`CRITERIA`)."""
+    return relative_grad_norms(grads, params) if criterion == "rgn" else eb_scores(grads)
+
+
+def gradient_stat(criterion: str, g: torch.Tensor) -> tuple[float, float]:
+    """``(||g||, the eb score of g)`` of one tensor's gradient (the score 0 under ``rgn``)."""
+    score = float(eb_scores([g])[0]) if criterion == "eb" else 0.0
+    return torch.linalg.vector_norm(g.detach().double()).item(), score
+
+
+def sharded_scores(criterion: str, stats: Mapping[str, tuple[float, float]], names: Sequence[str],
+                   weight_norms: Sequence[float]) -> torch.Tensor:
+    """One batch's scores (float64, in ``names`` order) from :func:`gradient_stat` of each tensor's
+    whole gradient (a tensor without one: 0) and ``||theta||`` per tensor: as :func:`batch_scores`
+    (``inf`` where ``||theta|| = 0``)."""
+    if criterion == "eb":
+        return torch.tensor([stats[n][1] if n in stats else 0.0 for n in names], dtype=torch.float64)
+    return torch.tensor([(stats[n][0] if n in stats else 0.0) / pn if pn > 0 else math.inf
+                         for n, pn in zip(names, weight_norms)], dtype=torch.float64)
+
+
 def rgn_multipliers(rgn: Mapping[str, float]) -> dict[str, float]:
     """RGN divided by its maximum over tensors; a tensor with infinite RGN (zero weight norm)
     gets 1 and is left out of the maximum."""
@@ -80,6 +114,25 @@ def rgn_multipliers(rgn: Mapping[str, float]) -> dict[str, float]:
             "check that the loss depends on the parameters (and that they require grad)"
         )
     return {k: (1.0 if not math.isfinite(v) else v / top) for k, v in rgn.items()}
+
+
+def excluded(name: str, exclude: Sequence[str]) -> bool:
+    """Whether a tensor name contains one of the ``exclude`` substrings (the reference's rule)."""
+    return any(s in name for s in exclude)
+
+
+def zero_scales(units: Sequence[Layer]) -> list[str]:
+    """The tensor units that are norm-layer scales at zero (timm's ``zero_init_last``): they block
+    the gradient of their branch (:func:`zero_gradient_warning` names them)."""
+    return [u.name for u in units if u.name.endswith("weight") and all(
+        p.ndim == 1 and not bool(p.detach().any()) for p in u.params.values())]
+
+
+def weight_tensors(model: nn.Module, units: Sequence[Layer], exclude: Sequence[str]) -> list[str]:
+    """The names of the conv/linear weight tensors among ``units`` that are not excluded."""
+    names = {u.name for u in units}
+    return [n for la in matrix_layers(model) for n, p in la.params.items()
+            if p is la.weight and n in names and not excluded(n, exclude)]
 
 
 def zero_gradient_warning(multipliers: Mapping[str, float], scores: Mapping[str, float], weights: Sequence[str],
@@ -110,6 +163,11 @@ def zero_gradient_warning(multipliers: Mapping[str, float], scores: Mapping[str,
 def eb_multipliers(scores: Mapping[str, float], threshold: float = 0.95) -> dict[str, float]:
     """1 for tensors whose eb score is at least ``threshold``, else 0 (frozen), as the reference."""
     return {k: (1.0 if v >= threshold else 0.0) for k, v in scores.items()}
+
+
+def criterion_multipliers(criterion: str, scores: Mapping[str, float], threshold: float) -> dict[str, float]:
+    """The multipliers of ``criterion``'s scores (``threshold``: the eb-criterion's)."""
+    return rgn_multipliers(scores) if criterion == "rgn" else eb_multipliers(scores, threshold)
 
 
 # ---------------------------------------------------------------------------- selections
@@ -185,6 +243,40 @@ def lisa_sample(n_middle: int, gamma: int, switch: int, seed: int = 0) -> list[i
     uniform without replacement, from a generator seeded by ``(seed, switch)``."""
     rng = np.random.default_rng([seed, switch])
     return sorted(int(i) for i in rng.choice(n_middle, size=gamma, replace=False))
+
+
+def scheduled_blocks(schedule: str, blocks: Sequence[Layer], switch: int, *, order: str = "front_to_end",
+                     gamma: int = 2, seed: int = 0) -> set[str]:
+    """The names of the blocks ``schedule`` (``lift`` or ``lisa``) trains during switch ``switch``:
+    LIFT's one block; LISA's stem and head (the blocks whose role is not ``"block"``) and its draw
+    of ``gamma`` middle blocks."""
+    if schedule == "lift":
+        return {blocks[lift_block(order, switch, len(blocks), seed)].name}
+    middle = [b.name for b in blocks if b.role == "block"]
+    drawn = {middle[i] for i in lisa_sample(len(middle), gamma, switch, seed)}
+    return {b.name for b in blocks if b.role != "block"} | drawn
+
+
+def lisa_warnings(blocks: Sequence[Layer], gamma: int, output: Layer | None, hint: str) -> list[str]:
+    """ValueError for a LISA that cannot sample its middle blocks (the blocks whose role is ``"block"``);
+    the warnings for one that cannot switch, or whose middle holds the model's ``output`` layer.
+    ``hint``: how to pass other blocks (or empty)."""
+    middle = [b.name for b in blocks if b.role == "block"]
+    if not middle:
+        raise ValueError(f"LISA samples middle blocks, but the blocks {[b.name for b in blocks]} are all stem or "
+                         f"head; pass blocks=[...] to define the middle blocks {hint}".rstrip())
+    if gamma > len(middle):
+        raise ValueError(f"gamma={gamma} is larger than the number of middle blocks ({len(middle)}: "
+                         f"{middle}); choose gamma <= {len(middle)}")
+    out, more = [], f" ({hint})" if hint else ""
+    if gamma == len(middle):
+        out.append(f"LISA cannot switch: gamma={gamma} equals the number of middle blocks ({middle}), so every "
+                   f"block trains at every step; choose gamma < {len(middle)} or more, smaller blocks{more}")
+    if output is not None and output.role == "block":
+        out.append(f"LISA: the model's output layer is in the middle block {output.name!r}, which LISA freezes "
+                   "whenever it does not sample it; LISA keeps the head (what comes after the last block) always "
+                   f"trainable: leave the output layer out of blocks=[...]{more}")
+    return out
 
 
 def check_selection(select: str | int | Sequence[str | int]) -> None:

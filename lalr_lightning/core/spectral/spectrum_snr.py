@@ -25,12 +25,17 @@ transformer names keep Spectrum's types (their types hold one matrix per block).
 from __future__ import annotations
 
 import math
+import warnings
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
 from lalr_lightning.choices import unknown
+from lalr_lightning.core.model.layers import Layer
+from lalr_lightning.core.spectral import htsr
 
-__all__ = ["GROUPINGS", "module_type", "group_types", "types_of", "top_by_type", "chosen_count", "unfrozen_yaml",
+__all__ = ["GROUPINGS", "module_type", "group_types", "types_of", "top_by_type", "chosen_count", "grouping_report",
+           "snr_of", "always_trained",
+           "unfrozen_yaml",
            "read_unfrozen_yaml"]
 
 #: ``group_types`` rules: ``auto`` (Spectrum's types, lone matrices pooled by kind) or ``spectrum``
@@ -105,6 +110,51 @@ def top_by_type(snr: Mapping[str, float], top_percent: float,
 def chosen_count(n: int, top_percent: float) -> int:
     """How many of a type of ``n`` matrices train: Spectrum's floor, ``int(n * top_percent / 100)``."""
     return int(n * top_percent / 100)
+
+
+def snr_of(layers: Sequence[Layer]) -> dict[str, float]:
+    """``{name: SNR}`` of each layer's matrix (:func:`htsr.analyze`'s ``snr``; a matrix with NaN is
+    reported by :func:`top_by_type`, not warned about here)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        df = htsr.analyze(layers, metrics=["snr"], min_evals=1)
+    return dict(zip(df["name"], df["snr"].astype(float)))
+
+
+def always_trained(layers: Sequence[Layer], output: Layer | None, head: bool, embeddings: bool) -> list[str]:
+    """The names of the layers that train whatever their SNR: the ``output`` layer (with ``head``)
+    and the input embeddings (with ``embeddings``), as Spectrum's YAML always unfreezes them."""
+    return [la.name for la in layers if (head and output is not None and la.name == output.name)
+            or (embeddings and la.kind == "embedding")]
+
+
+def grouping_report(who: str, groups: Mapping[str, str], top_percent: float,
+                    always: Sequence[str]) -> tuple[str, str | None]:
+    """(one line saying how the ranked matrices (``groups``: name -> type) are grouped and how many of
+    each type train at ``top_percent``, a warning when some type gets none, else None)."""
+    by_type: dict[str, list[str]] = {}
+    for n, t in groups.items():
+        by_type.setdefault(t, []).append(n)
+    p = top_percent
+    parts = [f"{t}: {chosen_count(len(ns), p)} of {len(ns)}" for t, ns in by_type.items()]
+    pooled = [t for t in by_type if t.endswith(" (pooled)")]
+    note = (f"; {', '.join(pooled)}: matrices without a repeated-block name (Spectrum's rule would give each "
+            "its own type), pooled by kind") if pooled else ""
+    summary = (f"{who}: {len(groups)} ranked matrices in {len(by_type)} type(s), trained at top_percent={p:g}: "
+               + ", ".join(parts) + note + f"; always trained: {', '.join(always) or 'none'}")
+    empty = {t: ns for t, ns in by_type.items() if chosen_count(len(ns), p) == 0}
+    if p == 0 or not groups or not empty:
+        return summary, None
+    if len(empty) == len(by_type):
+        return summary, (
+            f"{who}(top_percent={p:g}) selects none of the {len(groups)} ranked matrices (int(n * {p:g} / 100) = 0 in "
+            "every type: " + ", ".join(f"{t} has {len(ns)}" for t, ns in empty.items()) + "), so "
+            + (f"only {', '.join(always)} trains" if always else "no matrix trains")
+            + "; raise top_percent or group the matrices with types={name suffix: type}")
+    return summary, (f"{who}(top_percent={p:g}) selects no matrix of type(s) "
+                     + ", ".join(f"{t} ({', '.join(ns)})" for t, ns in empty.items())
+                     + f": int(n * {p:g} / 100) = 0; they stay frozen. Raise top_percent or group them with "
+                     "types={name suffix: type}")
 
 
 def unfrozen_yaml(chosen: Mapping[str, Sequence[str]], always: Sequence[str] = ()) -> str:
