@@ -191,8 +191,11 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
 
     def apply(self, host: Host) -> dict | None:
         """Hand the current decision to the layer control; may return fields for the history
-        entry (what the decision achieved, e.g. the sparsity)."""
-        raise NotImplementedError
+        entry (what the decision achieved, e.g. the sparsity). The default gives the layers their
+        ``multipliers``."""
+        if self.decision_attr != "multipliers":
+            raise NotImplementedError
+        self.apply_multipliers(host, self.multipliers)
 
     def receive(self, decision: Decision) -> None:
         """Store a decision (every rank, after the broadcast). The default keeps ``scores``,

@@ -175,9 +175,6 @@ class LALRScheduleCallback(LayerwiseCallback):
         self.metrics = decision.payload
         self.phase = decision.record["phase"]
 
-    def apply(self, host: Host) -> None:
-        self.apply_multipliers(host, self.multipliers)
-
     def commit(self, host: Host, decision: Decision) -> None:
         self._position += 1
         super().commit(host, decision)

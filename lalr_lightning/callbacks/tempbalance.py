@@ -160,9 +160,6 @@ class TempBalanceCallback(LayerwiseCallback):
                                rng=rng, std=self.std, base_lr=base_lr)
         return Decision(values=dict(zip(alphas, m.tolist())), scores=dict(zip(alphas, a.tolist())))
 
-    def apply(self, host: Host) -> None:
-        self.apply_multipliers(host, self.multipliers)
-
     def commit(self, host: Host, decision: Decision) -> None:
         self._n_updates += 1
         super().commit(host, decision)
