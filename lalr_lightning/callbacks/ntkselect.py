@@ -116,10 +116,6 @@ class NTKSelect(LayerSelection):
         self.layers = ntk.group_layers(self._groups, self._params)
         self.block_list = self.layers  # the units label the per-step log and own their norm layers
 
-    def _head_group(self, module: nn.Module) -> str | None:
-        """The group holding the trainable output weight (peft's ``modules_to_save`` copy included)."""
-        return ntk.head_group(module, self._groups)
-
     def decide_in_setup(self, host: Host, module: nn.Module) -> Decision | None:
         """Decide before the model is wrapped when the training loader can be built already
         (a datamodule, a loader passed to ``fit``, or a module whose ``train_dataloader`` needs
