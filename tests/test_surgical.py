@@ -446,6 +446,16 @@ def test_tensor_rules_exclusions_zero_scales_and_weight_tensors():
     assert S.zero_scales(units) == ["1.weight"]  # the zeroed norm scale; a zero bias is no scale
     assert S.weight_tensors(model, units, ()) == ["0.weight", "2.weight"]
     assert S.weight_tensors(model, units, ("2.",)) == ["0.weight"]
+    loader = range(2)  # any one iterable of batches; a list or a dict is several loaders
+    assert [u.name for u in S.measured_units("rgn", loader, units, ("1.",))] == ["0.weight", "0.bias", "2.weight",
+                                                                                 "2.bias"]
+    for several in (None, {"a": [1]}, [[1], [2]]):
+        with pytest.raises(ValueError, match="rgn measures gradients on the training dataloader and needs exactly"):
+            S.measured_units("rgn", several, units, ())
+    with pytest.raises(ValueError, match=r"every trainable tensor is excluded by exclude=\['\.'\]"):
+        S.measured_units("eb", loader, units, (".",))
+    assert S.with_excluded(["a.bn", "b"], {}, ("bn",), 0.0) == {"a.bn": 0.0, "b": 1.0}  # before any measurement
+    assert S.with_excluded(["a.bn", "b", "c"], {"b": 0.5, "c": 0.0}, ("bn",), 0.3) == {"a.bn": 0.3, "b": 0.5, "c": 0.0}
 
 
 def test_scheduled_blocks_and_lisa_checks():

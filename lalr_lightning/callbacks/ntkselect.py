@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
-from lalr_lightning.callbacks.host import Host, say, say_or_warn
+from lalr_lightning.callbacks.host import Cadence, Host, say, say_or_warn
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.core.linearization import ntk
 from lalr_lightning.core.linearization.anchor import trainable
@@ -87,6 +87,7 @@ class NTKSelect(LayerSelection):
     score_key = "eta"
     heatmap_min_entries = 1
     readable = LayerSelection.readable + ("chosen_eta", "kappa", "head_layer")
+    cadence = Cadence(start=True)  # no probe in setup (no decision then): decided at train start, after the wrap
 
     def __init__(self, kappa_max: float = 1e3, sigma: float = 0.1, max_layers: int | None = None,
                  probe_size: int = 16, kernel: str = "trace", head: bool = False, norm_eval: str = "frozen",
@@ -136,11 +137,6 @@ class NTKSelect(LayerSelection):
         module.to(host.device)  # where the strategy puts it next, before the wrap
         self._loader = loader
         return self.decide_everywhere(host, self.measure(host, module))
-
-    def first_decision(self, host: Host) -> None:
-        super().first_decision(host)
-        if not self.history:  # no probe in setup: decided now, after the wrap
-            self.update(host, host.module)
 
     def measure(self, host: Host, module: nn.Module) -> dict:
         """The per-layer kernels on the probe batch (every rank computes the same ones)."""
