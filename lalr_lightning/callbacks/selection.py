@@ -25,7 +25,6 @@ costs less (``save_compute``, ``optimizer_state``):
 from __future__ import annotations
 
 import inspect
-import typing
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -39,6 +38,7 @@ from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.layers import Layer, block_layers, forward_trace
 from lalr_lightning.core.model.norm_modes import NORM_EVAL, norm_layers, set_norm_modes
 from lalr_lightning.core.model.tied import join_tied
+from lalr_lightning.core.runtime.checks import check_taken, union_signature
 from lalr_lightning.core.runtime.control import LayerControl
 from lalr_lightning.core.runtime.handsync import HandSync, ddp_for_switching
 from lalr_lightning.core.runtime.shards import replaces_parameters
@@ -349,12 +349,7 @@ class SurgicalLayerSelect(LightningHooks):
         if mode not in _REGISTRY:
             raise unknown("mode", mode, MODES)
         target, fixed = _REGISTRY[mode]
-        params = inspect.signature(target).parameters
-        stray = sorted(set(given) - set(params))
-        if stray:
-            valid = sorted(k for k in params if k not in fixed and k != "self")
-            raise ValueError(f"SurgicalLayerSelect(mode={mode!r}) builds {target.__name__}, which does not take "
-                             f"{', '.join(stray)}; it takes: {', '.join(valid)}")
+        check_taken(f"SurgicalLayerSelect(mode={mode!r})", target, fixed, given)
         return target(**fixed, **given)
 
 
@@ -362,13 +357,6 @@ def _modes_signature() -> inspect.Signature:
     """``SurgicalLayerSelect``'s arguments: ``mode`` and every argument of the registered modes'
     own constructors (None: not given), so LightningCLI (jsonargparse) reads them; a new mode adds
     its own by registering."""
-    out = {"cls": inspect.Parameter("cls", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-           "mode": inspect.Parameter("mode", inspect.Parameter.POSITIONAL_OR_KEYWORD, default="blocks",
-                                     annotation=str)}
-    for target, fixed in (_REGISTRY[m] for m in MODES):
-        hints = typing.get_type_hints(target.__init__)
-        for name, p in inspect.signature(target).parameters.items():
-            if name not in out and name not in fixed and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-                out[name] = inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
-                                              annotation=typing.Optional[hints.get(name, p.annotation)])  # noqa: UP045
-    return inspect.Signature(list(out.values()))
+    mode = [inspect.Parameter("cls", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+            inspect.Parameter("mode", inspect.Parameter.POSITIONAL_OR_KEYWORD, default="blocks", annotation=str)]
+    return union_signature(mode, [_REGISTRY[m] for m in MODES])
