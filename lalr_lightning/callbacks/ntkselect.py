@@ -17,7 +17,6 @@ from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
 from lalr_lightning.callbacks.host import Cadence, Host, say, say_or_warn
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.core.linearization import ntk
-from lalr_lightning.core.linearization.anchor import trainable
 from lalr_lightning.core.model.probe import fixed_batch, probe_inputs
 from lalr_lightning.core.runtime.checks import check_counts, check_number
 from lalr_lightning.core.runtime.shards import sharded
@@ -99,9 +98,7 @@ class NTKSelect(LayerSelection):
         check_counts({"max_layers": max_layers, "probe_size": probe_size}, optional=("max_layers",))
         self.max_layers = max_layers
         self.probe_size = int(probe_size)
-        self.kernel = ntk.check_kernel(kernel)
-        self.positions = ntk.check_positions(positions)
-        self.outputs = ntk.check_outputs(outputs)
+        self.kernel, self.positions, self.outputs = ntk.check_kernel_options(kernel, positions, outputs)
         self.head = bool(head)
         self.head_layer: str | None = None
         self.chosen_eta: dict[str, float] = {}
@@ -111,8 +108,7 @@ class NTKSelect(LayerSelection):
         self._loader = None  # the training loader drawn in setup
 
     def configure(self, host: Host, module: nn.Module) -> None:
-        self._params = trainable(module, type(self).__name__)
-        self._groups = ntk.layer_groups(module, self._params)
+        self._params, self._groups = ntk.trainable_groups(module, type(self).__name__)
         self.head_layer = ntk.selectable_head(module, self._groups, self.head)
         self.layers = ntk.group_layers(self._groups, self._params)
         self.block_list = self.layers  # the units label the per-step log and own their norm layers
