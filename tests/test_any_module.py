@@ -341,6 +341,31 @@ def test_blocks_found_in_setup_from_the_example_input_or_a_clear_error():
     assert "\n" not in str(err.value)
 
 
+def test_forward_trace_runs_the_example_input_or_a_training_batch_or_says_what_to_set():
+    from lalr_lightning.core.model.forward_blocks import forward_units, trace_modules
+    from lalr_lightning.core.model.layers import forward_trace
+
+    def no_loader():
+        raise RuntimeError("setup first")
+
+    def broken_loss(module, batch):
+        raise ValueError("broken")
+
+    model = ExampleOnly(example=True)  # the example input: the loader is not asked for
+    trace = forward_trace(model, no_loader)
+    assert forward_units(model, trace) == forward_units(model, trace_modules(model, lambda: model(
+        model.example_input_array)))
+    model = ExampleOnly(example=False)
+    with pytest.raises(ValueError, match=r"^cannot find the blocks of ExampleOnly: .* and no batch to run its forward "
+                                         r"pass on in setup \(RuntimeError: setup first\); set ExampleOnly\."):
+        forward_trace(model, no_loader)
+    model.ready = True  # its own setup ran: two samples of its loader, through its loss
+    assert forward_units(model, forward_trace(model, model.train_dataloader)) == forward_units(
+        model, trace_modules(model, lambda: model(torch.randn(2, 1, 8, 8))))
+    with pytest.raises(ValueError, match=r"its forward pass on a training batch failed \(ValueError: broken\)"):
+        forward_trace(model, model.train_dataloader, loss_fn=broken_loss)
+
+
 # ----------------------------------------------------------------------------- NTK: bounded and stoppable
 
 

@@ -386,6 +386,21 @@ def test_callback_helpers_groups_head_and_sized_kernel():
         N.check_kernel("diag")
 
 
+def test_the_kernel_options_and_the_trainable_groups_of_the_ntk_callbacks():
+    assert N.check_kernel_options("full", "all", 4) == ("full", "all", 4)
+    assert N.check_kernel_options("trace", "last", None) == ("trace", "last", None)
+    for bad, what in ((("diag", "bad", None), "kernel"), (("trace", "bad", None), "positions")):
+        with pytest.raises(ValueError, match=what):  # checked in order: the first bad one is named
+            N.check_kernel_options(*bad)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    model[0].bias.requires_grad_(False)
+    params, groups = N.trainable_groups(model, "T")
+    assert list(params) == ["0.weight", "2.weight", "2.bias"] and groups == N.layer_groups(model, params)
+    model.requires_grad_(False)
+    with pytest.raises(ValueError, match="^T: Sequential has no trainable parameters"):
+        N.trainable_groups(model, "T")
+
+
 def test_head_selection_starts_from_the_head_and_says_when_only_it_fits():
     eye, spike = torch.eye(2, dtype=torch.float64), torch.diag(torch.tensor([100.0, 0.0], dtype=torch.float64))
     sel, note = N.head_selection({"a": eye, "head": eye}, "head", 10.0, 1e-6)

@@ -397,7 +397,7 @@ def test_ntk_selection_head_of_a_lora_classifier_is_its_trainable_copy():
     sel = NTKSelect(head=True)
     sel._params = ntk.trainable_parameters(model)
     sel._groups = ntk.layer_groups(model, sel._params)
-    assert sel._head_group(model) == "model.base_model.model.classifier"  # peft's modules_to_save copy
+    assert ntk.head_group(model, sel._groups) == "model.base_model.model.classifier"  # peft's modules_to_save copy
 
 
 

@@ -232,3 +232,26 @@ def test_grouped_step_coefficients_are_checked_and_kept_while_the_learning_rates
     assert plan.coefficients(2.0, token, lrs) == pytest.approx([0.2, 0.4]) and len(calls) == 1  # same LRs: kept
     with pytest.raises(ValueError, match=r"lam \* lr = 20.0 \* 0.1 = 2 > 1 for 'w'"):
         plan.coefficients(20.0, object(), lrs)
+
+
+def test_stepped_tensors_and_the_ranks_agreement():
+    from lalr_lightning.core.linearization.proximal import stepped
+
+    a, b, c = (nn.Parameter(torch.zeros(2)) for _ in range(3))
+    a.grad, c.grad = torch.ones(2), torch.ones(2)
+    params = {"a": a, "b": b, "c": c}
+    assert stepped(params) == ["a", "c"] and stepped({}) == [] and stepped({}, reduce=lambda t: t) == []
+    # another rank held a gradient of b: the sum over the ranks says b stepped too
+    assert stepped(params, reduce=lambda t: t + torch.tensor([0.0, 1.0, 0.0])) == ["a", "b", "c"]
+    assert stepped(params, reduce=lambda t: t) == ["a", "c"]
+
+
+def test_the_anchor_argument_is_fit_start_or_a_path():
+    from pathlib import Path
+
+    from lalr_lightning.core.linearization.anchor import check_anchor_arg
+
+    assert check_anchor_arg("fit_start") == "fit_start" and check_anchor_arg(Path("/a/b.ckpt")) == "/a/b.ckpt"
+    for bad in ("", None, 3):
+        with pytest.raises(ValueError, match="anchor must be 'fit_start' or the path of a checkpoint / state dict, got"):
+            check_anchor_arg(bad)

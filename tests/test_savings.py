@@ -517,7 +517,7 @@ def test_hand_sync_buckets_split_by_dtype_and_size():
 
 
 def test_ddp_options_and_the_parameters_a_switching_selection_keeps_out_of_ddp():
-    from lalr_lightning.core.runtime.handsync import ddp_for_switching, kept_out
+    from lalr_lightning.core.runtime.handsync import HandSync, ddp_for_switching, kept_out
 
     kwargs = {}
     assert ddp_for_switching(kwargs, "W").startswith("W: DDP set to find_unused_parameters=True")
@@ -536,3 +536,10 @@ def test_ddp_options_and_the_parameters_a_switching_selection_keeps_out_of_ddp()
     for p in model.parameters():
         p.requires_grad_(False)
     assert kept_out(model, [a, b, c], []) == []  # nothing trains: DDP says so at the wrap
+    assert HandSync.keep_out(model, [a, b, c], []) is None
+    for p in model.parameters():
+        p.requires_grad_(True)
+    sync = HandSync.keep_out(model, [b, a[:1]], [a, c])  # kept_out's parameters, excluded from DDP at once
+    assert sync.params == b and model._ddp_params_and_buffers_to_ignore == ["1.bias", "1.weight"]
+    sync.stop()
+    assert not hasattr(model, "_ddp_params_and_buffers_to_ignore")

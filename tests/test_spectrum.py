@@ -130,3 +130,16 @@ def test_grouping_report_and_always_trained_matrices():
     assert always_trained(layers, out, False, True) == ["0"] and always_trained(layers, None, True, False) == []
     df = htsr.analyze(layers[1:], metrics=["snr"], min_evals=1)
     assert snr_of(layers[1:]) == dict(zip(df["name"], df["snr"].astype(float)))
+
+
+def test_ranked_types_groups_the_ranked_matrices_and_types_every_one():
+    from lalr_lightning.core.model.layers import matrix_layers
+    from lalr_lightning.core.spectral.spectrum_snr import group_types, ranked_types
+
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 10))
+    layers = matrix_layers(model)
+    groups, types = ranked_types(layers, ["0"])
+    assert sorted(groups) == ["1", "2"]  # the always-trained embedding is not ranked
+    assert groups == group_types(["1", "2"], {"1": "linear", "2": "linear"})
+    assert types == {"0": module_type("0"), **groups}  # every matrix typed, the ranked ones as ranked
+    assert ranked_types(layers, ["0"], {"1": "a", "2": "a"}, "spectrum")[0] == {"1": "a", "2": "a"}

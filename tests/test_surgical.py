@@ -397,6 +397,31 @@ def test_bad_names_list_the_valid_ones():
         SurgicalLayerSelect(mode="lisa", switch_every=0)
 
 
+def test_mode_arguments_a_target_does_not_take_and_the_union_of_their_signatures():
+    import inspect
+    import typing
+
+    from lalr_lightning.core.runtime.checks import check_taken, union_signature
+
+    class A:
+        def __init__(self, kind: str = "a", x: int = 1, *args, **kwargs):
+            pass
+
+    class B:
+        def __init__(self, y: float = 2.0, x: int = 3):
+            pass
+
+    check_taken("W(mode='a')", A, {"kind": "a"}, {"x": 2})
+    with pytest.raises(ValueError, match=r"^W\(mode='b'\) builds B, which does not take kind, z; it takes: x, y$"):
+        check_taken("W(mode='b')", B, {}, {"z": 1, "kind": "a", "y": 1.0})
+    first = [inspect.Parameter("mode", inspect.Parameter.POSITIONAL_OR_KEYWORD, default="a", annotation=str)]
+    sig = union_signature(first, [(A, {"kind": "a"}), (B, {})])
+    assert list(sig.parameters) == ["mode", "x", "y"]  # fixed, *args and **kwargs left out; x once
+    assert all(p.default is None and p.kind is p.KEYWORD_ONLY for p in list(sig.parameters.values())[1:])
+    assert sig.parameters["x"].annotation == typing.Optional[int]  # noqa: UP045
+    assert sig.parameters["y"].annotation == typing.Optional[float]  # noqa: UP045
+
+
 def test_missing_block_lists_the_models_blocks():
     with pytest.raises(ValueError, match=r"'layer9' does not exist.*1: 'model\.layer2"):
         _setup(SurgicalLayerSelect(select="layer9"), _model())
@@ -446,6 +471,16 @@ def test_tensor_rules_exclusions_zero_scales_and_weight_tensors():
     assert S.zero_scales(units) == ["1.weight"]  # the zeroed norm scale; a zero bias is no scale
     assert S.weight_tensors(model, units, ()) == ["0.weight", "2.weight"]
     assert S.weight_tensors(model, units, ("2.",)) == ["0.weight"]
+    loader = range(2)  # any one iterable of batches; a list or a dict is several loaders
+    assert [u.name for u in S.measured_units("rgn", loader, units, ("1.",))] == ["0.weight", "0.bias", "2.weight",
+                                                                                 "2.bias"]
+    for several in (None, {"a": [1]}, [[1], [2]]):
+        with pytest.raises(ValueError, match="rgn measures gradients on the training dataloader and needs exactly"):
+            S.measured_units("rgn", several, units, ())
+    with pytest.raises(ValueError, match=r"every trainable tensor is excluded by exclude=\['\.'\]"):
+        S.measured_units("eb", loader, units, (".",))
+    assert S.with_excluded(["a.bn", "b"], {}, ("bn",), 0.0) == {"a.bn": 0.0, "b": 1.0}  # before any measurement
+    assert S.with_excluded(["a.bn", "b", "c"], {"b": 0.5, "c": 0.0}, ("bn",), 0.3) == {"a.bn": 0.3, "b": 0.5, "c": 0.0}
 
 
 def test_scheduled_blocks_and_lisa_checks():

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -173,8 +173,8 @@ class AutoRGN(LayerSelection):
     def first_decision(self, host: Host) -> None:
         # until the first measurement (before any step): excluded tensors at their fixed
         # multiplier, so that norm layers are in the same mode for every measurement
-        self.multipliers = {u.name: (self.excluded_multiplier if surgical.excluded(u.name, self.exclude) else 1.0)
-                            for u in self.layers}
+        self.multipliers = surgical.with_excluded([u.name for u in self.layers], {}, self.exclude,
+                                                  self.excluded_multiplier)
         self.selected = [k for k, v in self.multipliers.items() if v > 0]
         self.apply(host)
 
@@ -183,12 +183,7 @@ class AutoRGN(LayerSelection):
     def measure(self, host: Host, module: nn.Module) -> dict[str, float]:
         """The mean score per measured tensor over ``n_batches`` batches, averaged over ranks."""
         loader = host.batches()
-        if loader is None or isinstance(loader, (Mapping, list, tuple)):
-            raise ValueError(f"{self.criterion} measures gradients on the training dataloader and needs exactly one; "
-                             f"got {type(loader).__name__}")
-        units = [u for u in self.layers if not surgical.excluded(u.name, self.exclude)]
-        if not units:
-            raise ValueError(f"every trainable tensor is excluded by exclude={list(self.exclude)}; nothing to measure")
+        units = surgical.measured_units(self.criterion, loader, self.layers, self.exclude)
         params = [next(iter(u.params.values())) for u in units]
         self._zero_scales = surgical.zero_scales(self.layers)  # the degeneracy warning names them
         frozen = [u for u in units if u.name not in set(self.selected)] if self._sharded else []
@@ -243,7 +238,7 @@ class AutoRGN(LayerSelection):
         if self.criterion == "eb" and not any(mults.values()):
             warn(f"eb_criterion: no tensor reaches eb_threshold={self.eb_threshold} (max score "
                  f"{max(scores.values()):.3g}); all measured tensors are frozen this epoch")
-        values = {u.name: mults.get(u.name, self.excluded_multiplier) for u in self.layers}
+        values = surgical.with_excluded([u.name for u in self.layers], mults, self.exclude, self.excluded_multiplier)
         note = surgical.zero_gradient_warning(values, scores, self._weights, self._zero_scales, self.exclude)
         if note is not None:
             warn(note)

@@ -16,7 +16,7 @@ from torch import nn
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, stop_on_sigterm
 from lalr_lightning.callbacks.host import Host, say_or_warn
 from lalr_lightning.core.linearization import ntk
-from lalr_lightning.core.linearization.anchor import check_anchor, snapshot, trainable
+from lalr_lightning.core.linearization.anchor import check_anchor, snapshot
 from lalr_lightning.core.model.probe import probe_inputs
 from lalr_lightning.core.runtime.checks import check_counts, check_number
 from lalr_lightning.core.runtime.placement import follow
@@ -99,10 +99,8 @@ class NTKDiagnostics(LayerwiseCallback):
         self.every_n_epochs = every_n_epochs
         self.probe_size = probe_size
         self.sigma = check_number("sigma", sigma, low=0, note=" (a fraction of trace(K) / M)")
-        self.kernel = ntk.check_kernel(kernel)
+        self.kernel, self.positions, self.outputs = ntk.check_kernel_options(kernel, positions, outputs)
         self.max_jacobian_numel = max_jacobian_numel
-        self.positions = ntk.check_positions(positions)
-        self.outputs = ntk.check_outputs(outputs)
         self._chosen: int | str | None = "unset"  # the outputs used, chosen at the first measurement
         self.etas: dict[str, float] = {}
         self.kappa = self.gap = self.kl = math.nan
@@ -113,8 +111,7 @@ class NTKDiagnostics(LayerwiseCallback):
     needs_whole_model = True  # under FSDP: measured on the model whole on rank zero
 
     def configure(self, host: Host, module: nn.Module) -> None:
-        self._params = trainable(module, type(self).__name__)
-        self._groups = ntk.layer_groups(module, self._params)
+        self._params, self._groups = ntk.trainable_groups(module, type(self).__name__)
         self._chosen = "unset"  # chosen at the first measurement (a checkpoint loaded after this restores it)
 
     def after_start(self, host: Host) -> None:

@@ -14,10 +14,9 @@ import torch
 from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
-from lalr_lightning.callbacks.host import Host, say, say_or_warn
+from lalr_lightning.callbacks.host import Cadence, Host, say, say_or_warn
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.core.linearization import ntk
-from lalr_lightning.core.linearization.anchor import trainable
 from lalr_lightning.core.model.probe import fixed_batch, probe_inputs
 from lalr_lightning.core.runtime.checks import check_counts, check_number
 from lalr_lightning.core.runtime.shards import sharded
@@ -87,6 +86,7 @@ class NTKSelect(LayerSelection):
     score_key = "eta"
     heatmap_min_entries = 1
     readable = LayerSelection.readable + ("chosen_eta", "kappa", "head_layer")
+    cadence = Cadence(start=True)  # no probe in setup (no decision then): decided at train start, after the wrap
 
     def __init__(self, kappa_max: float = 1e3, sigma: float = 0.1, max_layers: int | None = None,
                  probe_size: int = 16, kernel: str = "trace", head: bool = False, norm_eval: str = "frozen",
@@ -98,9 +98,7 @@ class NTKSelect(LayerSelection):
         check_counts({"max_layers": max_layers, "probe_size": probe_size}, optional=("max_layers",))
         self.max_layers = max_layers
         self.probe_size = int(probe_size)
-        self.kernel = ntk.check_kernel(kernel)
-        self.positions = ntk.check_positions(positions)
-        self.outputs = ntk.check_outputs(outputs)
+        self.kernel, self.positions, self.outputs = ntk.check_kernel_options(kernel, positions, outputs)
         self.head = bool(head)
         self.head_layer: str | None = None
         self.chosen_eta: dict[str, float] = {}
@@ -110,15 +108,10 @@ class NTKSelect(LayerSelection):
         self._loader = None  # the training loader drawn in setup
 
     def configure(self, host: Host, module: nn.Module) -> None:
-        self._params = trainable(module, type(self).__name__)
-        self._groups = ntk.layer_groups(module, self._params)
+        self._params, self._groups = ntk.trainable_groups(module, type(self).__name__)
         self.head_layer = ntk.selectable_head(module, self._groups, self.head)
         self.layers = ntk.group_layers(self._groups, self._params)
         self.block_list = self.layers  # the units label the per-step log and own their norm layers
-
-    def _head_group(self, module: nn.Module) -> str | None:
-        """The group holding the trainable output weight (peft's ``modules_to_save`` copy included)."""
-        return ntk.head_group(module, self._groups)
 
     def decide_in_setup(self, host: Host, module: nn.Module) -> Decision | None:
         """Decide before the model is wrapped when the training loader can be built already
@@ -140,11 +133,6 @@ class NTKSelect(LayerSelection):
         module.to(host.device)  # where the strategy puts it next, before the wrap
         self._loader = loader
         return self.decide_everywhere(host, self.measure(host, module))
-
-    def first_decision(self, host: Host) -> None:
-        super().first_decision(host)
-        if not self.history:  # no probe in setup: decided now, after the wrap
-            self.update(host, host.module)
 
     def measure(self, host: Host, module: nn.Module) -> dict:
         """The per-layer kernels on the probe batch (every rank computes the same ones)."""

@@ -19,7 +19,6 @@ multiplier); parameters that did not step (frozen, no gradient) are not pulled.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,7 +29,7 @@ from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, stop_on_s
 from lalr_lightning.callbacks.host import Host, say
 from lalr_lightning.choices import unknown
 from lalr_lightning.core.linearization import proximal
-from lalr_lightning.core.linearization.anchor import check_anchor, load_anchor, snapshot, trainable
+from lalr_lightning.core.linearization.anchor import check_anchor, check_anchor_arg, load_anchor, snapshot, trainable
 from lalr_lightning.core.linearization.ntk import group_layers, layer_groups, matching_groups, unit_lambda_o
 from lalr_lightning.core.model.batch_loss import loss_source
 from lalr_lightning.core.model.probe import fixed_batch
@@ -133,13 +132,11 @@ class ProximalRegularizer(LayerwiseCallback):
         self.lam = proximal.check_lam(lam)
         if granularity not in GRANULARITIES:
             raise unknown("granularity", granularity, GRANULARITIES, show=repr)
-        if not isinstance(anchor, (str, os.PathLike)) or not str(anchor):
-            raise ValueError(f"anchor must be 'fit_start' or the path of a checkpoint / state dict, got {anchor!r}")
         check_counts({"probe_size": probe_size, "every_n_epochs": every_n_epochs}, optional=("every_n_epochs",))
         self.loss_fn = check_loss_fn(loss_fn)
         self.selective = bool(selective)
         self.granularity = granularity
-        self.anchor = os.fspath(anchor)
+        self.anchor = check_anchor_arg(anchor)
         self.include = None if include is None else [include] if isinstance(include, str) else list(include)
         self.offload_anchor = bool(offload_anchor)
         self.radius = None if radius is None else check_number("radius", radius, low=0, strict=True,
@@ -247,11 +244,7 @@ class ProximalRegularizer(LayerwiseCallback):
 
     def _sharded_step(self, step: PostStep) -> None:
         held = {id(p) for p in step.params}
-        names = [n for n, p in self._params.items() if id(p) in held]
-        # a rank may hold no piece of a stepped tensor: the ranks agree on which stepped
-        got = all_sum(torch.tensor([self._params[n].grad is not None for n in names], dtype=torch.float64,
-                                   device=self._params[names[0]].device)) if names else []
-        names = [n for n, k in zip(names, list(got)) if k > 0]
+        names = proximal.stepped({n: p for n, p in self._params.items() if id(p) in held}, reduce=all_sum)
         if not names:
             return
         anchor = self._placed_anchor()

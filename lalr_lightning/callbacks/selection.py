@@ -25,11 +25,9 @@ costs less (``save_compute``, ``optimizer_state``):
 from __future__ import annotations
 
 import inspect
-import typing
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-import torch
 from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
@@ -37,17 +35,15 @@ from lalr_lightning.callbacks.host import Host, say
 from lalr_lightning.callbacks.lightning_host import LightningHooks
 from lalr_lightning.callbacks.summary import selection_counts, selection_summary
 from lalr_lightning.choices import unknown
-from lalr_lightning.core.model.batch_loss import batch_loss, to_device
-from lalr_lightning.core.model.forward_blocks import Trace, trace_modules
-from lalr_lightning.core.model.layers import Layer, block_layers, suggest_blocks
+from lalr_lightning.core.model.layers import Layer, block_layers, forward_trace
 from lalr_lightning.core.model.norm_modes import NORM_EVAL, norm_layers, set_norm_modes
-from lalr_lightning.core.model.probe import fixed_batch
 from lalr_lightning.core.model.tied import join_tied
+from lalr_lightning.core.runtime.checks import check_taken, union_signature
 from lalr_lightning.core.runtime.control import LayerControl
-from lalr_lightning.core.runtime.handsync import HandSync, ddp_for_switching, kept_out
+from lalr_lightning.core.runtime.handsync import HandSync, ddp_for_switching
 from lalr_lightning.core.runtime.shards import replaces_parameters
 
-__all__ = ["LayerSelection", "SurgicalLayerSelect", "MODES", "OPTIMIZER_STATE", "forward_trace", "register_mode"]
+__all__ = ["LayerSelection", "SurgicalLayerSelect", "MODES", "OPTIMIZER_STATE", "register_mode"]
 
 #: what a switching selection does with the optimizer state of blocks that stop training
 OPTIMIZER_STATE = ("release", "keep")
@@ -128,9 +124,10 @@ class LayerSelection(LayerwiseCallback):
     def find_blocks(self, module: nn.Module, *, head: bool = True, min_blocks: int = 2,
                     host: Host | None = None) -> list[Layer]:
         """The model's blocks (``blocks`` patterns, or found: timm groups / repeated children / with
-        ``host``, the forward pass on a probe batch, :func:`forward_trace`); a clear error when
+        ``host``, the forward pass on a probe batch,
+        :func:`~lalr_lightning.core.model.layers.forward_trace`); a clear error when
         there are fewer than ``min_blocks`` to choose between."""
-        trace = None if host is None else (lambda: forward_trace(host, module, getattr(self, "loss_fn", None)))
+        trace = None if host is None else (lambda: forward_trace(module, host.batches, getattr(self, "loss_fn", None)))
         self.block_list = block_layers(module, self.blocks, join_stem=self.join_stem, head=head, trace=trace)
         self.block_list, tied = join_tied(module, self.block_list)  # a shared tensor: its holders are one unit
         for note in tied:
@@ -192,11 +189,9 @@ class LayerSelection(LayerwiseCallback):
         # the switching units' parameters kept out of DDP's buckets (before the wrap)
         switching = self.switching_units()
         names = {u.name for u in switching}
-        out = kept_out(self._module, [u.params.values() for u in switching],
-                       [u.params.values() for u in self.layers if u.name not in names])
-        if out:
-            self._handsync = HandSync(self._module, out)
-            self._handsync.exclude()
+        self._handsync = HandSync.keep_out(self._module, [u.params.values() for u in switching],
+                                           [u.params.values() for u in self.layers if u.name not in names])
+        if self._handsync is not None:
             say(f"{who}: {len(self._handsync.params)} parameter tensors of the switching blocks kept out "
                 "of DDP's gradient buckets; their gradients are averaged across ranks by hand")
         return True
@@ -315,42 +310,6 @@ class LayerSelection(LayerwiseCallback):
         self._ctls, self._module, self._handsync, self._norms = None, None, None, []
 
 
-def forward_trace(host: Host, module: nn.Module, loss_fn=None) -> Trace:
-    """One forward pass of ``module`` with every module hooked (``core.forward_blocks``), in
-    ``setup``: on its ``example_input_array`` when it has one, else on two samples of the training
-    loader run through the module's own loss (``core.model.batch_loss.batch_loss``: ``loss_fn``, its
-    ``loss(output, target)`` or its ``training_step``, logging silenced)."""
-    example = getattr(module, "example_input_array", None)
-    device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    if example is not None:
-        example = to_device(example, device)
-
-        def run():  # as Lightning's model summary calls it
-            if isinstance(example, dict):
-                return module(**example)
-            return module(*example) if isinstance(example, (tuple, list)) else module(example)
-    else:
-        try:
-            batch = fixed_batch(host.batches(), 2)
-        except Exception as err:  # noqa: BLE001 -- any failure: say what to add instead
-            raise _no_blocks(module, "no batch to run its forward pass on in setup", err) from None
-        batch = to_device(batch, device)
-
-        def run():
-            return batch_loss(module, batch, loss_fn)
-    try:
-        return trace_modules(module, run)
-    except Exception as err:  # noqa: BLE001 -- the forward pass was for the blocks: say what else works
-        raise _no_blocks(module, "its forward pass on a training batch failed", err) from err
-
-
-def _no_blocks(module: nn.Module, why: str, err: Exception) -> ValueError:
-    name, first = type(module).__name__, str(err).splitlines()[0][:120] if str(err) else ""
-    return ValueError(f"cannot find the blocks of {name}: no timm group_matcher, repeated children or Sequential "
-                      f"trunk, and {why} ({type(err).__name__}: {first}); set {name}.example_input_array, or pass "
-                      f"blocks=[...], e.g. blocks={suggest_blocks(module)!r}")
-
-
 class SurgicalLayerSelect(LightningHooks):
     """``SurgicalLayerSelect(mode=...)`` builds the selection callback of that mode (every
     config and script written for the single class it once was keeps working):
@@ -390,12 +349,7 @@ class SurgicalLayerSelect(LightningHooks):
         if mode not in _REGISTRY:
             raise unknown("mode", mode, MODES)
         target, fixed = _REGISTRY[mode]
-        params = inspect.signature(target).parameters
-        stray = sorted(set(given) - set(params))
-        if stray:
-            valid = sorted(k for k in params if k not in fixed and k != "self")
-            raise ValueError(f"SurgicalLayerSelect(mode={mode!r}) builds {target.__name__}, which does not take "
-                             f"{', '.join(stray)}; it takes: {', '.join(valid)}")
+        check_taken(f"SurgicalLayerSelect(mode={mode!r})", target, fixed, given)
         return target(**fixed, **given)
 
 
@@ -403,13 +357,6 @@ def _modes_signature() -> inspect.Signature:
     """``SurgicalLayerSelect``'s arguments: ``mode`` and every argument of the registered modes'
     own constructors (None: not given), so LightningCLI (jsonargparse) reads them; a new mode adds
     its own by registering."""
-    out = {"cls": inspect.Parameter("cls", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-           "mode": inspect.Parameter("mode", inspect.Parameter.POSITIONAL_OR_KEYWORD, default="blocks",
-                                     annotation=str)}
-    for target, fixed in (_REGISTRY[m] for m in MODES):
-        hints = typing.get_type_hints(target.__init__)
-        for name, p in inspect.signature(target).parameters.items():
-            if name not in out and name not in fixed and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-                out[name] = inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
-                                              annotation=typing.Optional[hints.get(name, p.annotation)])  # noqa: UP045
-    return inspect.Signature(list(out.values()))
+    mode = [inspect.Parameter("cls", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+            inspect.Parameter("mode", inspect.Parameter.POSITIONAL_OR_KEYWORD, default="blocks", annotation=str)]
+    return union_signature(mode, [_REGISTRY[m] for m in MODES])

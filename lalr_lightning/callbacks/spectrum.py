@@ -114,13 +114,10 @@ class SpectrumSelect(LayerSelection):
             raise ValueError(f"SpectrumSelect found no matrices of kinds {self.layer_types} in "
                              f"{type(module).__name__}; widen layer_types")
         self._always = spectrum_snr.always_trained(self.layers, output_layer(module, every), self.head, self.embeddings)
-        ranked = [la for la in self.layers if la.name not in self._always]
-        self._groups = groups = spectrum_snr.group_types(
-            [la.name for la in ranked], {la.name: la.kind for la in ranked}, self.types, self.grouping)
-        self.module_types = {la.name: groups.get(la.name) or spectrum_snr.module_type(la.name, self.types)
-                             for la in self.layers}
-        self.grouping_summary, warning = spectrum_snr.grouping_report(type(self).__name__, groups, self.top_percent,
-                                                                      self._always)
+        self._groups, self.module_types = spectrum_snr.ranked_types(self.layers, self._always, self.types,
+                                                                    self.grouping)
+        self.grouping_summary, warning = spectrum_snr.grouping_report(type(self).__name__, self._groups,
+                                                                      self.top_percent, self._always)
         say(self.grouping_summary)
         if warning is not None:
             warn(warning)

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["snapshot", "load_anchor", "check_anchor", "trainable"]
+__all__ = ["snapshot", "load_anchor", "check_anchor", "check_anchor_arg", "trainable"]
 
 
 def trainable(model: nn.Module, who: str) -> dict[str, nn.Parameter]:
@@ -33,6 +34,13 @@ def trainable(model: nn.Module, who: str) -> dict[str, nn.Parameter]:
 
 
 @torch.no_grad()
+def check_anchor_arg(anchor: Any) -> str:
+    """An ``anchor=`` argument (``"fit_start"`` or a path) as text, or a one-line ValueError."""
+    if not isinstance(anchor, (str, os.PathLike)) or not str(anchor):
+        raise ValueError(f"anchor must be 'fit_start' or the path of a checkpoint / state dict, got {anchor!r}")
+    return os.fspath(anchor)
+
+
 def snapshot(params: Mapping[str, Tensor], offload: bool = False) -> dict[str, Tensor]:
     """An exact copy of ``params`` (on CPU with ``offload``, else on each parameter's device)."""
     return {n: (p.detach().to("cpu", copy=True) if offload else p.detach().clone()) for n, p in params.items()}

@@ -49,6 +49,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, jvp, vjp, vmap
 
 from lalr_lightning.choices import unknown
+from lalr_lightning.core.linearization.anchor import trainable
 from lalr_lightning.core.model.batch_loss import batch_loss, call_model, forward_module, output_tensor, split_batch
 from lalr_lightning.core.model.layers import Layer, clean_name, matrix_layers, output_layer
 from lalr_lightning.core.model.taps import call_with_params
@@ -61,6 +62,8 @@ __all__ = [
     "NTKCost",
     "ntk_cost",
     "check_outputs",
+    "check_kernel_options",
+    "trainable_groups",
     "check_positions",
     "check_kernel",
     "sized_ntk",
@@ -502,6 +505,20 @@ def check_outputs(outputs: int | str | None) -> int | str | None:
     if isinstance(outputs, bool) or not isinstance(outputs, int) or outputs < 1:
         raise ValueError(f"outputs must be None (within the budget), 'all' or an integer >= 1, got {outputs!r}")
     return outputs
+
+
+def check_kernel_options(kernel: str, positions: str,
+                         outputs: int | str | None) -> tuple[str, str, int | str | None]:
+    """``(kernel, positions, outputs)`` of an NTK callback checked, in that order
+    (:func:`check_kernel`, :func:`check_positions`, :func:`check_outputs`)."""
+    return check_kernel(kernel), check_positions(positions), check_outputs(outputs)
+
+
+def trainable_groups(model: nn.Module, who: str) -> tuple[dict[str, nn.Parameter], dict[str, list[str]]]:
+    """``(params, groups)``: the trainable parameters (:func:`~lalr_lightning.core.linearization.anchor.trainable`,
+    a clear error when there is none) and their :func:`layer_groups`."""
+    params = trainable(model, who)
+    return params, layer_groups(model, params)
 
 
 def ntk_cost(

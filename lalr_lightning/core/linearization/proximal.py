@@ -34,7 +34,7 @@ from lalr_lightning.choices import unknown
 from lalr_lightning.core.runtime.checks import check_number
 
 __all__ = ["GRANULARITIES", "GroupedStep", "check_lam", "coefficients", "deltas", "distances", "inner_products",
-           "pull_decisions", "proximal_step_", "pulled_fractions", "selective_step_"]
+           "pull_decisions", "proximal_step_", "pulled_fractions", "selective_step_", "stepped"]
 
 GRANULARITIES = ("tensor", "layer", "global")
 
@@ -194,6 +194,18 @@ def proximal_step_(
                   for n, p in zip(dev_names, ps)]
             torch._foreach_lerp_(ps, an, [coef[n] for n in dev_names])
     return coef
+
+
+def stepped(params: Mapping[str, Tensor], reduce: Callable[[Tensor], Tensor] | None = None) -> list[str]:
+    """The names of ``params`` whose ``.grad`` is set; with ``reduce`` (a sum over the ranks, a
+    collective every rank calls with the same names), set on at least one rank: under FSDP a rank
+    may hold no piece of a tensor that stepped."""
+    names = list(params)
+    if reduce is None or not names:
+        return [n for n in names if params[n].grad is not None]
+    got = reduce(torch.tensor([params[n].grad is not None for n in names], dtype=torch.float64,
+                              device=params[names[0]].device))
+    return [n for n, k in zip(names, got.tolist()) if k > 0]
 
 
 def selective_step_(

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 __all__ = ["DEFAULT_FIGURES", "FIGURES", "ArgumentTypeError", "check_arguments", "check_counts", "check_figures",
-           "check_loss_fn", "check_min_evals", "check_number", "coerce", "lazy_error", "lazy_parameters",
+           "check_loss_fn", "check_min_evals", "check_number", "check_taken", "union_signature", "coerce", "lazy_error", "lazy_parameters",
            "non_finite", "orphaned_masks", "plain_setting", "uninitialized"]
 
 _NUMBERS = {int: "an integer", float: "a number"}
@@ -113,6 +113,36 @@ def check_arguments(who: str, init: Callable, args: tuple, kwargs: dict) -> tupl
                                                               inspect.Parameter.VAR_KEYWORD):
             bound.arguments[arg] = coerce(who, arg, value, hints[arg])
     return bound.args[1:], bound.kwargs
+
+
+def check_taken(who: str, target: type, fixed: Mapping[str, Any], given: Mapping[str, Any]) -> None:
+    """A one-line ValueError when ``given`` holds arguments ``target``'s constructor does not take,
+    listing the ones it takes (those in ``fixed``, set by ``who``, not among them)."""
+    import inspect
+
+    params = inspect.signature(target).parameters
+    stray = sorted(set(given) - set(params))
+    if stray:
+        valid = sorted(k for k in params if k not in fixed and k != "self")
+        raise ValueError(f"{who} builds {target.__name__}, which does not take {', '.join(stray)}; it takes: "
+                         f"{', '.join(valid)}")
+
+
+def union_signature(first: list, targets: list[tuple[type, Mapping[str, Any]]]):
+    """The signature of a constructor that builds one of ``targets`` (a class, and the arguments
+    it is given fixed): the ``first`` parameters, then every other argument of the targets'
+    constructors, keyword-only, ``None`` (not given) by default and annotated as optional, so that
+    LightningCLI (jsonargparse) reads them all."""
+    import inspect
+
+    out = {p.name: p for p in first}
+    for target, fixed in targets:
+        hints = typing.get_type_hints(target.__init__)
+        for name, p in inspect.signature(target).parameters.items():
+            if name not in out and name not in fixed and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                out[name] = inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                              annotation=typing.Optional[hints.get(name, p.annotation)])  # noqa: UP045
+    return inspect.Signature(list(out.values()))
 
 
 def check_min_evals(who: str, min_evals: int, why: str = "a power-law fit needs at least two eigenvalues") -> int:

@@ -160,6 +160,18 @@ class HandSync:
         self._sync: Callable[[], bool] = lambda: True
         self._group = None
 
+    @classmethod
+    def keep_out(cls, module: nn.Module, switching: Iterable[Iterable[nn.Parameter]],
+                 always: Iterable[Iterable[nn.Parameter]]) -> HandSync | None:
+        """The switching units' parameters that go out of DDP (:func:`kept_out`), excluded now
+        (before the wrap); None when none does."""
+        out = kept_out(module, switching, always)
+        if not out:
+            return None
+        sync = cls(module, out)
+        sync.exclude()
+        return sync
+
     def exclude(self) -> None:
         """Add ``params`` to DDP's ignore list of ``module`` (call before the wrap)."""
         prev = getattr(self.module, _IGNORE, _MISSING)

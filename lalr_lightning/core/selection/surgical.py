@@ -30,6 +30,8 @@ __all__ = [
     "eb_multipliers",
     "criterion_multipliers",
     "excluded",
+    "measured_units",
+    "with_excluded",
     "zero_scales",
     "weight_tensors",
     "check_selection",
@@ -119,6 +121,25 @@ def rgn_multipliers(rgn: Mapping[str, float]) -> dict[str, float]:
 def excluded(name: str, exclude: Sequence[str]) -> bool:
     """Whether a tensor name contains one of the ``exclude`` substrings (the reference's rule)."""
     return any(s in name for s in exclude)
+
+
+def measured_units(criterion: str, loader: Any, units: Sequence[Layer], exclude: Sequence[str]) -> list[Layer]:
+    """The tensor ``units`` a ``criterion`` measurement runs on (those not :func:`excluded`), after
+    checking it has one training ``loader`` to run on; a one-line ValueError otherwise."""
+    if loader is None or isinstance(loader, (Mapping, list, tuple)):
+        raise ValueError(f"{criterion} measures gradients on the training dataloader and needs exactly one; "
+                         f"got {type(loader).__name__}")
+    out = [u for u in units if not excluded(u.name, exclude)]
+    if not out:
+        raise ValueError(f"every trainable tensor is excluded by exclude={list(exclude)}; nothing to measure")
+    return out
+
+
+def with_excluded(names: Sequence[str], measured: Mapping[str, float], exclude: Sequence[str],
+                  excluded_multiplier: float) -> dict[str, float]:
+    """Every tensor's multiplier: ``excluded_multiplier`` for the :func:`excluded` ones, the
+    ``measured`` one for the others (1.0 before any measurement)."""
+    return {n: excluded_multiplier if excluded(n, exclude) else measured.get(n, 1.0) for n in names}
 
 
 def zero_scales(units: Sequence[Layer]) -> list[str]:

@@ -34,7 +34,7 @@ from lalr_lightning.core.model.layers import Layer
 from lalr_lightning.core.spectral import htsr
 
 __all__ = ["GROUPINGS", "module_type", "group_types", "types_of", "top_by_type", "chosen_count", "grouping_report",
-           "snr_of", "always_trained",
+           "snr_of", "always_trained", "ranked_types",
            "unfrozen_yaml",
            "read_unfrozen_yaml"]
 
@@ -126,6 +126,15 @@ def always_trained(layers: Sequence[Layer], output: Layer | None, head: bool, em
     and the input embeddings (with ``embeddings``), as Spectrum's YAML always unfreezes them."""
     return [la.name for la in layers if (head and output is not None and la.name == output.name)
             or (embeddings and la.kind == "embedding")]
+
+
+def ranked_types(layers: Sequence[Layer], always: Sequence[str], types: Mapping[str, str] | None = None,
+                 grouping: str = "auto") -> tuple[dict[str, str], dict[str, str]]:
+    """(``{name: type}`` of the ranked layers, those not in ``always`` (:func:`group_types` on their
+    names and kinds), ``{name: type}`` of every layer: its ranked type, else :func:`module_type`)."""
+    ranked = [la for la in layers if la.name not in always]
+    groups = group_types([la.name for la in ranked], {la.name: la.kind for la in ranked}, types, grouping)
+    return groups, {la.name: groups.get(la.name) or module_type(la.name, types) for la in layers}
 
 
 def grouping_report(who: str, groups: Mapping[str, str], top_percent: float,
