@@ -14,7 +14,7 @@ from lalr_lightning.core.model.taps import BlockTaps
 from lalr_lightning.core.pruning import alphapruning as ap
 from lalr_lightning.core.pruning import by_criterion as bc
 from lalr_lightning.core.selection import msa
-from lalr_lightning.core.selection.msa_settings import check_blocks, lmsa_settings
+from lalr_lightning.core.selection.msa_settings import check_blocks, check_restored, lmsa_settings, sharded_refusal
 from lalr_lightning.core.spectral import tempbalance as tb
 from lalr_lightning.core.spectral.lalr_metrics import lalr_layers
 from lalr_lightning.core.spectral.settings import lalr_layer_checks, lalr_settings, tempbalance_settings
@@ -123,6 +123,16 @@ def test_check_blocks():
         check_blocks({"a": True, "b": True}, "min", 3)
 
 
+def test_sharded_refusal_and_restored_blocks():
+    assert sharded_refusal("optimizer") is None
+    assert "pass update='optimizer'" in sharded_refusal("msa") and "strategy='ddp'" in sharded_refusal("msa")
+    check_restored(["b"], ["a", "b"])
+    check_restored([], [])
+    with pytest.raises(ValueError, match=r"the checkpoint selected blocks \['c'\] that this model does not have "
+                                         r"\(blocks: \['a', 'b'\]\)"):
+        check_restored(["a", "c"], ("a", "b"))
+
+
 def _lmsa(**kw):
     args = dict(select="min", num_blocks=None, update="msa", rho=None, inner_optimizer=None, inner_lr=None,
                 inner_steps=None, feasibility=None, rho_scale=None, metric_rho=None, output_dim=None, n_batches=1,
@@ -187,6 +197,29 @@ def test_dense_note_and_finite_metric():
     assert list(ap.finite_metric({"b": 2.0, "a": 1.0}, ["a", "b"], "alpha")) == ["a", "b"]
     with pytest.raises(ValueError, match=r"metric 'alpha' is not finite for layers \{'b': nan, 'c': None\}"):
         ap.finite_metric({"a": 1.0, "b": math.nan}, ["a", "b", "c"], "alpha")
+
+
+def test_check_known_masks():
+    ap.check_known_masks({"fc.weight": None}, {"fc.weight": None, "fc.bias": None})
+    ap.check_known_masks({}, {})
+    with pytest.raises(RuntimeError, match=r"prunable layers lack: \['a.weight', 'b.weight'\]; the checkpoint"):
+        ap.check_known_masks({"b.weight": 1, "a.weight": 1, "fc.weight": 1}, {"fc.weight": None})
+
+
+def test_calibration_samples_take_the_given_data_else_the_loader():
+    data = [torch.zeros(3, 4), torch.ones(3, 4)]
+    got = bc.calibration_samples(data, None, 4, "criterion='wanda'")
+    assert bc.sample_count(got) == 4 and torch.equal(got[1], torch.ones(1, 4))
+    asked = []
+    got = bc.calibration_samples(None, lambda: asked.append(1) or data, 2, "criterion='wanda'")
+    assert asked == [1] and bc.sample_count(got) == 2  # the loader only when nothing was given
+    with pytest.warns(UserWarning, match=r"HTSRPruning\(preset='owl'\) calibrates on 6 samples, all the calibration "
+                                         "data has; n_calibration=8 asked for more"):
+        assert bc.sample_count(bc.calibration_samples(data, None, 8, "preset='owl'")) == 6
+    with pytest.raises(ValueError, match=r"plan\(\) has no fit to take it from; pass calibration="):
+        bc.calibration_samples(None, None, 2, "criterion='wanda'")
+    with pytest.raises(ValueError, match="the fit has no training loader; pass calibration="):
+        bc.calibration_samples(None, lambda: None, 2, "criterion='wanda'")
 
 
 def test_layer_metric_is_the_esd_of_each_layer():

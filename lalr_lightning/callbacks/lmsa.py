@@ -29,8 +29,8 @@ from lalr_lightning.core.model.taps import BlockTaps
 from lalr_lightning.core.runtime.control import LayerControl
 from lalr_lightning.core.runtime.errors import DivergenceError
 from lalr_lightning.core.runtime.shards import gather_objects, layer_paths, layers_in
-from lalr_lightning.core.selection import msa
-from lalr_lightning.core.selection.msa_settings import INNER_OPTIMIZERS, SELECT, UPDATE, check_blocks, lmsa_settings
+from lalr_lightning.core.selection import msa, msa_settings
+from lalr_lightning.core.selection.msa_settings import INNER_OPTIMIZERS, SELECT, UPDATE, lmsa_settings
 
 __all__ = ["LMSAStepper", "SELECT", "UPDATE", "INNER_OPTIMIZERS"]
 
@@ -203,7 +203,6 @@ class LMSAStepper(LayerSelection):
             inner_lr=inner_lr, inner_steps=inner_steps, feasibility=feasibility, rho_scale=rho_scale,
             metric_rho=metric_rho, output_dim=output_dim, n_batches=n_batches, every_n_epochs=every_n_epochs,
             head=head, loss_fn=loss_fn, seed=seed))
-        self._last_selection_epoch: int | None = None
         self._measuring = False
         self._measured = 0
         self._acc: dict[str, list[float]] = {}
@@ -211,21 +210,15 @@ class LMSAStepper(LayerSelection):
         self._inner_for: list[str] = []
         self._inner_state: dict | None = None  # restored, waiting for the inner optimizer
         self.taps: BlockTaps | None = None
-        self._batch: Any = None
         self._stepping = False
         self._costates: list[tuple[str, torch.Tensor]] = []  # (block, all finite) of updates not yet checked
-        self._block_params: set[int] = set()
-        self._selected_params: set[int] = set()
+        self._block_of: dict[int, str] = {}  # id of a block's parameter -> the block
         self._paths: dict[str, tuple] = {}
         self._held_back = False  # FSDP: a new choice frozen for the step of the batch that chose it
 
     @property
     def fsdp_refusal(self) -> str | None:
-        if self.update == "msa":
-            return ("update='msa' moves the selected blocks by running them alone after every optimizer step, which "
-                    "a sharded model cannot do; pass update='optimizer' (the L-MSA metric, measured on a whole copy "
-                    "of the model on rank zero, picks the blocks the module's optimizer trains) or use strategy='ddp'")
-        return None
+        return msa_settings.sharded_refusal(self.update)
 
     @property
     def rho_hat(self) -> dict[str, float]:
@@ -248,11 +241,11 @@ class LMSAStepper(LayerSelection):
         except ValueError as err:
             raise ValueError(f"LMSAStepper: {err}") from err
         trainable = {la.name: any(p.requires_grad for p in la.params.values()) for la in self.layers}
-        note = check_blocks(trainable, self.select, self.num_blocks)
+        note = msa_settings.check_blocks(trainable, self.select, self.num_blocks)
         say(f"L-MSA blocks of {type(module).__name__}: {describe_blocks(self.layers)}")
         if note:
             warn(note)
-        self._block_params = {id(p) for b in self.layers for p in b.params.values()}
+        self._block_of = {id(p): b.name for b in self.layers for p in b.params.values()}
         self.taps = BlockTaps(module, self.layers, want_input_costate=self.feasibility > 0, seed=self.seed)
 
     # FSDP: the metric on a whole copy of the model on rank zero (the live taps capture nothing)
@@ -264,10 +257,8 @@ class LMSAStepper(LayerSelection):
 
     def resumed(self, late: bool) -> None:
         super().resumed(late)
-        unknown = [n for n in self.selected if self.layers and n not in self.block_names]
-        if unknown:
-            raise ValueError(f"LMSAStepper: the checkpoint selected blocks {unknown} that this model does not have "
-                             f"(blocks: {self.block_names})")
+        if self.layers:
+            msa_settings.check_restored(self.selected, self.block_names)
 
     def first_decision(self, host: Host) -> None:
         super().first_decision(host)
@@ -295,7 +286,6 @@ class LMSAStepper(LayerSelection):
         off = [b for b in self.layers if b.name not in on]
         self.apply_frozen(host, [b.name for b in off])
         self.release_state(host, off)
-        self._selected_params = {id(p) for b in self.layers if b.name in self.selected for p in b.params.values()}
         # under FSDP the first backward needs something that requires grad (the live taps anchor none)
         if self.save_compute and self._toggle and self.feasibility == 0 and (self.whole is None or self.selected):
             self.set_requires_grad([b for b in self.layers if b.name in on], True)
@@ -305,8 +295,9 @@ class LMSAStepper(LayerSelection):
         self.apply_norm_modes()
 
     def trains(self, p: torch.nn.Parameter) -> bool:
-        if id(p) in self._block_params:
-            return id(p) in self._selected_params
+        block = self._block_of.get(id(p))
+        if block is not None:
+            return block in self.selected
         return super().trains(p)  # outside the blocks: the module's optimizer decides
 
     def _build_inner(self) -> None:
@@ -328,13 +319,12 @@ class LMSAStepper(LayerSelection):
         super().each_epoch(host)
         self._check_costates(host)
         epoch, k = host.current_epoch, self.every_n_epochs
-        due = not self.selected or (k is not None and epoch % k == 0 and self._last_selection_epoch != epoch)
+        due = not self.selected or (k is not None and epoch % k == 0 and self.history[-1]["epoch"] != epoch)
         if due and not self._measuring:  # not while a measurement still runs (resumed, or longer than an epoch)
             self._measuring, self._measured, self._acc = True, 0, {}
 
     def each_batch(self, host: Host, batch: Any) -> None:
-        self._batch = batch
-        self.taps.context = batch
+        self.taps.context = batch  # the batch the measurement and the Hamiltonian step run on
         self.taps.seed = self.seed * 1_000_003 + host.global_step
         if not self.taps.discovered and self.whole is None:
             self.taps.discover(lambda: self._loss(host.module, batch))
@@ -365,7 +355,7 @@ class LMSAStepper(LayerSelection):
         self._normalize(host, names)
         if self._measuring:
             with host.forward_context():
-                self._add(host, self._scores(host, self.taps, lambda: self._loss(host.module, self._batch)))
+                self._add(host, self._scores(host, self.taps, lambda: self._loss(host.module, self.taps.context)))
         keep = set(self.selected) if self.update == "msa" else set()
         self.taps.clear([n for n in self.block_names if n not in keep])
 
@@ -425,7 +415,7 @@ class LMSAStepper(LayerSelection):
         """FSDP: this measurement batch of every rank, scored on rank zero's whole copy of the
         model (states and co-states from its own forward and backward) and averaged over the
         ranks, as DDP's ranks average their own batches' metric."""
-        batches = gather_objects(apply_to_collection(self._batch, torch.Tensor, lambda t: t.cpu()))
+        batches = gather_objects(apply_to_collection(self.taps.context, torch.Tensor, lambda t: t.cpu()))
 
         def on_copy(whole: torch.nn.Module) -> dict[str, list]:
             taps = BlockTaps(whole, layers_in(whole, self.layers, self._paths), seed=self.seed)
@@ -474,7 +464,6 @@ class LMSAStepper(LayerSelection):
 
     def commit(self, host: Host, decision: Decision) -> None:
         self._measuring, self._acc = False, {}
-        self._last_selection_epoch = host.current_epoch
         super().commit(host, decision)
 
     # ------------------------------------------------------------------ MSA update
@@ -509,7 +498,7 @@ class LMSAStepper(LayerSelection):
         inner = self._inner_state if self._inner is None else {"for": list(self._inner_for),
                                                                   "state": self._inner.state_dict()}
         return {
-            "last_selection_epoch": self._last_selection_epoch,
+            "last_selection_epoch": self.history[-1]["epoch"] if self.history else None,  # read from the history
             "measuring": self._measuring,
             "measured": self._measured,
             "acc": {k: list(v) for k, v in self._acc.items()},
@@ -517,7 +506,6 @@ class LMSAStepper(LayerSelection):
         }
 
     def _load_state(self, state: dict) -> None:
-        self._last_selection_epoch = state["last_selection_epoch"]
         self._measuring = bool(state.get("measuring", False))
         self._measured = int(state.get("measured", 0))
         self._acc = {k: list(v) for k, v in state.get("acc", {}).items()}

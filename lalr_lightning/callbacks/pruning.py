@@ -282,22 +282,14 @@ class HTSRPruning(LayerwiseCallback):
         if self.early is not None:
             super().first_decision(host)  # decided in setup (FSDP): recorded, enforced and logged now
         elif self.masks:  # kept from a previous fit: enforce at once
-            self._known()
+            ap.check_known_masks(self.masks, self._params)
             self.apply(host)
         elif self.when == "fit_start":
             self.prune(host, 1.0)
 
-    def _known(self) -> None:
-        unknown = sorted(set(self.masks) - set(self._params))
-        if unknown:
-            raise RuntimeError(
-                f"HTSRPruning state holds masks for parameters this model's prunable layers lack: {unknown[:5]}; "
-                "the checkpoint belongs to another architecture or other layer settings"
-            )
-
     def resumed(self, late: bool) -> None:
         if self._params:  # configured: the owner enforces the checkpoint's masks where the strategy's restore is done
-            self._known()
+            ap.check_known_masks(self.masks, self._params)
 
     def each_epoch(self, host: Host) -> None:
         epoch = host.current_epoch
@@ -313,7 +305,6 @@ class HTSRPruning(LayerwiseCallback):
             ctl.apply_masks()
         self.sparsity = self._measure(host)
         self.log_values(host, self._sparsity_metrics())
-        host.publish(self, "end")
         if self.make_permanent:
             for ctl in self.controls(host):
                 ctl.set_masks(self.state_key, {})
@@ -459,9 +450,10 @@ class HTSRPruning(LayerwiseCallback):
         goes; the other ranks get the masks (and SparseGPT's weights) in the broadcast decision."""
         batches = self._calibration_batches(record) if needs_stats(self.criterion) else None
         self.check_finite(self._trainer, {la.name: la.weight for la in layers}, "the weights")
+        # blocksize and percdamp: sparsegpt's own (its defaults filled in by the settings), None for the others
         return bc.criterion_prune(module, layers, ratios, self.criterion, batches, n=self.n, m=self.m,
-                                  blocksize=self.blocksize or 128, percdamp=0.01 if self.percdamp is None else
-                                  self.percdamp, forward=functools.partial(self._forward, module), convolutions=True)
+                                  blocksize=self.blocksize, percdamp=self.percdamp,
+                                  forward=functools.partial(self._forward, module), convolutions=True)
 
     def _owl(self, module: nn.Module, layers: list, record: dict) -> tuple[dict[str, float], dict[str, float]]:
         """OWL's ratio and block outlier share ``D`` of every pruned layer (``prune --preset owl``'s
@@ -472,33 +464,17 @@ class HTSRPruning(LayerwiseCallback):
                                 self.owl_m, self.owl_lambda, who="HTSRPruning(preset='owl')")
 
     def _calibration_batches(self, record: dict) -> list:
-        """The first ``n_calibration`` samples of the calibration data, taken once per pruning event."""
+        """The first ``n_calibration`` samples of the calibration data, taken once per pruning event:
+        ``calibration``, else the training loader as the user gave it (datamodule, module or fit()
+        argument), without the DistributedSampler a DDP run adds, so rank zero calibrates on the
+        same data at any world size."""
         if self._batches is None:
-            self._batches = bc.take_samples(self._calibration_source(), self.n_calibration)
-            got = bc.sample_count(self._batches)
-            if got < self.n_calibration:
-                warn(f"HTSRPruning({self._calibrated_by()}) calibrates on {got} samples, all the calibration data "
-                     f"has; n_calibration={self.n_calibration} asked for more", category=UserWarning)
+            who = "preset='owl'" if self.preset == "owl" and not needs_stats(self.criterion) else \
+                f"criterion={self.criterion!r}"
+            loader = None if self._trainer is None else functools.partial(self._trainer.batches, as_given=True)
+            self._batches = bc.calibration_samples(self.calibration, loader, self.n_calibration, who)
         record["calibration_samples"] = bc.sample_count(self._batches)
         return self._batches
-
-    def _calibrated_by(self) -> str:
-        return "preset='owl'" if self.preset == "owl" and not needs_stats(self.criterion) else \
-            f"criterion={self.criterion!r}"
-
-    def _calibration_source(self):
-        if self.calibration is not None:
-            return self.calibration
-        if self._trainer is None:  # plan(model): no fit, hence no training loader
-            raise ValueError(f"HTSRPruning({self._calibrated_by()}) decides from calibration data, and plan() has no "
-                             "fit to take it from; pass calibration=<a DataLoader> to HTSRPruning")
-        # the training loader as the user gave it (datamodule, module or fit() argument), without the
-        # DistributedSampler a DDP run adds: rank zero calibrates on the same data at any world size
-        loader = self._trainer.batches(as_given=True)
-        if loader is None:
-            raise ValueError(f"HTSRPruning({self._calibrated_by()}) needs calibration data: the fit has no "
-                             "training loader; pass calibration=<a DataLoader>")
-        return loader
 
     def _forward(self, module: nn.Module, batch) -> None:
         """Run a model without transformer blocks on one calibration batch, on the fit's device."""
@@ -531,10 +507,11 @@ class HTSRPruning(LayerwiseCallback):
     # ------------------------------------------------------------------ reporting
 
     def _measure(self, host: Host) -> dict[str, float]:
-        if not sharded(host):
-            return {layer.name: float((layer.weight.detach() == 0).float().mean()) for layer in self.layers}
-        # each rank counts the zeros of its shards; the counts are summed over the ranks
-        zeros = all_sum(torch.stack([(local_tensor(la.weight.detach()) == 0).sum() for la in self.layers]).double())
+        # the zeros of every layer, read in one transfer; under FSDP each rank counts those of its shards,
+        # and the counts are summed over the ranks
+        zeros = torch.stack([(local_tensor(la.weight.detach()) == 0).sum() for la in self.layers]).double()
+        if sharded(host):
+            zeros = all_sum(zeros)
         return {la.name: float(z) / self._numel(la) for la, z in zip(self.layers, zeros.tolist())}
 
     def _numel(self, layer) -> int:

@@ -57,6 +57,7 @@ __all__ = [
     "layer_masks",
     "block_groups",
     "dense_note",
+    "check_known_masks",
     "finite_metric",
     "layer_metric",
 ]
@@ -410,6 +411,16 @@ def dense_note(excluded: Mapping[str, str]) -> str | None:
         return None
     return ("HTSRPruning leaves these layers dense: " + "; ".join(f"{k} ({v})" for k, v in small.items())
             + ". Lower min_numel / min_evals to include them.")
+
+
+def check_known_masks(masks: Mapping[str, object], params: Mapping[str, object]) -> None:
+    """A RuntimeError for restored masks of parameters that are not in this model's pruned layers."""
+    unknown = sorted(set(masks) - set(params))
+    if unknown:
+        raise RuntimeError(
+            f"HTSRPruning state holds masks for parameters this model's prunable layers lack: {unknown[:5]}; "
+            "the checkpoint belongs to another architecture or other layer settings"
+        )
 
 
 def layer_metric(layers: Sequence[Layer], metric: str, *, fit: str, filter_zeros: bool) -> dict[str, float]:

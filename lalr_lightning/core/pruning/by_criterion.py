@@ -23,6 +23,7 @@ and the keep-masks are returned in the parameters' own layout, keyed by paramete
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -40,7 +41,7 @@ from lalr_lightning.core.pruning.calibration import (
 )
 from lalr_lightning.core.pruning.criteria import InputStats, check_nm, needs_stats, prune_weight
 
-__all__ = ["LINEAR_KINDS", "take_samples", "sample_count", "find_causal_lm", "weight_name", "criterion_prune",
+__all__ = ["LINEAR_KINDS", "take_samples", "sample_count", "calibration_samples", "find_causal_lm", "weight_name", "criterion_prune",
            "load_weights", "readable_layers", "calibration_forward"]
 
 #: layer kinds the row-wise criteria (Wanda, SparseGPT, N:M) prune: ``(out, in)`` matrices
@@ -76,6 +77,26 @@ def take_samples(batches: Iterable, n: int) -> list:
 def sample_count(batches: Iterable) -> int:
     """The number of samples (rows) in ``batches``."""
     return sum(_rows(b) for b in batches)
+
+
+def calibration_samples(given: Iterable | None, loader: Callable[[], Iterable | None] | None, n: int,
+                        who: str) -> list:
+    """The first ``n`` samples of the calibration data: ``given``, else the fit's training loader
+    (``loader()``; ``loader`` None: there is no fit, as in ``plan()``); a warning when there are fewer."""
+    if given is None:
+        if loader is None:
+            raise ValueError(f"HTSRPruning({who}) decides from calibration data, and plan() has no fit to take it "
+                             "from; pass calibration=<a DataLoader> to HTSRPruning")
+        given = loader()
+        if given is None:
+            raise ValueError(f"HTSRPruning({who}) needs calibration data: the fit has no training loader; pass "
+                             "calibration=<a DataLoader>")
+    batches = take_samples(given, n)
+    got = sample_count(batches)
+    if got < n:
+        warnings.warn(f"HTSRPruning({who}) calibrates on {got} samples, all the calibration data has; "
+                      f"n_calibration={n} asked for more", UserWarning, stacklevel=3)
+    return batches
 
 
 def find_causal_lm(model: nn.Module) -> nn.Module | None:

@@ -300,11 +300,13 @@ class LayerControl:
                 if flag:
                     continue
                 rec = (weakref.ref(p), p.requires_grad, set())
-                _GRAD_OFF[id(p)] = rec
             (rec[2].discard if flag else rec[2].add)(owner)
             p.requires_grad_(rec[1] and not rec[2])
-            if not rec[2]:
-                del _GRAD_OFF[id(p)]
+            # recorded once the flag changed: a parameter that refused it (a lazy one) leaves no stale record
+            if rec[2]:
+                _GRAD_OFF[id(p)] = rec
+            else:
+                _GRAD_OFF.pop(id(p), None)
 
     @staticmethod
     def grad_off_by(owner: str) -> list[nn.Parameter]:

@@ -5,13 +5,14 @@ at lr 1e-4 for 5 inner iterations) and the checks of its numbers. Pure Python;
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from lalr_lightning.choices import unknown
 from lalr_lightning.core.runtime.errors import reject_stray
 
-__all__ = ["INNER_OPTIMIZERS", "SELECT", "UPDATE", "check_blocks", "lmsa_settings"]
+__all__ = ["INNER_OPTIMIZERS", "SELECT", "UPDATE", "check_blocks", "check_restored", "lmsa_settings",
+           "sharded_refusal"]
 
 SELECT = ("min", "all")
 UPDATE = ("msa", "optimizer")
@@ -90,3 +91,20 @@ def check_blocks(trainable: Mapping[str, bool], select: str, num_blocks: int) ->
         return (f"LMSAStepper cannot choose: num_blocks={num_blocks} selects every block ({names}) at every "
                 "selection; lower num_blocks, or split the model into more blocks with blocks=[...]")
     return None
+
+
+def sharded_refusal(update: str) -> str | None:
+    """Why ``update`` cannot run where FSDP shards the model, and what to use instead; None: it can."""
+    if update == "msa":
+        return ("update='msa' moves the selected blocks by running them alone after every optimizer step, which "
+                "a sharded model cannot do; pass update='optimizer' (the L-MSA metric, measured on a whole copy "
+                "of the model on rank zero, picks the blocks the module's optimizer trains) or use strategy='ddp'")
+    return None
+
+
+def check_restored(selected: Sequence[str], blocks: Sequence[str]) -> None:
+    """A ValueError for blocks a checkpoint selected that this model does not have."""
+    unknown = [n for n in selected if n not in blocks]
+    if unknown:
+        raise ValueError(f"LMSAStepper: the checkpoint selected blocks {unknown} that this model does not have "
+                         f"(blocks: {list(blocks)})")
