@@ -300,3 +300,47 @@ def test_fit_alphas_and_the_error_for_a_layer_with_no_fit():
     assert tb.finite_alphas({"0": fitted["0"]}) == {"0": fitted["0"][0]}
     with pytest.raises(ValueError, match=r"TempBalanceCallback: no power-law fit for \['1'\]"):
         tb.finite_alphas(fitted)
+
+
+# ---------------------------------------------------------------------------- constructor plumbing
+
+
+class _Plain:
+    def __init__(self, width: int = 4, tags: tuple = ("a",), name: str | None = None):
+        self.width, self.tags, self.name = width, tags, name
+
+    def settings(self):
+        from lalr_lightning.core.runtime.checks import constructor_settings
+
+        return constructor_settings(self, ("name",))
+
+
+def test_with_figures_adds_checked_figures_and_the_deprecated_alias():
+    import inspect
+
+    from lalr_lightning.core.runtime.checks import with_figures
+
+    class Made(_Plain):
+        __init__ = with_figures(_Plain.__init__)
+
+    params = inspect.signature(Made.__init__).parameters
+    assert list(params)[-2:] == ["figures", "plot_every_n_epochs"]
+    assert Made(width=2).figures == "never" and Made(figures="3").figures == 3  # a command line's "3"
+    with pytest.raises(ValueError, match="figures must be 'every'"):
+        Made(figures="sometimes")
+    with pytest.raises(ValueError, match="width"):
+        Made(width="wide")  # checked against the annotation
+    with pytest.warns(DeprecationWarning, match="plot_every_n_epochs= is deprecated"):
+        assert Made(plot_every_n_epochs=2).figures == 2
+    with pytest.raises(ValueError, match="integer >= 1"):
+        Made(plot_every_n_epochs=0)
+
+
+def test_constructor_and_distinct_settings_read_the_arguments_back():
+    from lalr_lightning.core.runtime.checks import distinct_settings
+
+    made = _Plain(width=8, tags=("a", "b"), name="x")
+    assert made.settings() == {"width": 8, "tags": ["a", "b"]}  # plain Python, name skipped
+    assert distinct_settings(made) == {"width": 8, "tags": ["a", "b"]}
+    assert distinct_settings(_Plain()) == {}
+    assert distinct_settings(made, ("tags",)) == {"width": 8}

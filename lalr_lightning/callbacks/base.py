@@ -26,7 +26,6 @@ own name, so ``settings()`` can read them back for the checkpoint check and for 
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -45,12 +44,12 @@ from lalr_lightning.core.runtime import shards
 from lalr_lightning.core.runtime.checks import (
     DEFAULT_FIGURES,
     FIGURES,
-    check_arguments,
     check_figures,
+    constructor_settings,
     lazy_error,
     lazy_parameters,
     non_finite,
-    plain_setting,
+    with_figures,
 )
 from lalr_lightning.core.runtime.control import LayerControl
 from lalr_lightning.core.runtime.decision import Decision
@@ -58,6 +57,7 @@ from lalr_lightning.core.runtime.errors import (
     DivergenceError,
     SettingsMismatchError,
     check_settings,
+    deprecated_alias,
     reject_stray,
     renamed,
     warn_deprecated,
@@ -155,24 +155,9 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
 
     def settings(self) -> dict[str, Any]:
         """The constructor settings (plain Python), as stored in checkpoints and logger configs."""
-        out = {}
-        for arg, p in inspect.signature(type(self).__init__).parameters.items():
-            if arg in ("self", "name", "strict_resume") or arg in self.deprecated:
-                continue
-            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-                continue
-            out[arg] = plain_setting(getattr(self, arg))
-        return out
+        return constructor_settings(self, ("name", "strict_resume", *self.deprecated))
 
-    @staticmethod
-    def _alias(value: Any, old_value: Any, old: str, new: str, default: Any = None) -> Any:
-        """Resolve a deprecated argument: warn, and use it unless the new one was given too."""
-        if old_value is None:
-            return value
-        warn_deprecated(f"{old}= is deprecated and will be removed in the next release; use {new}=")
-        if value is not None and value != default:
-            raise ValueError(f"give {new}= or the deprecated {old}=, not both")
-        return old_value
+    _alias = staticmethod(deprecated_alias)  # resolve a deprecated argument (core.runtime.errors)
 
     def reject(self, mode_arg: str, mode: str, given: Mapping[str, Any], valid: Mapping[str, Iterable[str]]) -> None:
         """ValueError for arguments given (not None) that the chosen mode does not use, listing
@@ -516,41 +501,13 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         self.log_values(host, self.decision_metrics(decision, achieved))
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        # Every callback takes ``figures`` (when the dashboards draw its ESD plots and heatmap)
-        # and the deprecated ``plot_every_n_epochs`` without repeating them in its constructor:
-        # the constructor is wrapped once and its signature shows them (for settings() and
-        # LightningCLI).
+        # every callback takes ``figures`` and the deprecated ``plot_every_n_epochs`` without
+        # repeating them in its constructor; its signature shows them (settings(), LightningCLI)
         super().__init_subclass__(**kwargs)
         init = cls.__dict__.get("__init__")
-        if init is None or "figures" in inspect.signature(init).parameters:
-            return
-        cls.deprecated = {**cls.deprecated, "plot_every_n_epochs": "figures"}
-
-        @functools.wraps(init)
-        def __init__(self, *args: Any, figures: int | str = DEFAULT_FIGURES, plot_every_n_epochs: int | None = None,
-                     **kw: Any) -> None:
-            if plot_every_n_epochs is not None:
-                if isinstance(plot_every_n_epochs, bool) or not isinstance(plot_every_n_epochs, int) or \
-                        plot_every_n_epochs < 1:
-                    raise ValueError(f"plot_every_n_epochs must be None (first and last decision only) or an "
-                                     f"integer >= 1, got {plot_every_n_epochs!r}")
-                figures = self._alias(figures, plot_every_n_epochs, "plot_every_n_epochs", "figures", DEFAULT_FIGURES)
-            figures = check_figures(figures)
-            args, kw = check_arguments(type(self).__name__, init, args, kw)  # a number given as a word fails here
-            init(self, *args, **kw)
-            self.figures = figures
-
-        sig = inspect.signature(init)
-        params = list(sig.parameters.values())
-        at = next((i for i, p in enumerate(params) if p.kind is p.VAR_KEYWORD), len(params))
-        params[at:at] = [
-            inspect.Parameter("figures", inspect.Parameter.KEYWORD_ONLY, default=DEFAULT_FIGURES,
-                              annotation=int | str),
-            inspect.Parameter("plot_every_n_epochs", inspect.Parameter.KEYWORD_ONLY, default=None,
-                              annotation=int | None),
-        ]
-        __init__.__signature__ = sig.replace(parameters=params)
-        cls.__init__ = __init__
+        if init is not None and "figures" not in inspect.signature(init).parameters:
+            cls.deprecated = {**cls.deprecated, "plot_every_n_epochs": "figures"}
+            cls.__init__ = with_figures(init)
 
     def log_effective_lrs(self, host: Host) -> None:
         """``lr_eff/<layer>`` for every controlled layer, once per logging step even when

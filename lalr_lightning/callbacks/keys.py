@@ -15,40 +15,20 @@ checkpoint lacks takes the one entry of its type that no other callback of the f
 
 from __future__ import annotations
 
-import inspect
-import warnings
 from typing import Any
+
+from lalr_lightning.core.runtime import checks
 
 __all__ = ["adopt", "distinct_settings", "state_key"]
 
-#: settings of what is only logged (base._LOGGING_SETTINGS): never part of a key
+#: settings of what is only logged: never part of a key
 _LOGGED = ("figures",)
-_DEFAULTS: dict[type, dict | None] = {}
-
-
-def _default_settings(cls: type) -> dict | None:
-    """The settings of ``cls()`` (None when the class needs arguments), once per class."""
-    if cls not in _DEFAULTS:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                _DEFAULTS[cls] = cls().settings()
-        except Exception:  # noqa: BLE001 -- a required argument: the signature's defaults stand in
-            _DEFAULTS[cls] = None
-    return _DEFAULTS[cls]
 
 
 def distinct_settings(cb: Any) -> dict:
-    """The settings of ``cb`` that differ from those of its class's default instance (or, for a
-    class with required arguments, from the signature's defaults), in signature order."""
-    from lalr_lightning.core.runtime.checks import plain_setting as _plain
-
-    skip = set(cb.volatile_settings) | set(_LOGGED)
-    ref = _default_settings(type(cb))
-    if ref is None:
-        ref = {a: _plain(p.default) for a, p in inspect.signature(type(cb).__init__).parameters.items()
-               if p.default is not inspect.Parameter.empty}
-    return {k: v for k, v in cb.settings().items() if k not in skip and (k not in ref or ref[k] != v)}
+    """The settings of ``cb`` that set it apart from its class's default instance, less the ones a
+    resumed run may change (:func:`~lalr_lightning.core.runtime.checks.distinct_settings`)."""
+    return checks.distinct_settings(cb, (*cb.volatile_settings, *_LOGGED))
 
 
 def state_key(cb: Any) -> str:

@@ -5,17 +5,21 @@ that no callback takes. Pure Python and torch (no lightning)."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import numbers
 import types
 import typing
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["DEFAULT_FIGURES", "FIGURES", "ArgumentTypeError", "check_arguments", "check_counts", "check_figures",
+__all__ = ["DEFAULT_FIGURES", "FIGURES", "ArgumentTypeError", "constructor_settings", "default_settings",
+           "distinct_settings", "with_figures", "check_arguments", "check_counts", "check_figures",
            "check_loss_fn", "check_min_evals", "check_number", "check_taken", "union_signature", "coerce", "lazy_error", "lazy_parameters",
            "non_finite", "orphaned_masks", "plain_setting", "uninitialized"]
 
@@ -275,3 +279,71 @@ def non_finite(named: Mapping[str, Any]) -> list[str]:
         return math.isfinite(float(v))
 
     return [k for k, v in named.items() if not finite(v)]
+
+
+def with_figures(init: Callable) -> Callable:
+    """A callback's ``__init__`` that also takes ``figures`` (checked, set after ``init`` ran) and
+    the deprecated ``plot_every_n_epochs``, and checks its arguments against their annotations
+    (:func:`check_arguments`: a number given as a word fails here); its signature shows both."""
+    from lalr_lightning.core.runtime.errors import deprecated_alias
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, figures: int | str = DEFAULT_FIGURES, plot_every_n_epochs: int | None = None,
+                 **kw: Any) -> None:
+        if plot_every_n_epochs is not None:
+            if isinstance(plot_every_n_epochs, bool) or not isinstance(plot_every_n_epochs, int) or \
+                    plot_every_n_epochs < 1:
+                raise ValueError(f"plot_every_n_epochs must be None (first and last decision only) or an "
+                                 f"integer >= 1, got {plot_every_n_epochs!r}")
+            figures = deprecated_alias(figures, plot_every_n_epochs, "plot_every_n_epochs", "figures", DEFAULT_FIGURES)
+        figures = check_figures(figures)
+        args, kw = check_arguments(type(self).__name__, init, args, kw)
+        init(self, *args, **kw)
+        self.figures = figures
+
+    sig = inspect.signature(init)
+    params = list(sig.parameters.values())
+    at = next((i for i, p in enumerate(params) if p.kind is p.VAR_KEYWORD), len(params))
+    params[at:at] = [
+        inspect.Parameter("figures", inspect.Parameter.KEYWORD_ONLY, default=DEFAULT_FIGURES, annotation=int | str),
+        inspect.Parameter("plot_every_n_epochs", inspect.Parameter.KEYWORD_ONLY, default=None,
+                          annotation=int | None),
+    ]
+    __init__.__signature__ = sig.replace(parameters=params)
+    return __init__
+
+
+def constructor_settings(obj: Any, skip: Sequence[str] = ()) -> dict[str, Any]:
+    """The arguments of ``type(obj).__init__`` (but ``skip``, ``*args`` and ``**kwargs``) read back
+    from ``obj``, kept under their own names (scikit-learn's convention), as plain Python."""
+    out = {}
+    for arg, p in inspect.signature(type(obj).__init__).parameters.items():
+        if arg != "self" and arg not in skip and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            out[arg] = plain_setting(getattr(obj, arg))
+    return out
+
+
+_DEFAULTS: dict[type, dict | None] = {}
+
+
+def default_settings(cls: type) -> dict | None:
+    """The settings of ``cls()`` (None when the class needs arguments), once per class."""
+    if cls not in _DEFAULTS:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _DEFAULTS[cls] = cls().settings()
+        except Exception:  # noqa: BLE001 -- a required argument: the signature's defaults stand in
+            _DEFAULTS[cls] = None
+    return _DEFAULTS[cls]
+
+
+def distinct_settings(obj: Any, skip: Sequence[str] = ()) -> dict:
+    """The settings of ``obj`` (but ``skip``) that differ from those of its class's default
+    instance (or, for a class with required arguments, from the signature's defaults), in
+    signature order."""
+    ref = default_settings(type(obj))
+    if ref is None:
+        ref = {a: plain_setting(p.default) for a, p in inspect.signature(type(obj).__init__).parameters.items()
+               if p.default is not inspect.Parameter.empty}
+    return {k: v for k, v in obj.settings().items() if k not in skip and (k not in ref or ref[k] != v)}

@@ -9,7 +9,8 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["DivergenceError", "SettingsMismatchError", "check_settings", "reject_stray", "renamed", "warn_deprecated"]
+__all__ = ["DivergenceError", "SettingsMismatchError", "check_settings", "deprecated_alias", "reject_stray", "renamed",
+           "warn_deprecated"]
 
 
 class DivergenceError(FloatingPointError, ValueError, RuntimeError):
@@ -98,3 +99,13 @@ class renamed:  # noqa: N801 -- used like ``property``
 
     def __set__(self, obj: Any, value: Any) -> None:
         raise AttributeError(f"{type(obj).__name__}.{self.old} is a deprecated, read-only name of .{self.new}")
+
+
+def deprecated_alias(value: Any, old_value: Any, old: str, new: str, default: Any = None) -> Any:
+    """Resolve a deprecated argument: warn, and use it unless the new one was given too."""
+    if old_value is None:
+        return value
+    warn_deprecated(f"{old}= is deprecated and will be removed in the next release; use {new}=")
+    if value is not None and value != default:
+        raise ValueError(f"give {new}= or the deprecated {old}=, not both")
+    return old_value
