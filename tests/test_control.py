@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from functools import partial
 
+import copy
+
 import pytest
 import torch
+from torch import nn
 
 from lalr_lightning.callbacks.fixed import LayerLRMultiplier
 from lalr_lightning.core.runtime.control import LayerControl
@@ -95,6 +98,109 @@ def test_mixed_precision():
     _trainer([LayerLRMultiplier(MULTS), oracle], max_epochs=1, precision="bf16-mixed").fit(
         ToyMLP(opt="adamw", sched="cosine"))
     assert oracle.steps == 8
+
+
+# ----------------------------------------------------------------------------- rescaling vs the split
+
+_OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-2),
+    "adam_l2": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=1e-2, amsgrad=True),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "adamax": lambda ps: torch.optim.Adamax(ps, lr=1e-2, weight_decay=1e-2),
+    "nadam": lambda ps: torch.optim.NAdam(ps, lr=1e-2, weight_decay=1e-2, decoupled_weight_decay=True),
+    "radam": lambda ps: torch.optim.RAdam(ps, lr=1e-2, weight_decay=1e-2),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5, centered=True, weight_decay=1e-2),
+    "adadelta": lambda ps: torch.optim.Adadelta(ps, lr=0.5, weight_decay=1e-2),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1, weight_decay=1e-2),
+}
+
+
+def _controlled_vs_per_layer_groups(make, mults, steps=6, dtype=torch.float32):
+    """The same model twice: one optimizer under a LayerControl with ``mults`` (by layer index),
+    one built with a group per layer at ``lr x m`` (the split's update by construction)."""
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)).to(dtype)
+    b = copy.deepcopy(a)
+    opt_a = make(list(a.parameters()))
+    ctl = LayerControl.of(opt_a)
+    ctl.set_multipliers("t", {p: mults[i // 2] for i, p in enumerate(a.parameters())})
+    base = opt_a.param_groups[0]["lr"]
+    opt_b = make([{"params": list(b[2 * i].parameters()), "lr": base * m} for i, m in enumerate(mults)])
+    x, y = torch.randn(32, 8, dtype=dtype), torch.randint(0, 3, (32,))
+    for _ in range(steps):
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    return a, b, ctl, opt_a
+
+
+@pytest.mark.parametrize("name", sorted(_OPTIMIZERS))
+def test_rescaling_gives_every_layer_the_update_at_lr_times_its_multiplier(name):
+    """For every optimizer whose update is linear in the LR, stretching the update by m after a
+    one-group step equals a step with a group per layer at lr x m, to the rounding of a weight."""
+    a, b, ctl, opt = _controlled_vs_per_layer_groups(_OPTIMIZERS[name], [0.0, 2.5, 0.3])
+    assert ctl._rescale_cache[1] is not None and len(opt.param_groups) == 1  # the fast path ran
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)  # the ShadowOracle's tolerance
+    assert torch.equal(a[0].weight, b[0].weight)  # m = 0: bitwise untouched, as at lr 0
+    # the copies are per parameter, in its dtype and on its device, and only of scaled ones
+    (params, before, weights), = ctl._rescale_cache[1]
+    assert len(params) == 6 and weights == pytest.approx([1.0, 1.0, -1.5, -1.5, 0.7, 0.7])
+    assert all(c.shape == p.shape and c.dtype == p.dtype for p, c in zip(params, before))
+
+
+def test_the_split_stays_where_rescaling_would_be_wrong(monkeypatch):
+    """bf16 weights (their update rounds before the stretch), an optimizer not known to be
+    linear in the LR (a subclass may step differently), Adagrad's lr_decay, and a copy above
+    RESCALE_MAX_BYTES step with per-multiplier groups: the update at lr x m exactly."""
+    import lalr_lightning.core.runtime.control as control
+
+    class MyAdamW(torch.optim.AdamW):
+        pass
+
+    cases = {
+        "bf16": (_OPTIMIZERS["adamw"], torch.bfloat16),
+        "subclass": (lambda ps: MyAdamW(ps, lr=1e-2, weight_decay=0.1), torch.float32),
+        "lr_decay": (lambda ps: torch.optim.Adagrad(ps, lr=0.1, lr_decay=0.01), torch.float32),
+    }
+    for case, (make, dtype) in cases.items():
+        a, b, ctl, _ = _controlled_vs_per_layer_groups(make, [0.0, 2.5, 0.3], dtype=dtype)
+        assert ctl._rescale_cache[1] is None, case
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            assert torch.equal(pa, pb), case
+    monkeypatch.setattr(control, "RESCALE_MAX_BYTES", 100)
+    a, b, ctl, _ = _controlled_vs_per_layer_groups(_OPTIMIZERS["adamw"], [0.0, 2.5, 0.3])
+    assert ctl._rescale_cache[1] is None
+    assert all(torch.equal(pa, pb) for pa, pb in zip(a.parameters(), b.parameters()))
+
+
+def test_rescaling_follows_frozen_masked_and_moved_parameters():
+    """A frozen parameter is left out of the copies; masks are enforced after the stretch; a
+    change of the owners or a parameter moved to another dtype rebuilds the copies."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ctl = LayerControl.of(opt)
+    w0, w1 = model[0].weight, model[1].weight
+    ctl.set_multipliers("m", {w0: 2.0, w1: 3.0})
+    ctl.set_frozen("f", [w1])
+    keep = torch.rand_like(w0) > 0.5
+    ctl.set_masks("p", {w0: keep})
+    frozen = w1.detach().clone()
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    (params, _, _), = ctl._rescale_cache[1]
+    assert [id(p) for p in params] == [id(w0)]
+    assert torch.equal(w1, frozen) and torch.all(w0[~keep] == 0) and torch.count_nonzero(w0[keep]) > 0
+    model.double()
+    opt.zero_grad()
+    model(torch.randn(4, 8, dtype=torch.float64)).sum().backward()
+    opt.step()
+    (params, before, _), = ctl._rescale_cache[1]
+    assert before[0].dtype == torch.float64
 
 
 # ----------------------------------------------------------------------------- masks
