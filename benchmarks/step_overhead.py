@@ -17,7 +17,12 @@ A *decision step* is one in which the callback called ``update`` (measured and d
 L-MSA, measured its blocks (``n_batches`` steps of states and co-states before each selection).
 Printed per callback: the median time of its other steps / the no-callback median (its per-step
 bookkeeping: the goal is at most 1.05), the decision steps' count and mean time / the no-callback
-median, and the whole epoch / the no-callback epoch. L-MSA's Hamiltonian update (``update="msa"``:
+median, the callback's **own time** on those steps (the time spent inside its Lightning hooks and
+inside the optimizer hooks of ``LayerControl``: masks, the stretch of the update, post-step
+transforms) / the no-callback median, and the whole epoch / the no-callback epoch. The own time
+tells the bookkeeping from what the method changes in the optimizer's arithmetic (a pruned
+model's Adam state is zero at the masked entries, and a CPU's vectorised ``sqrt`` is about twice
+as slow on zeros). L-MSA's Hamiltonian update (``update="msa"``:
 the selected blocks move by its own inner optimizer after every step; the module's optimizer
 trains nothing there) is the method's own computation: its time is shown apart, and the ratio
 without it.
@@ -134,13 +139,21 @@ def variants(steps: int) -> dict[str, callable]:
     }
 
 
+#: Lightning's hooks a callback can run on a training step
+STEP_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+              "on_before_zero_grad", "on_train_batch_end")
+
+
 class Clock(Callback):
-    """Per-step wall times, and which steps the watched callback decided in."""
+    """Per-step wall times, which steps the watched callback decided in, and the time spent in
+    its own code on each step (its step hooks and LayerControl's optimizer hooks)."""
 
     def __init__(self, watched):
         self.watched = watched
         self.marks: list[float] = []
         self.deciding: list[bool] = []
+        self.own: list[float] = []
+        self._own = 0.0
         self._decided = False
         self.outside = 0  # decisions taken outside the epoch's steps (at fit start)
         if watched is not None:
@@ -152,11 +165,26 @@ class Clock(Callback):
                 return inner(*a, **k)
 
             watched.conclude = conclude
+            for hook in STEP_HOOKS:
+                if getattr(type(watched), hook) is not getattr(Callback, hook):
+                    setattr(watched, hook, self.timed(getattr(watched, hook)))
+
+    def timed(self, fn):
+        def run(*a, **k):
+            t = CLOCK()
+            try:
+                return fn(*a, **k)
+            finally:
+                self._own += CLOCK() - t
+
+        return run
 
     def mark(self) -> None:
         self.marks.append(CLOCK())
         if len(self.marks) > 1:  # the step that just ended
             self.deciding.append(self._decided or getattr(self.watched, "_measuring", False))
+            self.own.append(self._own)
+        self._own = 0.0
         self._decided = getattr(self.watched, "_measuring", False)
 
     def on_train_epoch_start(self, trainer, pl_module):
@@ -191,13 +219,23 @@ def run(factory, steps: int, accelerator: str = "cpu", per_layer: bool = False) 
 
         cb._msa_update = timed
     cbs = [clock] + ([cb] if cb is not None else []) + [End(clock)]
+    from lalr_lightning.core.runtime.control import LayerControl
+
+    # LayerControl's work inside the optimizer step (bound when a controller is made: patched on the class)
+    saved = {k: getattr(LayerControl, k) for k in ("_engage", "_after_step")}
+    for k, fn in saved.items():
+        setattr(LayerControl, k, lambda self, *a, _fn=fn, **kw: clock.timed(_fn)(self, *a, **kw))
     trainer = pl.Trainer(accelerator=accelerator, devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          limit_val_batches=0, callbacks=cbs)
-    trainer.fit(Deep(steps, per_layer=per_layer))
+    try:
+        trainer.fit(Deep(steps, per_layer=per_layer))
+    finally:
+        for k, fn in saved.items():
+            setattr(LayerControl, k, fn)
     times = [b - a for a, b in zip(clock.marks, clock.marks[1:])]
     assert len(times) == steps == len(clock.deciding), (len(times), steps, len(clock.deciding))
-    return {"times": times, "deciding": clock.deciding, "msa": msa, "outside": clock.outside}
+    return {"times": times, "deciding": clock.deciding, "msa": msa, "outside": clock.outside, "own": clock.own}
 
 
 def _where(accelerator: str) -> str:
@@ -207,9 +245,11 @@ def _where(accelerator: str) -> str:
 def summarize(runs: list[dict]) -> dict:
     """Best (lowest) over the repeats of: the median non-decision step (robust to the spikes of a
     shared machine), the mean decision step, the whole epoch, the median Hamiltonian update."""
-    out = {"other": [], "decide": [], "total": [], "msa": [], "n_decide": 0, "outside": 0}
+    out = {"other": [], "decide": [], "total": [], "msa": [], "own": [], "n_decide": 0, "outside": 0}
     for r in runs:
         other = [t for t, d in zip(r["times"], r["deciding"]) if not d]
+        own = [t for t, d in zip(r["own"], r["deciding"]) if not d]
+        out["own"].append(statistics.median(own) if own else float("nan"))
         dec = [t for t, d in zip(r["times"], r["deciding"]) if d]
         out["n_decide"] = len(dec)
         out["outside"] = r["outside"]
@@ -252,7 +292,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"interleaved in one process, {args.clock} time, {_where(args.accelerator)}")
     print(f"no callback: {1e3 * base['other']:.3f} ms per step, {base['total']:.2f} s per epoch")
     groups = stats.get(PER_LAYER)
-    head = (f"| {'callback':40s} | {'other steps / none':>18s} | {'/ per-layer groups':>18s} | {'decision steps':>22s} | "
+    head = (f"| {'callback':40s} | {'other steps / none':>18s} | {'own time / none':>15s} | {'/ per-layer groups':>18s} | "
+            f"{'decision steps':>22s} | "
             f"{'decision step / none':>20s} | {'epoch / none':>12s} | {'msa update ms':>13s} |")
     print(head)
     print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
@@ -261,6 +302,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if name == "none":
             continue
         row = {"callback": name, "other": s["other"] / base["other"], "n_decide": s["n_decide"],
+               "own": s["own"] / base["other"],
                "outside": s["outside"],
                "decide": s["decide"] / base["other"], "total": s["total"] / base["total"], "msa_ms": 1e3 * s["msa"]}
         if s["msa"]:
@@ -277,7 +319,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         dec = f"{row['decide']:.1f}x" if s["n_decide"] else "-"
         msa = f"{row['msa_ms']:.3f}" if s["msa"] else "-"
         n = f"{s['n_decide']}" + (f" (+{s['outside']} at fit start)" if s["outside"] else "")
-        print(f"| {name:40s} | {other:>18s} | {per_layer:>18s} | {n:>22s} | {dec:>20s} | {row['total']:11.3f}x | {msa:>13s} |",
+        own = f"{row['own']:.3f}x" if name != PER_LAYER else "-"
+        if "other_without_msa" in row:  # the Hamiltonian update runs inside its hooks
+            own = f"{(s['own'] - s['msa']) / base['other']:.3f}x + msa"
+        print(f"| {name:40s} | {other:>18s} | {own:>15s} | {per_layer:>18s} | {n:>22s} | {dec:>20s} | {row['total']:11.3f}x | {msa:>13s} |",
               flush=True)
     return rows
 
