@@ -191,9 +191,13 @@ def test_rescaling_follows_frozen_masked_and_moved_parameters():
         opt.zero_grad()
         model(torch.randn(4, 8)).sum().backward()
         opt.step()
-    (params, _, _), = ctl._rescale_cache[1]
+    (params, copies, _), = ctl._rescale_cache[1]
     assert [id(p) for p in params] == [id(w0)]
     assert torch.equal(w1, frozen) and torch.all(w0[~keep] == 0) and torch.count_nonzero(w0[keep]) > 0
+    ctl.set_multipliers("m", {w0: 0.5, w1: 3.0})  # a new decision: new weights, the same copies
+    opt.step()
+    (_, again, weights), = ctl._rescale_cache[1]
+    assert again[0] is copies[0] and weights == [0.5]
     model.double()
     opt.zero_grad()
     model(torch.randn(4, 8, dtype=torch.float64)).sum().backward()

@@ -36,7 +36,7 @@ How the multipliers reach the update -- two ways to the same update, chosen per 
   weight decay included -- up to the rounding of one subtraction (an ulp of the weight). So the
   optimizer steps once per group whatever the number of layers: one group per layer costs a
   Python pass per group in every torch optimizer (1.26x a 50-matrix model's step on a CPU).
-  It holds a float32 copy of the scaled parameters; it is used when the optimizer is one of
+  It holds a copy of the scaled parameters; it is used when the optimizer is one of
   those, the scaled parameters are float32 or float64 plain tensors (a low-precision weight
   rounds its update before the stretch) and the copy stays under :data:`RESCALE_MAX_BYTES`.
 * **a transient split** (otherwise; DESIGN.md, option a): a step pre-hook replaces the
@@ -607,7 +607,15 @@ class LayerControl:
                 weights.append(1.0 - m)  # lerp(new, old, 1 - m) = old + m (new - old)
         if size > RESCALE_MAX_BYTES:
             return None
-        return [(ps, [torch.empty_like(p, requires_grad=False) for p in ps], ws) for ps, ws in by_place.values()]
+        # the copies of the last plan are reused where they still fit (TempBalance re-decides every few steps)
+        spare = {id(p): c for ps, cs, _ in (self._rescale_cache or (None, None))[1] or () for p, c in zip(ps, cs)}
+
+        def copy_of(p: nn.Parameter) -> torch.Tensor:
+            c = spare.get(id(p))
+            fits = c is not None and (c.shape, c.dtype, c.device) == (p.shape, p.dtype, p.device)
+            return c if fits else torch.empty_like(p, requires_grad=False)
+
+        return [(ps, [copy_of(p) for p in ps], ws) for ps, ws in by_place.values()]
 
     def _step_plan(self) -> tuple[tuple[int, int], frozenset[int], bool]:
         """(key, ids of frozen parameters, whether any multiplier is not 1), once per change."""
