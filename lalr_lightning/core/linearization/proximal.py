@@ -286,15 +286,16 @@ class GroupedStep:
     Where the time goes (issue 34): on a CPU a grouped op is a loop of per-tensor ops, and a
     per-tensor reduction (``torch._foreach_norm``) costs several microseconds of set-up per
     tensor (the former ``2 sum max(g d, 0) - sum |g d|`` took two of them). So the tensors are
-    ordered by shape within a device and dtype and the products of each run of equal-shape
-    tensors are summed as the rows of one matrix (at most ``CHUNK`` elements; a larger tensor is
-    its own row). On a CPU (``KEEP``) ``g d`` is written, through views made once, into one
-    flat buffer per group kept between steps (copy, subtract, multiply in place: a new
-    full-size temporary at every step is faulted in afresh), whose chunks are the matrices; on
-    an accelerator (whose allocator reuses memory) ``d`` is a temporary and a run is stacked
-    into a buffer of at most ``CHUNK`` elements. The weights of the final ``lerp`` live in one
-    buffer per group whose 0-dim views are made once, and the anchors are checked for their
-    place only when they are not the tensors found in place at the last step.
+    ordered by shape within a device and dtype, and the products of each run of equal-shape
+    tensors (a chunk: at most ``CHUNK`` elements, a larger tensor alone) are summed as the rows
+    of one matrix. On a CPU (``KEEP``) a chunk's ``theta`` is stacked (one op) into a buffer kept
+    between steps, as large as the largest chunk, and ``d`` and ``g d`` are written over it in
+    place through views made once (a new temporary at every step would be faulted in afresh);
+    on an accelerator, whose allocator reuses memory, ``d`` is a temporary and each chunk is
+    stacked into such a buffer. The weights of the final ``lerp`` live in one buffer per group
+    whose 0-dim views are made once, and the anchors are checked for their place only when they
+    are not the tensors found in place at the last step. What is left is memory traffic: the
+    step reads ``theta`` and ``theta_0`` twice and ``g`` once, and rewrites ``theta``.
 
     ``layers``: the layer index of each tensor (``granularity="layer"``). Build one per set of
     tensors (it holds their grouping and the layer index on the device) and reuse it. It counts
@@ -303,7 +304,7 @@ class GroupedStep:
 
     #: at most this many elements of equal-shape tensors are summed as one matrix
     CHUNK = 1 << 22
-    #: on a CPU, keep the buffer of the products between steps (the size of the tensors, in at least float32)
+    #: on a CPU, write ``g d`` into one buffer kept between steps, chunk by chunk
     KEEP = True
 
     def __init__(self, params: Sequence[Tensor], layers: Sequence[int] | None = None):
@@ -320,7 +321,7 @@ class GroupedStep:
         self._pick = [_picker(g) for g in self.groups]
         self._chunks = [_chunks([tuple(params[i].shape) for i in g], self.CHUNK) for g in self.groups]
         self._buffers: dict[int, Tensor] = {}
-        self._kept_bufs: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
+        self._kept_bufs: dict[int, list[tuple]] = {}
         self._coefs: dict[int, tuple[Sequence[float], Tensor, Tensor, list[Tensor]]] = {}
         self._host: dict[int, tuple[Sequence[float], list[float]]] = {}
         self._anchored: list[tuple | None] = [None] * len(self.groups)  # the anchors last found in place
@@ -372,16 +373,17 @@ class GroupedStep:
             if any(map(operator.is_, gs, itertools.repeat(None))):  # no gradient: a product of 0
                 gs = [torch.zeros_like(p) if x is None else x for x, p in zip(gs, ps)]
             ct = torch.promote_types(ps[0].dtype, torch.float32)
-            kept = self._kept(gi, ps, ct)
-            if kept is not None:  # d and g d written over a buffer kept between steps (on a CPU)
-                rows, prods = kept
-                if ct == ps[0].dtype:
-                    torch._foreach_copy_(prods, ps)
-                    torch._foreach_sub_(prods, an)
-                else:  # bf16 / fp16: d rounded to the dtype (as deltas()), g d in float32
-                    torch._foreach_copy_(prods, torch._foreach_sub(ps, an))
-                torch._foreach_mul_(prods, gs)
-                sums = [r.sum(1) for r in rows]
+            blocks = self._blocks(gi, ps, ct)
+            if blocks is not None:  # on a CPU: chunk by chunk through one buffer kept between steps
+                sums = []
+                for s, e, stacked, prods, rows in blocks:
+                    if ct == ps[0].dtype:
+                        torch.stack(ps[s:e], out=stacked)  # theta: one copy op per block
+                        torch._foreach_sub_(prods, an[s:e])
+                    else:  # bf16 / fp16: d rounded to the dtype (as deltas()), g d in float32
+                        torch._foreach_copy_(prods, torch._foreach_sub(ps[s:e], an[s:e]))
+                    torch._foreach_mul_(prods, gs[s:e])
+                    sums.append(rows.sum(1))
                 ips.append((torch.cat(sums) if len(sums) > 1 else sums[0]).to(device=self.device, dtype=torch.float64))
                 continue
             prods = torch._foreach_sub(ps, an)  # d = theta - theta_0 (the only full-size temporary)
@@ -434,22 +436,23 @@ class GroupedStep:
             out.append(rows.sum(1))
         return torch.cat(out) if len(out) > 1 else out[0]
 
-    def _kept(self, gi: int, ps: Sequence[Tensor], ct: torch.dtype) -> tuple[list[Tensor], list[Tensor]] | None:
-        """On a CPU (``KEEP``), group ``gi``'s buffer of ``g d`` in ``ct``, kept between steps: (its
-        chunks as ``[tensors, elements]`` matrices, its views shaped as ``ps``), made once; elsewhere
+    def _blocks(self, gi: int, ps: Sequence[Tensor], ct: torch.dtype) -> list[tuple] | None:
+        """On a CPU (``KEEP``), group ``gi``'s chunks, each as ``(start, end, [tensors, *shape], its views
+        shaped as the tensors, [tensors, elements])`` over one buffer in ``ct`` kept between steps (as
+        large as the largest chunk: the chunks go through it one after the other), made once; elsewhere
         None."""
         if not self.KEEP or self._places[gi][0].type != "cpu":
             return None
         hit = self._kept_bufs.get(gi)
         if hit is None:
-            flat = torch.empty(sum(p.numel() for p in ps), dtype=ct)
-            views, offsets, off = [], [], 0
-            for p in ps:
-                offsets.append(off)
-                views.append(flat[off:off + p.numel()].view(p.shape))
-                off += p.numel()
-            rows = [flat[offsets[s]:offsets[s] + (e - s) * ps[s].numel()].view(e - s, -1) for s, e in self._chunks[gi]]
-            hit = self._kept_bufs[gi] = (rows, views)
+            spans = self._chunks[gi]
+            buf = torch.empty(max((e - s) * ps[s].numel() for s, e in spans), dtype=ct)
+            hit = []
+            for s, e in spans:
+                flat = buf[:(e - s) * ps[s].numel()]
+                stacked = flat.view(e - s, *ps[s].shape)
+                hit.append((s, e, stacked, list(stacked.unbind(0)), flat.view(e - s, -1)))
+            self._kept_bufs[gi] = hit
         return hit
 
     def _stack(self, gi: int, numel: int, dtype: torch.dtype) -> Tensor:
