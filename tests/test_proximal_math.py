@@ -270,3 +270,34 @@ def test_the_anchor_argument_is_fit_start_or_a_path():
     for bad in ("", None, 3):
         with pytest.raises(ValueError, match="anchor must be 'fit_start' or the path of a checkpoint / state dict, got"):
             check_anchor_arg(bad)
+
+
+def test_grouped_step_adopts_the_anchor_on_a_cpu():
+    """On a CPU the step stacks theta_0 for its sums; adopt() hands back views of that copy (bitwise
+    the anchors, one storage), and the step through them is still the per-tensor step bitwise."""
+    from lalr_lightning.core.linearization.proximal import GroupedStep, deltas, proximal_step_, pull_decisions
+
+    g = torch.Generator().manual_seed(3)
+    shapes = [(5, 4), (4,), (5, 4), (4,), (2, 3)]
+    params = [torch.randn(*s, generator=g) for s in shapes] + [torch.randn(3, generator=g).to(torch.bfloat16)]
+    anchors = [p + 0.1 * torch.randn(p.shape, generator=g).to(p.dtype) for p in params]
+    grads = [torch.randn(p.shape, generator=g).to(p.dtype) for p in params]
+    plan = GroupedStep(params)
+    held = plan.adopt(anchors)
+    assert all(torch.equal(h, a) and h.shape == a.shape and h.dtype == a.dtype for h, a in zip(held, anchors))
+    # float32: views of one stacked copy (one storage per run of equal shapes), nothing more
+    storages = {h.untyped_storage().data_ptr(): h.untyped_storage().nbytes() for h in held[:5]}
+    assert all(h._base is not None for h in held[:5]) and len(storages) == 3
+    assert sum(storages.values()) == 4 * sum(a.numel() for a in anchors[:5])
+    assert held[5] is anchors[5]  # bf16 keeps the grouped ops on the anchors themselves
+    names = [f"t{i}" for i in range(len(params))]
+    want = {n: p.clone() for n, p in zip(names, params)}
+    an = dict(zip(names, anchors))
+    lrs = {n: 0.05 for n in names}
+    for sign in (1, -1):  # two steps through the adopted views
+        gr = {n: sign * x for n, x in zip(names, grads)}
+        pull = pull_decisions(gr, deltas(want, an), "tensor")
+        proximal_step_(want, an, 1.0, lrs, pull)
+        decided = plan.step_(params, held, list(gr.values()), [0.05] * len(names))
+        assert [bool(decided[plan.order.index(i)]) for i in range(len(names))] == [pull[n] for n in names]
+        assert all(torch.equal(p, want[n]) for n, p in zip(names, params))

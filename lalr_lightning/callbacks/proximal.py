@@ -247,7 +247,10 @@ class ProximalRegularizer(LayerwiseCallback):
         held = self._plan_anchors.get(key)
         if held is None or held[0] is not self._anchor:  # a new plan or a new theta_0 (restored, re-cut)
             anchor = self._placed_anchor()
-            held = self._plan_anchors[key] = (self._anchor, [anchor[n] for n in key])
+            # on a CPU the plan stacks theta_0 for its sums: hold those views instead, theta_0 once in memory
+            anchors = plan.adopt([anchor[n] for n in key])
+            anchor.update(zip(key, anchors))
+            held = self._plan_anchors[key] = (self._anchor, anchors)
         # lam * lr per tensor, the same while the step's LRs are (LayerControl keeps them)
         coefs = plan.coefficients(self.lam, lrs, lambda: {n: step.lr(self._params[n]) for n in key})
         plan.step_(params, held[1], grads, coefs, selective=self.selective, granularity=self.granularity)

@@ -322,6 +322,7 @@ class GroupedStep:
         self._chunks = [_chunks([tuple(params[i].shape) for i in g], self.CHUNK) for g in self.groups]
         self._buffers: dict[int, Tensor] = {}
         self._kept_bufs: dict[int, list[tuple]] = {}
+        self._anchor_rows: dict[int, tuple[tuple, list[Tensor]]] = {}
         self._coefs: dict[int, tuple[Sequence[float], Tensor, Tensor, list[Tensor]]] = {}
         self._host: dict[int, tuple[Sequence[float], list[float]]] = {}
         self._anchored: list[tuple | None] = [None] * len(self.groups)  # the anchors last found in place
@@ -376,13 +377,16 @@ class GroupedStep:
             blocks = self._blocks(gi, ps, ct)
             if blocks is not None:  # on a CPU: chunk by chunk through one buffer kept between steps
                 sums = []
-                for s, e, stacked, prods, rows in blocks:
-                    if ct == ps[0].dtype:
-                        torch.stack(ps[s:e], out=stacked)  # theta: one copy op per block
-                        torch._foreach_sub_(prods, an[s:e])
+                anchor = self._stacked_anchor(gi, an) if ct == ps[0].dtype else None
+                for c, (s, e, stacked, prods, rows, g_stacked, g_rows) in enumerate(blocks):
+                    if anchor is not None:  # one op per chunk for each of theta, d, g and g d
+                        torch.stack(ps[s:e], out=stacked)
+                        rows.sub_(anchor[c])
+                        torch.stack(gs[s:e], out=g_stacked)
+                        rows.mul_(g_rows)
                     else:  # bf16 / fp16: d rounded to the dtype (as deltas()), g d in float32
                         torch._foreach_copy_(prods, torch._foreach_sub(ps[s:e], an[s:e]))
-                    torch._foreach_mul_(prods, gs[s:e])
+                        torch._foreach_mul_(prods, gs[s:e])
                     sums.append(rows.sum(1))
                 ips.append((torch.cat(sums) if len(sums) > 1 else sums[0]).to(device=self.device, dtype=torch.float64))
                 continue
@@ -438,22 +442,54 @@ class GroupedStep:
 
     def _blocks(self, gi: int, ps: Sequence[Tensor], ct: torch.dtype) -> list[tuple] | None:
         """On a CPU (``KEEP``), group ``gi``'s chunks, each as ``(start, end, [tensors, *shape], its views
-        shaped as the tensors, [tensors, elements])`` over one buffer in ``ct`` kept between steps (as
-        large as the largest chunk: the chunks go through it one after the other), made once; elsewhere
-        None."""
+        shaped as the tensors, [tensors, elements])`` over one buffer in ``ct``, and the same two views
+        of a second one (for ``g``), both kept between steps and as large as the largest chunk (the
+        chunks go through them one after the other), made once; elsewhere None."""
         if not self.KEEP or self._places[gi][0].type != "cpu":
             return None
         hit = self._kept_bufs.get(gi)
         if hit is None:
             spans = self._chunks[gi]
-            buf = torch.empty(max((e - s) * ps[s].numel() for s, e in spans), dtype=ct)
+            size = max((e - s) * ps[s].numel() for s, e in spans)
+            buf, g_buf = torch.empty(size, dtype=ct), torch.empty(size, dtype=ct)
             hit = []
             for s, e in spans:
-                flat = buf[:(e - s) * ps[s].numel()]
-                stacked = flat.view(e - s, *ps[s].shape)
-                hit.append((s, e, stacked, list(stacked.unbind(0)), flat.view(e - s, -1)))
+                k, n = e - s, ps[s].numel()
+                stacked = buf[:k * n].view(k, *ps[s].shape)
+                hit.append((s, e, stacked, list(stacked.unbind(0)), buf[:k * n].view(k, n),
+                            g_buf[:k * n].view(k, *ps[s].shape), g_buf[:k * n].view(k, n)))
             self._kept_bufs[gi] = hit
         return hit
+
+    def _stacked_anchor(self, gi: int, an: Sequence[Tensor]) -> list[Tensor]:
+        """On a CPU, group ``gi``'s ``theta_0`` stacked per chunk as ``[tensors, elements]``, kept while the
+        anchors are the same tensors (``d`` is then one subtraction per chunk). A copy of the anchors,
+        unless the caller takes its views in their place (:meth:`adopt`)."""
+        hit = self._anchor_rows.get(gi)
+        if hit is None or len(hit[0]) != len(an) or not all(map(operator.is_, an, hit[0])):
+            rows = [torch.stack(an[s:e]).view(e - s, -1) for s, e in self._chunks[gi]]
+            hit = self._anchor_rows[gi] = (tuple(an), rows)
+        return hit[1]
+
+    def adopt(self, anchors: Sequence[Tensor]) -> list[Tensor]:
+        """``anchors`` (in the caller's order, placed as the tensors) as this step keeps them: on a CPU,
+        views of its stacked copy (equal, bitwise), which the caller should hold instead of its own so
+        that ``theta_0`` is in memory once; elsewhere (or in bf16 / fp16) the same tensors."""
+        out = list(anchors)
+        for gi, g in enumerate(self.groups):
+            device, dtype = self._places[gi]
+            if not self.KEEP or device.type != "cpu" or torch.promote_types(dtype, torch.float32) != dtype:
+                continue
+            an = self._pick[gi](anchors)
+            if any(a.device != device or a.dtype != dtype for a in an):
+                continue
+            self._anchor_rows.pop(gi, None)
+            rows = self._stacked_anchor(gi, an)
+            views = [v.view(an[s + j].shape) for r, (s, e) in zip(rows, self._chunks[gi]) for j, v in enumerate(r)]
+            self._anchor_rows[gi] = (tuple(views), rows)
+            for i, v in zip(g, views):
+                out[i] = v
+        return out
 
     def _stack(self, gi: int, numel: int, dtype: torch.dtype) -> Tensor:
         """A flat buffer of ``numel`` elements on group ``gi``'s device (one per group, grown as needed, at
