@@ -270,9 +270,8 @@ def coefficients(lam: float, lrs: Mapping[str, float] | float, names: Sequence[s
 
 class GroupedStep:
     """The selective proximal step over a fixed list of tensors with a fixed number of tensor
-    operations per step (grouped ``torch._foreach_*`` calls and one sum per run of equal-size
-    tensors, per device and dtype, whatever the number of tensors), no per-tensor Python loop
-    and no device-to-host synchronisation: the decisions stay on the device.
+    operations per step, per device and dtype, whatever the number of tensors, no per-tensor
+    Python loop and no device-to-host synchronisation: the decisions stay on the device.
 
     The same numbers as :func:`pull_decisions` + :func:`proximal_step_`: ``d_t = theta_t -
     theta_0`` in the weights' dtype, the products ``g d`` and their sum ``<g_t, d_t>`` per
@@ -281,21 +280,25 @@ class GroupedStep:
     over all; the decision per tensor, layer or globally; then per tensor ``theta <- lerp(theta,
     target, lam * lr)`` with ``target = theta_0`` where pulled and ``theta`` itself elsewhere (an
     exact ``lerp`` by 1 or 0), so a pulled tensor gets :func:`proximal_step_`'s update bitwise
-    and the others are left bitwise untouched.
+    and the others are left bitwise untouched. (The sums were float64 before, as ``2 sum max(g
+    d, 0) - sum |g d|`` from two ``torch._foreach_norm``; a float32 sum of float32 products is
+    what the reference's ``dot`` does, and a decision only reads its sign.)
 
-    Where the time goes (issue 34): on a CPU a grouped op is a loop of per-tensor ops, and a
-    per-tensor reduction (``torch._foreach_norm``) costs several microseconds of set-up per
-    tensor (the former ``2 sum max(g d, 0) - sum |g d|`` took two of them). So the tensors are
-    ordered by shape within a device and dtype, and the products of each run of equal-shape
-    tensors (a chunk: at most ``CHUNK`` elements, a larger tensor alone) are summed as the rows
-    of one matrix. On a CPU (``KEEP``) a chunk's ``theta`` is stacked (one op) into a buffer kept
-    between steps, as large as the largest chunk, and ``d`` and ``g d`` are written over it in
-    place through views made once (a new temporary at every step would be faulted in afresh);
-    on an accelerator, whose allocator reuses memory, ``d`` is a temporary and each chunk is
-    stacked into such a buffer. The weights of the final ``lerp`` live in one buffer per group
-    whose 0-dim views are made once, and the anchors are checked for their place only when they
-    are not the tensors found in place at the last step. What is left is memory traffic: the
-    step reads ``theta`` and ``theta_0`` twice and ``g`` once, and rewrites ``theta``.
+    Where the time goes (issue 34): on a CPU a grouped ``torch._foreach_*`` op is a loop of
+    per-tensor ops (about a microsecond each, several for a reduction such as
+    ``torch._foreach_norm``), so the tensors are ordered by shape within a device and dtype and
+    each run of equal-shape tensors (a chunk: at most ``CHUNK`` elements, a larger tensor alone)
+    is handled as one matrix. On a CPU (``KEEP``) per chunk ``theta`` and ``g`` are stacked (one
+    op each) into two buffers kept between steps, as large as the largest chunk, ``d`` is one
+    subtraction of the chunk's stacked ``theta_0`` (kept while the anchors are the same tensors;
+    :meth:`adopt` lets the caller hold views of it instead of a second copy), then ``g d`` and
+    its row sums: a new temporary at every step would be faulted in afresh. On an accelerator,
+    whose multi-tensor kernels take a list in one launch and whose allocator reuses memory,
+    ``d`` is a grouped temporary and each chunk is stacked into one such buffer for its sums.
+    The pull is one grouped ``lerp`` whose weights live in one buffer per group with 0-dim views
+    made once; the anchors are checked for their place only when they are not the tensors
+    found in place at the last step. What is left is memory traffic: ``theta``, ``theta_0`` and
+    ``g`` are each read about twice, ``theta`` rewritten.
 
     ``layers``: the layer index of each tensor (``granularity="layer"``). Build one per set of
     tensors (it holds their grouping and the layer index on the device) and reuse it. It counts
@@ -304,7 +307,7 @@ class GroupedStep:
 
     #: at most this many elements of equal-shape tensors are summed as one matrix
     CHUNK = 1 << 22
-    #: on a CPU, write ``g d`` into one buffer kept between steps, chunk by chunk
+    #: on a CPU, stack each chunk into buffers kept between steps (the accelerators' path otherwise)
     KEEP = True
 
     def __init__(self, params: Sequence[Tensor], layers: Sequence[int] | None = None):
@@ -426,9 +429,9 @@ class GroupedStep:
         return self._tally(pull)
 
     def _sums(self, gi: int, prods: Sequence[Tensor]) -> Tensor:
-        """``sum(g d)`` per tensor of group ``gi`` (in its order): one row sum per chunk of equal-shape
-        tensors, stacked into one buffer kept between steps (a new one at every step would be
-        faulted in afresh on a CPU)."""
+        """``sum(g d)`` per tensor of group ``gi`` (in its order), on an accelerator: one row sum per
+        chunk of equal-shape tensors, stacked into one buffer kept between steps (the chunks go
+        through it one after the other, in stream order)."""
         out = []
         for s, e in self._chunks[gi]:
             if e - s == 1:
