@@ -356,7 +356,9 @@ class GroupedStep:
     def step_(self, params: Sequence[Tensor], anchors: Sequence[Tensor], grads: Sequence[Tensor | None],
               coefs: Sequence[float], *, selective: bool = True, granularity: str = "tensor") -> Tensor:
         """Pull ``params`` in place; returns the decisions (bool, in :attr:`order`, on
-        :attr:`device`). ``coefs``: ``lam * lr`` per tensor (:func:`coefficients`)."""
+        :attr:`device`). ``coefs``: ``lam * lr`` per tensor (:func:`coefficients`). ``anchors`` are
+        read as constants while they are the same tensors (a CPU keeps them stacked): pass new
+        tensors for a new ``theta_0``, not the old ones changed in place."""
         if granularity not in GRANULARITIES:
             raise unknown("granularity", granularity, GRANULARITIES, show=repr)
         if granularity == "layer" and selective and self.layer_index is None:
