@@ -150,21 +150,27 @@ def test_theorem1_selective_step_never_increases_the_training_loss():
     assert selective[-1] < plain[-1]
 
 
+@pytest.mark.parametrize("path", ["kept", "stacked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("granularity", ["tensor", "layer", "global", "l2sp"])
-def test_grouped_step_is_the_per_tensor_step_bitwise(dtype, granularity):
+def test_grouped_step_is_the_per_tensor_step_bitwise(dtype, granularity, path, monkeypatch):
     """GroupedStep (the callback's foreach step, decisions on the device) gives pull_decisions +
-    proximal_step_'s numbers bitwise, with a different lam * lr per tensor and a missing gradient."""
+    proximal_step_'s numbers bitwise, with a different lam * lr per tensor and a missing gradient;
+    on both of its paths (``kept``: the CPU's product buffer kept between steps; ``stacked``: the
+    accelerators' temporaries), with runs of equal-shape tensors summed as one matrix, a run cut
+    into chunks, and shapes of one size but another shape kept apart."""
     from lalr_lightning.core.linearization.proximal import GroupedStep, deltas, proximal_step_, pull_decisions
 
+    monkeypatch.setattr(GroupedStep, "KEEP", path == "kept")
+    monkeypatch.setattr(GroupedStep, "CHUNK", 64)  # the three (4, 6) below: two chunks
     g = torch.Generator().manual_seed(7)
-    shapes = [(6, 5), (6,), (4, 6), (4,), (3, 4), (3,)]
+    shapes = [(6, 5), (6,), (4, 6), (4,), (3, 4), (3,), (4, 6), (6, 4), (24,), (4, 6), (6,)]
     names = [f"t{i}" for i in range(len(shapes))]
     params = {n: torch.randn(*s, generator=g).to(dtype) for n, s in zip(names, shapes)}
     anchors = {n: torch.randn(*s, generator=g).to(dtype) for n, s in zip(names, shapes)}
     grads = {n: torch.randn(*s, generator=g).to(dtype) for n, s in zip(names, shapes)}
     grads["t3"] = None
-    layers = {"a": names[:2], "b": names[2:4], "c": names[4:]}
+    layers = {"a": names[:2], "b": names[2:4], "c": names[4:6], "d": names[6:]}
     lrs = {n: 0.01 * (i + 1) for i, n in enumerate(names)}
     selective = granularity != "l2sp"
     gran = granularity if selective else "tensor"
@@ -172,8 +178,17 @@ def test_grouped_step_is_the_per_tensor_step_bitwise(dtype, granularity):
     pull = pull_decisions(grads, deltas(want, anchors), gran, layers, selective=selective)
     proximal_step_(want, anchors, 0.7, lrs, pull)
     got = [p.clone() for p in params.values()]
-    step = GroupedStep(got, [0, 0, 1, 1, 2, 2])
+    step = GroupedStep(got, [0, 0, 1, 1, 2, 2, 3, 3, 3, 3, 3])
     coefs = [0.7 * lrs[n] for n in names]
+    decided = step.step_(got, list(anchors.values()), list(grads.values()), coefs, selective=selective,
+                         granularity=gran)
+    assert [bool(decided[step.order.index(i)]) for i in range(len(names))] == [pull[n] for n in names]
+    for n, t in zip(names, got):
+        assert torch.equal(t, want[n]), n
+    # a second step with the same plan (its buffers and views reused) is again the per-tensor step
+    grads = {n: None if v is None else -v for n, v in grads.items()}
+    pull = pull_decisions(grads, deltas(want, anchors), gran, layers, selective=selective)
+    proximal_step_(want, anchors, 0.7, lrs, pull)
     decided = step.step_(got, list(anchors.values()), list(grads.values()), coefs, selective=selective,
                          granularity=gran)
     assert [bool(decided[step.order.index(i)]) for i in range(len(names))] == [pull[n] for n in names]
@@ -255,3 +270,34 @@ def test_the_anchor_argument_is_fit_start_or_a_path():
     for bad in ("", None, 3):
         with pytest.raises(ValueError, match="anchor must be 'fit_start' or the path of a checkpoint / state dict, got"):
             check_anchor_arg(bad)
+
+
+def test_grouped_step_adopts_the_anchor_on_a_cpu():
+    """On a CPU the step stacks theta_0 for its sums; adopt() hands back views of that copy (bitwise
+    the anchors, one storage), and the step through them is still the per-tensor step bitwise."""
+    from lalr_lightning.core.linearization.proximal import GroupedStep, deltas, proximal_step_, pull_decisions
+
+    g = torch.Generator().manual_seed(3)
+    shapes = [(5, 4), (4,), (5, 4), (4,), (2, 3)]
+    params = [torch.randn(*s, generator=g) for s in shapes] + [torch.randn(3, generator=g).to(torch.bfloat16)]
+    anchors = [p + 0.1 * torch.randn(p.shape, generator=g).to(p.dtype) for p in params]
+    grads = [torch.randn(p.shape, generator=g).to(p.dtype) for p in params]
+    plan = GroupedStep(params)
+    held = plan.adopt(anchors)
+    assert all(torch.equal(h, a) and h.shape == a.shape and h.dtype == a.dtype for h, a in zip(held, anchors))
+    # float32: views of one stacked copy (one storage per run of equal shapes), nothing more
+    storages = {h.untyped_storage().data_ptr(): h.untyped_storage().nbytes() for h in held[:5]}
+    assert all(h._base is not None for h in held[:5]) and len(storages) == 3
+    assert sum(storages.values()) == 4 * sum(a.numel() for a in anchors[:5])
+    assert held[5] is anchors[5]  # bf16 keeps the grouped ops on the anchors themselves
+    names = [f"t{i}" for i in range(len(params))]
+    want = {n: p.clone() for n, p in zip(names, params)}
+    an = dict(zip(names, anchors))
+    lrs = {n: 0.05 for n in names}
+    for sign in (1, -1):  # two steps through the adopted views
+        gr = {n: sign * x for n, x in zip(names, grads)}
+        pull = pull_decisions(gr, deltas(want, an), "tensor")
+        proximal_step_(want, an, 1.0, lrs, pull)
+        decided = plan.step_(params, held, list(gr.values()), [0.05] * len(names))
+        assert [bool(decided[plan.order.index(i)]) for i in range(len(names))] == [pull[n] for n in names]
+        assert all(torch.equal(p, want[n]) for n, p in zip(names, params))

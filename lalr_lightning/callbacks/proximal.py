@@ -18,7 +18,9 @@ multiplier); parameters that did not step (frozen, no gradient) are not pulled.
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,6 +43,7 @@ from lalr_lightning.core.runtime.shards import ShardLayout, all_sum, local_tenso
 __all__ = ["ProximalRegularizer", "GRANULARITIES"]
 
 GRANULARITIES = proximal.GRANULARITIES
+_GRAD = operator.attrgetter("grad")
 
 
 class ProximalRegularizer(LayerwiseCallback):
@@ -153,6 +156,10 @@ class ProximalRegularizer(LayerwiseCallback):
         # per set of stepped tensors its grouped step, which counts the steps and pulls on the device
         # (a step makes no device-to-host transfer) until _flush adds them to _steps and _pulled
         self._plans: dict[tuple[str, ...], proximal.GroupedStep] = {}
+        # per plan, the theta_0 dict its anchor list was taken from and that list (in the plan's key order)
+        self._plan_anchors: dict[tuple[str, ...], tuple[dict, list[torch.Tensor]]] = {}
+        # (the step's LR dict, the names and parameters it steps): rebuilt when LayerControl's dict is a new one
+        self._stepping: tuple[dict, tuple[str, ...], list[torch.nn.Parameter]] | None = None
         self._steps: dict[str, int] = {}  # per tensor, the optimizer steps it took part in
         self._pulled: dict[str, int] = {}  # of those, the steps that pulled it toward the anchor
         self._unit_lambda_o: float | None = None  # lambda_o at r = 1 (it scales as 1 / r)
@@ -173,7 +180,7 @@ class ProximalRegularizer(LayerwiseCallback):
         self._layer_of = {n: i for i, members in enumerate(groups.values()) for n in members}
         self._params = {n: params[n] for members in groups.values() for n in members}
         self.layers = group_layers(groups, params)
-        self._plans, self._installed = {}, set()
+        self._plans, self._plan_anchors, self._stepping, self._installed = {}, {}, None, set()
 
     def after_wrap(self, host: Host) -> None:
         self._layout = shard_layout(host, host.module)  # under FSDP the anchor is cut like the weights
@@ -216,23 +223,37 @@ class ProximalRegularizer(LayerwiseCallback):
 
     def _step(self, step: PostStep) -> None:
         """The proximal step after one optimizer step (LayerControl calls it): grouped tensor
-        operations and no device-to-host transfer (:class:`~lalr_lightning.core.proximal.GroupedStep`);
-        under FSDP the ranks' sums go through collectives (:meth:`_sharded_step`)."""
+        operations and no device-to-host transfer (:class:`~lalr_lightning.core.proximal.GroupedStep`),
+        and no Python loop over the parameters while the set that steps, the LRs and the anchor stay
+        the same; under FSDP the ranks' sums go through collectives (:meth:`_sharded_step`)."""
         if self._sharded:
             return self._sharded_step(step)
-        key = tuple(n for n, p in self._params.items() if p.grad is not None and step.stepped(p))
+        lrs = step._lrs  # the same dict while the step's LRs and every owner's settings are (LayerControl's cache)
+        if self._stepping is None or self._stepping[0] is not lrs:
+            names = tuple(n for n, p in self._params.items() if step.stepped(p))
+            self._stepping = (lrs, names, [self._params[n] for n in names])
+        _, key, params = self._stepping
+        grads = list(map(_GRAD, params))
+        if any(map(operator.is_, grads, itertools.repeat(None))):  # some took no part in the step
+            kept = [i for i, g in enumerate(grads) if g is not None]
+            key, params, grads = tuple(key[i] for i in kept), [params[i] for i in kept], [grads[i] for i in kept]
         if not key:
             return
-        params = [self._params[n] for n in key]
         plan = self._plans.get(key)
         if plan is None or not plan.placed(params):
             self._flush()  # counts held on the device the model left
             plan = self._plans[key] = proximal.GroupedStep(params, [self._layer_of[n] for n in key])
-        anchor = self._placed_anchor()
+            self._plan_anchors.pop(key, None)
+        held = self._plan_anchors.get(key)
+        if held is None or held[0] is not self._anchor:  # a new plan or a new theta_0 (restored, re-cut)
+            anchor = self._placed_anchor()
+            # on a CPU the plan stacks theta_0 for its sums: hold those views instead, theta_0 once in memory
+            anchors = plan.adopt([anchor[n] for n in key])
+            anchor.update(zip(key, anchors))
+            held = self._plan_anchors[key] = (self._anchor, anchors)
         # lam * lr per tensor, the same while the step's LRs are (LayerControl keeps them)
-        coefs = plan.coefficients(self.lam, step._lrs, lambda: {n: step.lr(self._params[n]) for n in key})
-        plan.step_(params, [anchor[n] for n in key], [p.grad for p in params], coefs, selective=self.selective,
-                   granularity=self.granularity)
+        coefs = plan.coefficients(self.lam, lrs, lambda: {n: step.lr(self._params[n]) for n in key})
+        plan.step_(params, held[1], grads, coefs, selective=self.selective, granularity=self.granularity)
 
     def _flush(self) -> None:
         """Add the counts the grouped steps hold on the device to ``_steps`` and ``_pulled``."""

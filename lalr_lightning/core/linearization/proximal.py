@@ -24,7 +24,9 @@ point where the pull is applied, with the gradient of the step just taken.
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -267,36 +269,70 @@ def coefficients(lam: float, lrs: Mapping[str, float] | float, names: Sequence[s
 
 
 class GroupedStep:
-    """The selective proximal step over a fixed list of tensors with grouped tensor operations
-    (``torch._foreach_*``, one call per device and dtype for every stage, whatever the number of
-    tensors) and no device-to-host synchronisation: the decisions stay on the device.
+    """The selective proximal step over a fixed list of tensors with a fixed number of tensor
+    operations per step, per device and dtype, whatever the number of tensors, no per-tensor
+    Python loop and no device-to-host synchronisation: the decisions stay on the device.
 
-    The same numbers as :func:`pull_decisions` + :func:`proximal_step_`: ``<g_t, d_t>`` with
-    ``d_t = theta_t - theta_0`` (the products in at least float32, summed in float64, as
-    ``2 sum max(g d, 0) - sum |g d|`` since torch has no grouped sum), the decision per tensor,
-    layer (a sum of the layer's products) or globally, then per tensor ``theta <- lerp(theta,
-    target, lam * lr)`` with ``target = theta_0`` where pulled and ``theta`` itself elsewhere
-    (an exact ``lerp`` by 1 or 0), so a pulled tensor gets :func:`proximal_step_`'s update
-    bitwise and the others are left bitwise untouched.
+    The same numbers as :func:`pull_decisions` + :func:`proximal_step_`: ``d_t = theta_t -
+    theta_0`` in the weights' dtype, the products ``g d`` and their sum ``<g_t, d_t>`` per
+    tensor in at least float32 (:func:`inner_products`' convention: its ``dot`` accumulates in
+    that precision too; a float64 weight sums in float64), then in float64 the sum per layer or
+    over all; the decision per tensor, layer or globally; then per tensor ``theta <- lerp(theta,
+    target, lam * lr)`` with ``target = theta_0`` where pulled and ``theta`` itself elsewhere (an
+    exact ``lerp`` by 1 or 0), so a pulled tensor gets :func:`proximal_step_`'s update bitwise
+    and the others are left bitwise untouched. (The sums were float64 before, as ``2 sum max(g
+    d, 0) - sum |g d|`` from two ``torch._foreach_norm``; a float32 sum of float32 products is
+    what the reference's ``dot`` does, and a decision only reads its sign.)
+
+    Where the time goes (issue 34): on a CPU a grouped ``torch._foreach_*`` op is a loop of
+    per-tensor ops (about a microsecond each, several for a reduction such as
+    ``torch._foreach_norm``), so the tensors are ordered by shape within a device and dtype and
+    each run of equal-shape tensors (a chunk: at most ``CHUNK`` elements, a larger tensor alone)
+    is handled as one matrix. On a CPU (``KEEP``) per chunk ``theta`` and ``g`` are stacked (one
+    op each) into two buffers kept between steps, as large as the largest chunk, ``d`` is one
+    subtraction of the chunk's stacked ``theta_0`` (kept while the anchors are the same tensors;
+    :meth:`adopt` lets the caller hold views of it instead of a second copy), then ``g d`` and
+    its row sums: a new temporary at every step would be faulted in afresh. On an accelerator,
+    whose multi-tensor kernels take a list in one launch and whose allocator reuses memory,
+    ``d`` is a grouped temporary and each chunk is stacked into one such buffer for its sums.
+    The pull is one grouped ``lerp`` whose weights live in one buffer per group with 0-dim views
+    made once; the anchors are checked for their place only when they are not the tensors
+    found in place at the last step. What is left is memory traffic: ``theta``, ``theta_0`` and
+    ``g`` are each read about twice, ``theta`` rewritten.
 
     ``layers``: the layer index of each tensor (``granularity="layer"``). Build one per set of
     tensors (it holds their grouping and the layer index on the device) and reuse it. It counts
     its steps and, on the device, the steps that pulled each tensor, until :meth:`take` reads them.
     """
 
+    #: at most this many elements of equal-shape tensors are summed as one matrix
+    CHUNK = 1 << 22
+    #: on a CPU, stack each chunk into buffers kept between steps (the accelerators' path otherwise)
+    KEEP = True
+
     def __init__(self, params: Sequence[Tensor], layers: Sequence[int] | None = None):
         groups: dict[tuple, list[int]] = {}
         for i, p in enumerate(params):
             groups.setdefault((p.device, p.dtype), []).append(i)
-        self.groups = list(groups.values())
-        #: the tensors in the order of the decisions :meth:`step_` returns (grouped by device and dtype)
+        # within a device and dtype, tensors of one size side by side (stable: the caller's order otherwise)
+        self.groups = [sorted(g, key=lambda i: (params[i].numel(), tuple(params[i].shape))) for g in groups.values()]
+        #: the tensors in the order of the decisions :meth:`step_` returns (by device and dtype, then size)
         self.order = [i for g in self.groups for i in g]
         self.device = params[self.order[0]].device if self.order else torch.device("cpu")
         self.size = len(self.order)
-        self._coefs: dict[int, tuple[Sequence[float], Tensor]] = {}
+        self._places = [(params[g[0]].device, params[g[0]].dtype) for g in self.groups]
+        self._pick = [_picker(g) for g in self.groups]
+        self._chunks = [_chunks([tuple(params[i].shape) for i in g], self.CHUNK) for g in self.groups]
+        self._buffers: dict[int, Tensor] = {}
+        self._kept_bufs: dict[int, list[tuple]] = {}
+        self._anchor_rows: dict[int, tuple[tuple, list[Tensor]]] = {}
+        self._coefs: dict[int, tuple[Sequence[float], Tensor, Tensor, list[Tensor]]] = {}
+        self._host: dict[int, tuple[Sequence[float], list[float]]] = {}
+        self._anchored: list[tuple | None] = [None] * len(self.groups)  # the anchors last found in place
         self.layer_index = None
         self.n_layers = 0
         self.steps, self.pulled = 0, None  # counted since the last take(); pulled on the device
+        self._all: Tensor | None = None
         self._host_coefs: tuple[object, list[float]] | None = None
         if layers is not None:
             self.n_layers = max(layers, default=-1) + 1
@@ -312,43 +348,60 @@ class GroupedStep:
         return self._host_coefs[1]
 
     def placed(self, params: Sequence[Tensor]) -> bool:
-        """Whether ``params`` are still where this grouping was made (the model was not moved)."""
-        return not self.order or params[self.order[0]].device == self.device
+        """Whether ``params`` are still where and in the dtype this grouping was made for (the model
+        was not moved or cast)."""
+        return all((params[g[0]].device, params[g[0]].dtype) == place for g, place in zip(self.groups, self._places))
 
     @torch.no_grad()
     def step_(self, params: Sequence[Tensor], anchors: Sequence[Tensor], grads: Sequence[Tensor | None],
               coefs: Sequence[float], *, selective: bool = True, granularity: str = "tensor") -> Tensor:
         """Pull ``params`` in place; returns the decisions (bool, in :attr:`order`, on
-        :attr:`device`). ``coefs``: ``lam * lr`` per tensor (:func:`coefficients`)."""
+        :attr:`device`). ``coefs``: ``lam * lr`` per tensor (:func:`coefficients`). ``anchors`` are
+        read as constants while they are the same tensors (a CPU keeps them stacked): pass new
+        tensors for a new ``theta_0``, not the old ones changed in place."""
         if granularity not in GRANULARITIES:
             raise unknown("granularity", granularity, GRANULARITIES, show=repr)
         if granularity == "layer" and selective and self.layer_index is None:
             raise ValueError("granularity='layer' needs the layer of each tensor (GroupedStep(params, layers))")
-        placed = []
-        for g in self.groups:
-            ps = [params[i] for i in g]
-            an = [a if a.device == p.device and a.dtype == p.dtype else
-                  a.detach().to(device=p.device, dtype=p.dtype, non_blocking=True)
-                  for a, p in zip((anchors[i] for i in g), ps)]
-            placed.append((g, ps, an))
+        if not self.size:
+            return torch.zeros(0, dtype=torch.bool, device=self.device)
+        placed = [(gi, self._pick[gi](params), self._anchors(gi, self._pick[gi](anchors)))
+                  for gi in range(len(self.groups))]
         if not selective:
-            for g, ps, an in placed:
-                torch._foreach_lerp_(ps, an, [coefs[i] for i in g])
-            return self._tally(torch.ones(self.size, dtype=torch.bool, device=self.device))
+            for gi, ps, an in placed:
+                torch._foreach_lerp_(ps, an, self._host_list(gi, coefs))
+            if self._all is None:
+                self._all = torch.ones(self.size, dtype=torch.bool, device=self.device)
+            return self._tally(self._all)
         ips = []
-        for g, ps, an in placed:
+        for gi, ps, an in placed:
+            gs = self._pick[gi](grads)
+            if any(map(operator.is_, gs, itertools.repeat(None))):  # no gradient: a product of 0
+                gs = [torch.zeros_like(p) if x is None else x for x, p in zip(gs, ps)]
             ct = torch.promote_types(ps[0].dtype, torch.float32)
+            blocks = self._blocks(gi, ps, ct)
+            if blocks is not None:  # on a CPU: chunk by chunk through one buffer kept between steps
+                sums = []
+                anchor = self._stacked_anchor(gi, an) if ct == ps[0].dtype else None
+                for c, (s, e, stacked, prods, rows, g_stacked, g_rows) in enumerate(blocks):
+                    if anchor is not None:  # one op per chunk for each of theta, d, g and g d
+                        torch.stack(ps[s:e], out=stacked)
+                        rows.sub_(anchor[c])
+                        torch.stack(gs[s:e], out=g_stacked)
+                        rows.mul_(g_rows)
+                    else:  # bf16 / fp16: d rounded to the dtype (as deltas()), g d in float32
+                        torch._foreach_copy_(prods, torch._foreach_sub(ps[s:e], an[s:e]))
+                        torch._foreach_mul_(prods, gs[s:e])
+                    sums.append(rows.sum(1))
+                ips.append((torch.cat(sums) if len(sums) > 1 else sums[0]).to(device=self.device, dtype=torch.float64))
+                continue
             prods = torch._foreach_sub(ps, an)  # d = theta - theta_0 (the only full-size temporary)
-            gs = [grads[i] if grads[i] is not None else torch.zeros_like(p) for i, p in zip(g, ps)]
-            if ct != ps[0].dtype:
+            if ct != ps[0].dtype:  # bf16 / fp16: d rounded to the dtype (as deltas()), g d in float32
                 prods = [d.to(ct) for d in prods]
                 gs = [x.to(ct) for x in gs]
-            torch._foreach_mul_(prods, gs)  # g * d, in place
-            total = torch.stack(torch._foreach_norm(prods, 1, dtype=torch.float64))  # sum |g d|
-            torch._foreach_clamp_min_(prods, 0.0)
-            pos = torch.stack(torch._foreach_norm(prods, 1, dtype=torch.float64))  # sum max(g d, 0)
+            torch._foreach_mul_(prods, gs)  # g d, in place
+            ips.append(self._sums(gi, prods).to(device=self.device, dtype=torch.float64))
             del prods
-            ips.append((2 * pos - total).to(self.device))
         ip = torch.cat(ips) if len(ips) > 1 else ips[0]
         if granularity == "tensor":
             pull = ip >= 0
@@ -358,21 +411,111 @@ class GroupedStep:
             per_layer = torch.zeros(self.n_layers, dtype=torch.float64, device=self.device)
             pull = (per_layer.index_add_(0, self.layer_index, ip) >= 0)[self.layer_index]
         start = 0
-        for gi, (g, ps, an) in enumerate(placed):
-            dtype = ps[0].dtype
-            on = pull[start:start + len(g)].to(device=ps[0].device, dtype=dtype)
-            start += len(g)
-            if dtype in (torch.float32, torch.float64):
+        for gi, ps, an in placed:
+            n = len(ps)
+            on = pull[start:start + n]
+            start += n
+            coef, weights, views = self._weights(gi, coefs)
+            if ps[0].dtype in (torch.float32, torch.float64):
                 # one lerp by lam * lr where pulled and 0 elsewhere (the coefficient rounds to the
                 # dtype as a Python number does in lerp_)
-                torch._foreach_lerp_(ps, an, list((on * self._coef_tensor(gi, coefs, dtype, ps[0].device)).unbind()))
+                torch.mul(on.to(weights.device), coef, out=weights)
+                torch._foreach_lerp_(ps, an, views)
             else:
                 # a half-precision weight would round lam * lr: theta_0 where pulled, theta elsewhere
                 # (a lerp by exactly 1 or 0), then the host coefficient
-                target = torch._foreach_lerp(ps, an, list(on.unbind()))
-                torch._foreach_lerp_(ps, target, [coefs[i] for i in g])
+                weights.copy_(on, non_blocking=True)
+                target = torch._foreach_lerp(ps, an, views)
+                torch._foreach_lerp_(ps, target, self._host_list(gi, coefs))
                 del target
         return self._tally(pull)
+
+    def _sums(self, gi: int, prods: Sequence[Tensor]) -> Tensor:
+        """``sum(g d)`` per tensor of group ``gi`` (in its order), on an accelerator: one row sum per
+        chunk of equal-shape tensors, stacked into one buffer kept between steps (the chunks go
+        through it one after the other, in stream order)."""
+        out = []
+        for s, e in self._chunks[gi]:
+            if e - s == 1:
+                rows = prods[s].reshape(1, -1)
+            else:
+                first = prods[s]
+                out_rows = self._stack(gi, (e - s) * first.numel(), first.dtype).view(e - s, *first.shape)
+                rows = torch.stack(prods[s:e], out=out_rows).view(e - s, -1)
+            out.append(rows.sum(1))
+        return torch.cat(out) if len(out) > 1 else out[0]
+
+    def _blocks(self, gi: int, ps: Sequence[Tensor], ct: torch.dtype) -> list[tuple] | None:
+        """On a CPU (``KEEP``), group ``gi``'s chunks, each as ``(start, end, [tensors, *shape], its views
+        shaped as the tensors, [tensors, elements])`` over one buffer in ``ct``, and the same two views
+        of a second one (for ``g``), both kept between steps and as large as the largest chunk (the
+        chunks go through them one after the other), made once; elsewhere None."""
+        if not self.KEEP or self._places[gi][0].type != "cpu":
+            return None
+        hit = self._kept_bufs.get(gi)
+        if hit is None:
+            spans = self._chunks[gi]
+            size = max((e - s) * ps[s].numel() for s, e in spans)
+            buf, g_buf = torch.empty(size, dtype=ct), torch.empty(size, dtype=ct)
+            hit = []
+            for s, e in spans:
+                k, n = e - s, ps[s].numel()
+                stacked = buf[:k * n].view(k, *ps[s].shape)
+                hit.append((s, e, stacked, list(stacked.unbind(0)), buf[:k * n].view(k, n),
+                            g_buf[:k * n].view(k, *ps[s].shape), g_buf[:k * n].view(k, n)))
+            self._kept_bufs[gi] = hit
+        return hit
+
+    def _stacked_anchor(self, gi: int, an: Sequence[Tensor]) -> list[Tensor]:
+        """On a CPU, group ``gi``'s ``theta_0`` stacked per chunk as ``[tensors, elements]``, kept while the
+        anchors are the same tensors (``d`` is then one subtraction per chunk). A copy of the anchors,
+        unless the caller takes its views in their place (:meth:`adopt`)."""
+        hit = self._anchor_rows.get(gi)
+        if hit is None or len(hit[0]) != len(an) or not all(map(operator.is_, an, hit[0])):
+            rows = [torch.stack(an[s:e]).view(e - s, -1) for s, e in self._chunks[gi]]
+            hit = self._anchor_rows[gi] = (tuple(an), rows)
+        return hit[1]
+
+    def adopt(self, anchors: Sequence[Tensor]) -> list[Tensor]:
+        """``anchors`` (in the caller's order, placed as the tensors) as this step keeps them: on a CPU,
+        views of its stacked copy (equal, bitwise), which the caller should hold instead of its own so
+        that ``theta_0`` is in memory once; elsewhere (or in bf16 / fp16) the same tensors."""
+        out = list(anchors)
+        for gi, g in enumerate(self.groups):
+            device, dtype = self._places[gi]
+            if not self.KEEP or device.type != "cpu" or torch.promote_types(dtype, torch.float32) != dtype:
+                continue
+            an = self._pick[gi](anchors)
+            if any(a.device != device or a.dtype != dtype for a in an):
+                continue
+            self._anchor_rows.pop(gi, None)
+            rows = self._stacked_anchor(gi, an)
+            views = [v.view(an[s + j].shape) for r, (s, e) in zip(rows, self._chunks[gi]) for j, v in enumerate(r)]
+            self._anchor_rows[gi] = (tuple(views), rows)
+            for i, v in zip(g, views):
+                out[i] = v
+        return out
+
+    def _stack(self, gi: int, numel: int, dtype: torch.dtype) -> Tensor:
+        """A flat buffer of ``numel`` elements on group ``gi``'s device (one per group, grown as needed, at
+        most ``CHUNK`` elements: the chunks are summed one after the other)."""
+        buf = self._buffers.get(gi)
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            buf = self._buffers[gi] = torch.empty(numel, dtype=dtype, device=self._places[gi][0])
+        return buf[:numel]
+
+    def _anchors(self, gi: int, an: Sequence[Tensor]) -> Sequence[Tensor]:
+        """Group ``gi``'s anchors on its device and in its dtype (moved per tensor where they are not,
+        e.g. offloaded to the CPU); checked per tensor only when they are not the ones found in place
+        at the last step."""
+        last = self._anchored[gi]
+        if last is not None and len(last) == len(an) and all(map(operator.is_, an, last)):
+            return an
+        device, dtype = self._places[gi]
+        moved = [a if a.device == device and a.dtype == dtype else
+                 a.detach().to(device=device, dtype=dtype, non_blocking=True) for a in an]
+        self._anchored[gi] = tuple(an) if all(map(operator.is_, moved, an)) else None
+        return moved
 
     def _tally(self, pull: Tensor) -> Tensor:
         self.steps += 1
@@ -389,15 +532,50 @@ class GroupedStep:
         self.steps, self.pulled = 0, None
         return steps, pulled
 
-    def _coef_tensor(self, gi: int, coefs: Sequence[float], dtype: torch.dtype, device: torch.device) -> Tensor:
-        """Group ``gi``'s ``lam * lr`` on the device, copied once per new ``coefs`` list (pinned and
-        asynchronous on a GPU: no synchronisation)."""
-        cache = self._coefs
-        hit = cache.get(gi)
+    def _host_list(self, gi: int, coefs: Sequence[float]) -> list[float]:
+        """Group ``gi``'s ``lam * lr`` as host numbers, picked once per new ``coefs`` list."""
+        hit = self._host.get(gi)
+        if hit is None or hit[0] is not coefs:
+            hit = self._host[gi] = (coefs, [float(coefs[i]) for i in self.groups[gi]])
+        return hit[1]
+
+    def _weights(self, gi: int, coefs: Sequence[float]) -> tuple[Tensor, Tensor, list[Tensor]]:
+        """Group ``gi``'s ``lam * lr`` on the device (copied once per new ``coefs`` list: pinned and
+        asynchronous on a GPU, no synchronisation), and the buffer of its per-tensor ``lerp`` weights
+        with its 0-dim views (made once: the step writes the buffer in place)."""
+        hit = self._coefs.get(gi)
         if hit is not None and hit[0] is coefs:
-            return hit[1]
-        out = cache[gi] = (coefs, _on_device([coefs[i] for i in self.groups[gi]], dtype, device))
-        return out[1]
+            return hit[1:]
+        device, dtype = self._places[gi]
+        if hit is None:
+            weights = torch.zeros(len(self.groups[gi]), dtype=dtype, device=device)
+            views = list(weights.unbind())
+        else:
+            weights, views = hit[2], hit[3]
+        coef = _on_device([coefs[i] for i in self.groups[gi]], dtype, device)
+        self._coefs[gi] = (coefs, coef, weights, views)
+        return coef, weights, views
+
+
+def _picker(indices: Sequence[int]) -> Callable[[Sequence], Sequence]:
+    """``seq -> [seq[i] for i in indices]`` in C (``operator.itemgetter``), always a sequence."""
+    if len(indices) == 1:
+        i = indices[0]
+        return lambda seq: (seq[i],)
+    return operator.itemgetter(*indices)
+
+
+def _chunks(shapes: Sequence[tuple[int, ...]], limit: int) -> list[tuple[int, int]]:
+    """``[start, end)`` runs of equal ``shapes`` (sorted), each at most ``limit`` elements in all
+    (a larger tensor alone)."""
+    out, s = [], 0
+    while s < len(shapes):
+        numel, e = math.prod(shapes[s]), s + 1
+        while e < len(shapes) and shapes[e] == shapes[s] and (e + 1 - s) * numel <= limit:
+            e += 1
+        out.append((s, e))
+        s = e
+    return out
 
 
 def _on_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> Tensor:
