@@ -8,7 +8,8 @@ what a GPU step pays per callback.
 
 Every variant runs ``--repeats`` times, interleaved in one process (none, callback 1, callback
 2, ..., none, callback 1, ...), so a machine shared with other work slows all of them alike; the
-ratios are against the no-callback run, each the best (lowest) of the repeats. Per step the time
+ratios are against the no-callback run, each the best (lowest) of the repeats; a second
+no-callback run, last in each round, shows how far two identical runs land apart. Per step the time
 is taken between consecutive ``on_train_batch_start`` of a clock callback placed first (the first
 step starts at its ``on_train_epoch_start``, the last ends at the ``on_train_epoch_end`` of a
 clock placed last), so a decision taken at the start or end of the epoch falls in a step.
@@ -107,6 +108,8 @@ class Deep(pl.LightningModule):
 
 #: the baseline of the multiplier methods' optimizer cost: no callback, one AdamW group per layer
 PER_LAYER = "none, one AdamW group per layer"
+#: no callback again, run last in each round: how far apart two identical runs come out (the noise floor)
+AGAIN = "none, again (the noise floor)"
 #: the callbacks that give layers their own LR (the optimizer then steps once per distinct LR)
 SPLITS = ("TempBalance", "LALR", "AutoRGN", "LayerLRMultiplier")
 
@@ -136,6 +139,7 @@ def variants(steps: int) -> dict[str, callable]:
         "AutoRGN": lambda: AutoRGN(n_batches=2),
         "LayerLRMultiplier": lambda: LayerLRMultiplier({"blocks.*": 0.5, "head": 2.0}),
         "TempBalance every epoch (one decision)": lambda: TempBalanceCallback(),
+        AGAIN: lambda: None,
     }
 
 
@@ -280,7 +284,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     logging.disable(logging.WARNING)
     table = variants(args.steps)
     if args.only:
-        table = {k: v for k, v in table.items() if k in ("none", PER_LAYER) or any(s.lower() in k.lower() for s in args.only)}
+        table = {k: v for k, v in table.items()
+                 if k in ("none", PER_LAYER, AGAIN) or any(s.lower() in k.lower() for s in args.only)}
     got: dict[str, list[dict]] = {k: [] for k in table}
     for _ in range(args.repeats):
         for name, factory in table.items():  # interleaved: one of each, then again
@@ -319,7 +324,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         dec = f"{row['decide']:.1f}x" if s["n_decide"] else "-"
         msa = f"{row['msa_ms']:.3f}" if s["msa"] else "-"
         n = f"{s['n_decide']}" + (f" (+{s['outside']} at fit start)" if s["outside"] else "")
-        own = f"{row['own']:.3f}x" if name != PER_LAYER else "-"
+        own = f"{row['own']:.3f}x" if name not in (PER_LAYER, AGAIN) else "-"
         if "other_without_msa" in row:  # the Hamiltonian update runs inside its hooks
             own = f"{(s['own'] - s['msa']) / base['other']:.3f}x + msa"
         print(f"| {name:40s} | {other:>18s} | {own:>15s} | {per_layer:>18s} | {n:>22s} | {dec:>20s} | {row['total']:11.3f}x | {msa:>13s} |",

@@ -151,8 +151,9 @@ def test_rescaling_gives_every_layer_the_update_at_lr_times_its_multiplier(name)
 
 def test_the_split_stays_where_rescaling_would_be_wrong(monkeypatch):
     """bf16 weights (their update rounds before the stretch), an optimizer not known to be
-    linear in the LR (a subclass may step differently), Adagrad's lr_decay, and a copy above
-    RESCALE_MAX_BYTES step with per-multiplier groups: the update at lr x m exactly."""
+    linear in the LR (a subclass may step differently), Adagrad's lr_decay, a copy above
+    RESCALE_MAX_BYTES, and on a CPU a split that adds few groups step with per-multiplier
+    groups: the update at lr x m exactly."""
     import lalr_lightning.core.runtime.control as control
 
     class MyAdamW(torch.optim.AdamW):
@@ -162,9 +163,12 @@ def test_the_split_stays_where_rescaling_would_be_wrong(monkeypatch):
         "bf16": (_OPTIMIZERS["adamw"], torch.bfloat16),
         "subclass": (lambda ps: MyAdamW(ps, lr=1e-2, weight_decay=0.1), torch.float32),
         "lr_decay": (lambda ps: torch.optim.Adagrad(ps, lr=0.1, lr_decay=0.01), torch.float32),
+        # one multiplier for every tensor: the split adds no group, cheaper than six stretches on a CPU
+        "few groups": (_OPTIMIZERS["adamw"], torch.float32),
     }
     for case, (make, dtype) in cases.items():
-        a, b, ctl, _ = _controlled_vs_per_layer_groups(make, [0.0, 2.5, 0.3], dtype=dtype)
+        mults = [2.0, 2.0, 2.0] if case == "few groups" else [0.0, 2.5, 0.3]
+        a, b, ctl, _ = _controlled_vs_per_layer_groups(make, mults, dtype=dtype)
         assert ctl._rescale_cache[1] is None, case
         for pa, pb in zip(a.parameters(), b.parameters()):
             assert torch.equal(pa, pb), case

@@ -38,7 +38,8 @@ How the multipliers reach the update -- two ways to the same update, chosen per 
   Python pass per group in every torch optimizer (1.26x a 50-matrix model's step on a CPU).
   It holds a copy of the scaled parameters; it is used when the optimizer is one of
   those, the scaled parameters are float32 or float64 plain tensors (a low-precision weight
-  rounds its update before the stretch) and the copy stays under :data:`RESCALE_MAX_BYTES`.
+  rounds its update before the stretch), the copy stays under :data:`RESCALE_MAX_BYTES`, and on
+  a CPU the split would add enough groups to cost more (:data:`SPLIT_GROUP_TENSORS`).
 * **a transient split** (otherwise; DESIGN.md, option a): a step pre-hook replaces the
   optimizer's ``param_groups`` by per-multiplier sub-groups whose ``lr`` is ``scheduled lr x
   multiplier``, and a step post-hook puts the original groups back.
@@ -62,7 +63,7 @@ from torch import nn
 
 from lalr_lightning.core.runtime.placement import follow
 
-__all__ = ["LINEAR_IN_LR", "RESCALE_MAX_BYTES", "LayerControl", "PostStep", "set_requires_grad"]
+__all__ = ["LINEAR_IN_LR", "RESCALE_MAX_BYTES", "SPLIT_GROUP_TENSORS", "LayerControl", "PostStep", "set_requires_grad"]
 
 #: torch optimizers whose update is ``lr x`` something the LR does not change (their state
 #: included), so an update at ``lr x m`` is ``m`` times the update at ``lr``; by exact type (a
@@ -70,6 +71,11 @@ __all__ = ["LINEAR_IN_LR", "RESCALE_MAX_BYTES", "LayerControl", "PostStep", "set
 LINEAR_IN_LR = frozenset({torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
                           torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adadelta,
                           torch.optim.Adagrad})
+#: on a CPU, one more group in the optimizer costs about as much as stretching this many tensors
+#: (``benchmarks/step_overhead.py``: AdamW, 23 us per group against 3.3 us per tensor); the split is
+#: used there when it adds fewer groups than the tensors to stretch / this. On an accelerator a
+#: group costs a dozen kernel launches and the stretch two per device and dtype: always the stretch
+SPLIT_GROUP_TENSORS = 7
 #: the largest copy of the scaled parameters the rescaling path keeps; above it the groups are split
 #: (on a model that large a step outweighs the optimizer's pass per group)
 RESCALE_MAX_BYTES = 1 << 30
@@ -606,6 +612,12 @@ class LayerControl:
                 params.append(p)
                 weights.append(1.0 - m)  # lerp(new, old, 1 - m) = old + m (new - old)
         if size > RESCALE_MAX_BYTES:
+            return None
+        # on a CPU an extra optimizer pass costs about what stretching SPLIT_GROUP_TENSORS tensors does:
+        # a split into a few groups (a pattern or two of LayerLRMultiplier) is then the cheaper path
+        extra = len(self._partition(optimizer.param_groups)) - len(optimizer.param_groups)
+        scaled = sum(len(ps) for ps, _ in by_place.values())
+        if all(device.type == "cpu" for device, _ in by_place) and extra * SPLIT_GROUP_TENSORS < scaled:
             return None
         # the copies of the last plan are reused where they still fit (TempBalance re-decides every few steps)
         spare = {id(p): c for ps, cs, _ in (self._rescale_cache or (None, None))[1] or () for p, c in zip(ps, cs)}
