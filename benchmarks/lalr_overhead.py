@@ -125,11 +125,15 @@ def image_loader(n: int) -> DataLoader:
 def report(name: str, make_model, loader, repeats: int, epochs: int = 1) -> None:
     if ACCELERATOR == "gpu":
         one_epoch(make_model, loader)  # warm-up: CUDA context, cuDNN's choice of kernels
-    runs: dict[str, list] = {"none": [], "lalr": [], "groups": []}
-    for _ in range(epochs):  # interleaved, the best of each counts
-        runs["none"].append(one_epoch(make_model, loader))
-        runs["lalr"].append(one_epoch(make_model, loader, [LALRScheduleCallback()]))
-        runs["groups"].append(one_epoch(lambda: per_layer_groups(make_model()), loader))
+    arms = {"none": lambda: one_epoch(make_model, loader),
+            "lalr": lambda: one_epoch(make_model, loader, [LALRScheduleCallback()]),
+            "groups": lambda: one_epoch(lambda: per_layer_groups(make_model()), loader),
+            "again": lambda: one_epoch(make_model, loader)}  # no LALR again: the noise floor
+    runs: dict[str, list] = {k: [] for k in arms}
+    order = list(arms)
+    for r in range(epochs):  # interleaved, each round in another order; the best of each counts
+        for k in order[r % len(order):] + order[:r % len(order)]:
+            runs[k].append(arms[k]())
     epoch = min(runs["none"])
     with_cb = min(runs["lalr"])
     split = min(runs["groups"])
@@ -144,6 +148,9 @@ def report(name: str, make_model, loader, repeats: int, epochs: int = 1) -> None
           f"{with_cb[0] / epoch[0]:11.3f} {with_cb[1] / epoch[1]:10.3f}")
     print(f"  {'one group per layer, no LALR':28s} {split[0]:8.2f} {split[1]:8.2f} "
           f"{split[0] / epoch[0]:11.3f} {split[1] / epoch[1]:10.3f}")
+    again = min(runs["again"])
+    print(f"  {'no LALR again (noise floor)':28s} {again[0]:8.2f} {again[1]:8.2f} "
+          f"{again[0] / epoch[0]:11.3f} {again[1] / epoch[1]:10.3f}")
     print(f"  {'LALR / one group per layer':28s} {'':8s} {'':8s} {with_cb[0] / split[0]:11.3f} "
           f"{with_cb[1] / split[1]:10.3f}")
 
