@@ -238,6 +238,12 @@ def test_masks_zero_weights_gradients_and_state_and_compose():
         assert torch.all(w.grad[~(a & b)] == 0)
         opt.step()
         assert torch.all(w[~(a & b)] == 0) and torch.count_nonzero(w[a & b]) > 0
+    model.double()  # the cached masks follow the weights' dtype: a pass in float64, exactly as before
+    opt.zero_grad()
+    model(torch.randn(8, 16, dtype=torch.float64)).sum().backward()
+    opt.step()
+    assert all(k.dtype == torch.float64 for _, ks in ctl._grouped_masks() for k in ks)
+    assert torch.all(w[~(a & b)] == 0) and torch.count_nonzero(w[a & b]) > 0
     ctl.clear("a")
     assert torch.equal(ctl.mask(w), b)
     with pytest.raises(ValueError, match="shape"):

@@ -471,11 +471,12 @@ class LayerControl:
             torch._foreach_mul_(params, keeps)
 
     def _grouped_masks(self) -> list[tuple[list[nn.Parameter], list[torch.Tensor]]]:
-        """``[(params, combined keep-masks)]`` per (device, dtype), built once per change of the
-        masks; rebuilt when the model moved (Lightning moves it after the masks were made)."""
+        """``[(params, combined keep-masks in the params' dtype)]`` per (device, dtype), built once per
+        change of the masks; rebuilt when the model moved or was cast (Lightning moves it after the
+        masks were made)."""
         cached = self._mask_groups
         if cached is not None and cached[0] == self._version and all(
-                ps[0].device == ks[0].device for ps, ks in cached[1]):
+                (ps[0].device, ps[0].dtype) == (ks[0].device, ks[0].dtype) for ps, ks in cached[1]):
             return cached[1]
         self._place_masks()
         combined: dict[int, torch.Tensor] = {}
