@@ -117,3 +117,18 @@ class MemLogger(Logger):
     @rank_zero_only
     def log_hyperparams(self, params, *args, **kwargs):
         pass
+
+
+class DeepLinear(nn.Module):
+    """``x_{n+1} = theta_n x_n`` (L-MSA's sec. 3 network), float64, no biases."""
+
+    def __init__(self, dims=(5, 6, 4, 3), seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.layers = nn.ModuleList([nn.Linear(a, b, bias=False) for a, b in zip(dims[:-1], dims[1:])])
+        self.double()
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x

@@ -18,27 +18,15 @@ from lalr_lightning.core.selection.msa_settings import check_blocks, check_resto
 from lalr_lightning.core.spectral import tempbalance as tb
 from lalr_lightning.core.spectral.lalr_metrics import lalr_layers
 from lalr_lightning.core.spectral.settings import lalr_layer_checks, lalr_settings, tempbalance_settings
+from tests._toys import DeepLinear
 
 # ============================================================================ L-MSA
-
-
-class _Chain(nn.Module):
-    def __init__(self, dims=(5, 6, 4, 3)):
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.ModuleList([nn.Linear(a, b, bias=False) for a, b in zip(dims[:-1], dims[1:])])
-        self.double()
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 def test_hamiltonian_terms_give_the_hamiltonian_of_the_captured_step():
     """At the anchor, H = sum_n p_{n+1} . x_{n+1} (the proximal term is zero), one term per
     block and micro-batch, each weighted 1 / micro-batches."""
-    model = _Chain()
+    model = DeepLinear()
     x = torch.randn(7, 5, dtype=torch.float64)
     y = torch.randn(7, 3, dtype=torch.float64)
 

@@ -21,7 +21,7 @@ from lalr_lightning.core.model.layers import block_layers
 from lalr_lightning.core.model.taps import BlockTaps
 from lalr_lightning.core.selection import msa
 from tests._dist import ddp_spawn
-from tests._toys import MemLogger, ToyMLP, make_data, make_trainer
+from tests._toys import DeepLinear, MemLogger, ToyMLP, make_data, make_trainer
 
 
 @pytest.fixture(autouse=True)
@@ -34,21 +34,6 @@ def _one_thread():
 
 
 # ============================================================================ helpers
-
-
-class DeepLinear(nn.Module):
-    """``x_{n+1} = theta_n x_n`` (the paper's sec. 3 network), float64."""
-
-    def __init__(self, dims, seed=0):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.layers = nn.ModuleList([nn.Linear(a, b, bias=False) for a, b in zip(dims[:-1], dims[1:])])
-        self.double()
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 def _linear_setup(K, dims=(5, 6, 4, 7, 3), seed=0):
