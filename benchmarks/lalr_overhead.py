@@ -19,7 +19,10 @@ steadier number):
 * ``epoch+LALR``: the same epoch with ``LALRScheduleCallback`` (metrics at the epoch start and
   the per-layer LR split at every step);
 
-and the ratios ``metrics / epoch`` and ``epoch+LALR / epoch``. Real epochs are far longer than
+and the ratios ``metrics / epoch`` and ``epoch+LALR / epoch``. The same epochs are also rebuilt from
+their steps -- the epoch-start interval (where LALR decides) plus the median step times the
+number of steps -- which leaves out the spikes that make two identical epochs differ by several
+per cent on a shared host. Real epochs are far longer than
 these few hundred examples (SST-2 has 67k sentences, CIFAR-100 50k images) while the metric
 cost does not depend on the data, so the real overhead is smaller by that factor.
 
@@ -32,6 +35,7 @@ import argparse
 import logging
 import os
 import random
+import statistics
 import time
 import warnings
 
@@ -47,30 +51,46 @@ from lalr_lightning.core.spectral.lalr_metrics import lalr_metrics, lalr_multipl
 
 
 class EpochClock(Callback):
-    """Wall and CPU seconds of the training epoch, from its start hooks to its end."""
+    """Wall and CPU seconds of the training epoch, from its start hooks to its end, and the wall
+    time between consecutive batch starts (the first interval holds the epoch-start work, an
+    LALR decision included)."""
 
     def on_train_epoch_start(self, trainer, pl_module):
         self.t0 = (time.perf_counter(), time.process_time())
+        self.marks = [self.t0[0]]
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx > 0:
+            self.marks.append(time.perf_counter())
 
     def on_train_epoch_end(self, trainer, pl_module):
         if torch.cuda.is_available() and pl_module.device.type == "cuda":
             torch.cuda.synchronize()  # the epoch's kernels are part of its time
         self.wall = time.perf_counter() - self.t0[0]
         self.cpu = time.process_time() - self.t0[1]
+        self.marks.append(time.perf_counter())
+        self.steps = [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
 ACCELERATOR = "cpu"
 
 
-def one_epoch(make_model, loader, extra=()) -> tuple[float, float]:
-    """(wall, cpu) of one training epoch of a fresh model. The clock callback goes first, so an
-    LALR callback's epoch-start work is inside the measured time."""
+def one_epoch(make_model, loader, extra=()) -> tuple[float, float, list[float]]:
+    """(wall, cpu, per-step wall times) of one training epoch of a fresh model. The clock callback
+    goes first, so an LALR callback's epoch-start work is inside the measured time."""
     clock = EpochClock()
     trainer = pl.Trainer(max_epochs=1, accelerator=ACCELERATOR, devices=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                          callbacks=[clock, *extra])
     trainer.fit(make_model(), train_dataloaders=loader)
-    return clock.wall, clock.cpu
+    return clock.wall, clock.cpu, clock.steps
+
+
+def by_medians(runs: list[tuple]) -> float:
+    """An epoch's wall time rebuilt from its steps, the spikes of a shared machine left out: its
+    first interval (the epoch-start work) plus the median of the others times their count; the
+    best over the runs."""
+    return min(steps[0] + statistics.median(steps[1:]) * (len(steps) - 1) for _, _, steps in runs)
 
 
 def per_layer_groups(model):
@@ -153,6 +173,14 @@ def report(name: str, make_model, loader, repeats: int, epochs: int = 1) -> None
           f"{again[0] / epoch[0]:11.3f} {again[1] / epoch[1]:10.3f}")
     print(f"  {'LALR / one group per layer':28s} {'':8s} {'':8s} {with_cb[0] / split[0]:11.3f} "
           f"{with_cb[1] / split[1]:10.3f}")
+    # the same arms from their step times (median step x steps + the epoch-start interval)
+    med = {k: by_medians(v) for k, v in runs.items()}
+    print(f"  by median steps (wall s):    none {med['none']:.2f}, again {med['again']:.2f} "
+          f"({med['again'] / med['none']:.3f}x), LALR {med['lalr']:.2f} ({med['lalr'] / med['none']:.3f}x), "
+          f"one group per layer {med['groups']:.2f} ({med['groups'] / med['none']:.3f}x)")
+    first = {k: min(r[2][0] for r in v) for k, v in runs.items()}
+    print(f"  epoch-start interval (s):    none {first['none']:.3f}, LALR {first['lalr']:.3f} "
+          f"(its decision: {first['lalr'] - first['none']:.3f} s)")
 
 
 def main() -> None:

@@ -21,9 +21,13 @@ bookkeeping: the goal is at most 1.05), the decision steps' count and mean time 
 median, the callback's **own time** on those steps (the time spent inside its Lightning hooks and
 inside the optimizer hooks of ``LayerControl``: masks, the stretch of the update, post-step
 transforms) / the no-callback median, and the whole epoch / the no-callback epoch. The own time
-tells the bookkeeping from what the method changes in the optimizer's arithmetic (a pruned
+tells the callback's work from what the method changes in the optimizer's arithmetic (a pruned
 model's Adam state is zero at the masked entries, and a CPU's vectorised ``sqrt`` is about twice
-as slow on zeros). L-MSA's Hamiltonian update (``update="msa"``:
+as slow on zeros). The own time is split in two by one more run of each callback, whose torch
+calls that read or write tensor data are timed (a ``TorchFunctionMode``; attribute reads, sizes
+and views are not such calls): **tensor ops**, the arithmetic the method asks for (the pull
+toward ``theta_0``, the stretch of the update, the masks), and **bookkeeping**, the rest (the
+Python around them: the goal is at most 0.05x). L-MSA's Hamiltonian update (``update="msa"``:
 the selected blocks move by its own inner optimizer after every step; the module's optimizer
 trains nothing there) is the method's own computation: its time is shown apart, and the ratio
 without it.
@@ -47,6 +51,7 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
 
 WIDTH, BLOCKS, IN, CLASSES, BATCH = 64, 24, 16, 4, 4
 #: the process's CPU time (one torch thread, no loader workers: all of a step's work is counted, and
@@ -148,16 +153,46 @@ STEP_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward",
               "on_before_zero_grad", "on_train_batch_end")
 
 
+#: torch calls that read no tensor data: attribute reads, sizes, views, the grad mode
+NO_DATA = frozenset({
+    "__get__", "__set__", "size", "dim", "numel", "element_size", "data_ptr", "is_contiguous", "stride",
+    "storage_offset", "untyped_storage", "is_floating_point", "detach", "view", "view_as", "reshape", "unbind",
+    "split", "flatten", "unsqueeze", "squeeze", "expand", "expand_as", "t", "as_strided", "__getitem__",
+    "__len__", "__iter__", "__hash__", "requires_grad_", "_set_grad_enabled", "promote_types",
+})
+
+
+class TensorOps(TorchFunctionMode):
+    """Adds the time spent inside torch calls that read or write tensor data (the arithmetic a
+    callback asks for) to ``clock.ops``; its own dispatch is outside the timed window."""
+
+    def __init__(self, clock):
+        super().__init__()
+        self.clock = clock
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in NO_DATA:
+            return func(*args, **(kwargs or {}))
+        t = CLOCK()
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.clock._ops += CLOCK() - t
+
+
 class Clock(Callback):
     """Per-step wall times, which steps the watched callback decided in, and the time spent in
     its own code on each step (its step hooks and LayerControl's optimizer hooks)."""
 
-    def __init__(self, watched):
+    def __init__(self, watched, count_ops: bool = False):
         self.watched = watched
+        self.count_ops = count_ops  # also time the tensor operations inside the own code (TensorOps)
         self.marks: list[float] = []
         self.deciding: list[bool] = []
         self.own: list[float] = []
-        self._own = 0.0
+        self.ops: list[float] = []
+        self._own = self._ops = 0.0
+        self._depth = 0
         self._decided = False
         self.outside = 0  # decisions taken outside the epoch's steps (at fit start)
         if watched is not None:
@@ -175,11 +210,18 @@ class Clock(Callback):
 
     def timed(self, fn):
         def run(*a, **k):
+            if self._depth:  # a hook inside another: counted there
+                return fn(*a, **k)
+            self._depth += 1
             t = CLOCK()
             try:
-                return fn(*a, **k)
+                if not self.count_ops:
+                    return fn(*a, **k)
+                with TensorOps(self):
+                    return fn(*a, **k)
             finally:
                 self._own += CLOCK() - t
+                self._depth -= 1
 
         return run
 
@@ -188,7 +230,8 @@ class Clock(Callback):
         if len(self.marks) > 1:  # the step that just ended
             self.deciding.append(self._decided or getattr(self.watched, "_measuring", False))
             self.own.append(self._own)
-        self._own = 0.0
+            self.ops.append(self._ops)
+        self._own = self._ops = 0.0
         self._decided = getattr(self.watched, "_measuring", False)
 
     def on_train_epoch_start(self, trainer, pl_module):
@@ -209,17 +252,18 @@ class End(Callback):
         self.clock.mark()
 
 
-def run(factory, steps: int, accelerator: str = "cpu", per_layer: bool = False) -> dict:
+def run(factory, steps: int, accelerator: str = "cpu", per_layer: bool = False, count_ops: bool = False) -> dict:
     cb = factory()
-    clock = Clock(cb)
+    clock = Clock(cb, count_ops)
     msa = []
     if cb is not None and hasattr(cb, "_msa_update"):  # L-MSA's Hamiltonian update, timed apart
         inner = cb._msa_update
 
         def timed(*a, **k):
-            t = CLOCK()
+            t, ops = CLOCK(), clock._ops
             inner(*a, **k)
             msa.append(CLOCK() - t)
+            clock._ops = ops  # its arithmetic is the update's, not the bookkeeping's
 
         cb._msa_update = timed
     cbs = [clock] + ([cb] if cb is not None else []) + [End(clock)]
@@ -239,7 +283,8 @@ def run(factory, steps: int, accelerator: str = "cpu", per_layer: bool = False) 
             setattr(LayerControl, k, fn)
     times = [b - a for a, b in zip(clock.marks, clock.marks[1:])]
     assert len(times) == steps == len(clock.deciding), (len(times), steps, len(clock.deciding))
-    return {"times": times, "deciding": clock.deciding, "msa": msa, "outside": clock.outside, "own": clock.own}
+    return {"times": times, "deciding": clock.deciding, "msa": msa, "outside": clock.outside, "own": clock.own,
+            "ops": clock.ops if count_ops else None}
 
 
 def _where(accelerator: str) -> str:
@@ -291,13 +336,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for name, factory in table.items():  # interleaved: one of each, then again
             got[name].append(run(factory, args.steps, args.accelerator, per_layer=name == PER_LAYER))
     stats = {k: summarize(v) for k, v in got.items()}
+    # one more run of each callback with its tensor operations timed (TensorOps' dispatch would
+    # weigh on the timed runs' own time): the own time's arithmetic, the rest is bookkeeping
+    for name, factory in table.items():
+        if name not in ("none", PER_LAYER, AGAIN):
+            r = run(factory, args.steps, args.accelerator, count_ops=True)
+            stats[name]["ops"] = statistics.median(o for o, d in zip(r["ops"], r["deciding"]) if not d)
     base = stats["none"]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); {BLOCKS} residual blocks of two "
           f"{WIDTH}x{WIDTH} Linear (50 matrices), batch {BATCH}, AdamW, {args.steps} steps, best of {args.repeats}, "
           f"interleaved in one process, {args.clock} time, {_where(args.accelerator)}")
     print(f"no callback: {1e3 * base['other']:.3f} ms per step, {base['total']:.2f} s per epoch")
     groups = stats.get(PER_LAYER)
-    head = (f"| {'callback':40s} | {'other steps / none':>18s} | {'own time / none':>15s} | {'/ per-layer groups':>18s} | "
+    head = (f"| {'callback':40s} | {'other steps / none':>18s} | {'own time / none':>15s} | "
+            f"{'tensor ops / none':>17s} | {'bookkeeping / none':>18s} | {'/ per-layer groups':>18s} | "
             f"{'decision steps':>22s} | "
             f"{'decision step / none':>20s} | {'epoch / none':>12s} | {'msa update ms':>13s} |")
     print(head)
@@ -308,6 +360,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             continue
         row = {"callback": name, "other": s["other"] / base["other"], "n_decide": s["n_decide"],
                "own": s["own"] / base["other"],
+               "ops": s.get("ops", float("nan")) / base["other"],
+               "bookkeeping": (s["own"] - s["msa"] - s.get("ops", float("nan"))) / base["other"],
                "outside": s["outside"],
                "decide": s["decide"] / base["other"], "total": s["total"] / base["total"], "msa_ms": 1e3 * s["msa"]}
         if s["msa"]:
@@ -324,10 +378,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         dec = f"{row['decide']:.1f}x" if s["n_decide"] else "-"
         msa = f"{row['msa_ms']:.3f}" if s["msa"] else "-"
         n = f"{s['n_decide']}" + (f" (+{s['outside']} at fit start)" if s["outside"] else "")
-        own = f"{row['own']:.3f}x" if name not in (PER_LAYER, AGAIN) else "-"
+        own = ops = keep = "-"
+        if name not in (PER_LAYER, AGAIN):
+            own, ops, keep = f"{row['own']:.3f}x", f"{row['ops']:.3f}x", f"{row['bookkeeping']:.3f}x"
         if "other_without_msa" in row:  # the Hamiltonian update runs inside its hooks
             own = f"{(s['own'] - s['msa']) / base['other']:.3f}x + msa"
-        print(f"| {name:40s} | {other:>18s} | {own:>15s} | {per_layer:>18s} | {n:>22s} | {dec:>20s} | {row['total']:11.3f}x | {msa:>13s} |",
+        print(f"| {name:40s} | {other:>18s} | {own:>15s} | {ops:>17s} | {keep:>18s} | {per_layer:>18s} | {n:>22s} | {dec:>20s} | {row['total']:11.3f}x | {msa:>13s} |",
               flush=True)
     return rows
 

@@ -127,7 +127,13 @@ def test_step_overhead_quick_prints_every_row(capsys):
     for name, r in rows.items():
         assert f"| {name}" in out and r["other"] > 0 and r["total"] > 0, name
         if name not in (bench.PER_LAYER, bench.AGAIN):  # its own hooks' time: a part of each of its steps
-            assert 0 < r["own"] < r["other"], name
+            assert 0 < r["own"] < r["other"] and r["ops"] >= 0, name
+            if "other_without_msa" not in r:  # the own time less its tensor operations
+                assert r["bookkeeping"] == pytest.approx(r["own"] - r["ops"]), name
+    # the tensor operations: the pull and the stretch of the update run some on every step; a
+    # LayerLRMultiplier of two patterns splits the groups on a CPU, which is no tensor operation
+    assert rows["ProximalRegularizer (lam=1)"]["ops"] > 0 and rows["LALR (one decision)"]["ops"] > 0
+    assert rows["LayerLRMultiplier"]["ops"] == 0
     assert rows["LALR (one decision)"]["n_decide"] == 1  # its epoch-start decision falls in the first step
     assert rows["AutoRGN"]["n_decide"] == 1
     # the methods that give layers their own LR are also set against one AdamW group per layer
