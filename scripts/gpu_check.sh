@@ -14,4 +14,4 @@ python3 -c "import torch, lightning, transformers; print('torch', torch.__versio
 timeout "${LANE_S:-240}" python3 -m pytest -m gpu tests/gpu -p no:cacheprovider -n 4 -rfEs 2>&1 | tee "$OUT/gpu_lane.log" | tail -30
 timeout 90 python3 benchmarks/sparse24.py 2>&1 | tee "$OUT/sparse24.log"
 timeout 120 python3 benchmarks/lalr_overhead.py --workloads resnet18 --accelerator gpu --image-n 50000 --epochs 2 --repeats 2 2>&1 | tee "$OUT/lalr_overhead.log"
-timeout 120 python3 benchmarks/step_overhead.py --accelerator gpu --clock wall --steps 200 --repeats 2 2>&1 | tee "$OUT/step_overhead.log"
+timeout 180 python3 benchmarks/step_overhead.py --accelerator gpu --clock wall --steps 200 --repeats 2 2>&1 | tee "$OUT/step_overhead.log"
