@@ -111,6 +111,12 @@ _OPTIMIZERS = {
     "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5, centered=True, weight_decay=1e-2),
     "adadelta": lambda ps: torch.optim.Adadelta(ps, lr=0.5, weight_decay=1e-2),
     "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1, weight_decay=1e-2),
+    # the implementations a flag picks step the same update: fused and grouped kernels, maximize,
+    # a tensor LR
+    "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+    "adam_foreach": lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True),
+    "adamw_tensor_lr": lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(1e-2), foreach=False),
+    "sgd_fused_maximize": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, maximize=True, fused=True),
 }
 
 
