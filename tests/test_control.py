@@ -216,6 +216,43 @@ def test_rescaling_follows_frozen_masked_and_moved_parameters():
     assert before[0].dtype == torch.float64
 
 
+@pytest.mark.parametrize("path", ["rescale", "split"])
+def test_a_group_added_mid_fit_gets_its_layers_multipliers_and_freezing(path, monkeypatch):
+    """``optimizer.add_param_group`` mid-fit (Lightning's BackboneFinetuning unfreezes that way):
+    the added parameters step at lr x their multiplier, a frozen one stays, on either path."""
+    import lalr_lightning.core.runtime.control as control
+
+    if path == "split":  # a split is chosen whatever it adds (bf16 weights, an unknown optimizer)
+        monkeypatch.setattr(control, "SPLIT_GROUP_TENSORS", 0)
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    b = copy.deepcopy(a)
+    mults = {0: 0.5, 1: 2.0, 2: 3.0}
+    opt_a = torch.optim.SGD([*a[1].parameters(), *a[2].parameters()], lr=0.1, momentum=0.9)
+    ctl = LayerControl.of(opt_a)
+    # set while the backbone is in no optimizer yet: kept for when it joins
+    ctl.set_multipliers("t", {p: mults[i] for i in mults for p in a[i].parameters()})
+    ctl.set_frozen("f", [a[0].bias])
+    opt_b = torch.optim.SGD([{"params": list(b[i].parameters()), "lr": 0.1 * mults[i]} for i in (1, 2)],
+                            lr=0.1, momentum=0.9)
+    x = torch.randn(8, 4)
+    weight, bias = a[0].weight.detach().clone(), a[0].bias.detach().clone()
+    for step in range(5):
+        if step == 2:
+            opt_a.add_param_group({"params": list(a[0].parameters())})
+            opt_b.add_param_group({"params": [b[0].weight], "lr": 0.1 * mults[0]})
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+    assert not torch.equal(a[0].weight, weight)
+    for pa, pb in zip([a[0].weight, *a[1].parameters(), *a[2].parameters()],
+                      [b[0].weight, *b[1].parameters(), *b[2].parameters()]):
+        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
+    assert torch.equal(a[0].bias, bias) and len(opt_a.param_groups) == 2
+    assert ctl.effective_lr(a[0].weight) == pytest.approx(0.05) and ctl.effective_lr(a[0].bias) == 0.0
+
+
 # ----------------------------------------------------------------------------- masks
 
 

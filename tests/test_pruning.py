@@ -198,6 +198,21 @@ def test_pruned_weights_stay_zero_through_training(opt, when):
     assert set(model.state_dict()) == keys  # no weight_orig / weight_mask
 
 
+class HeadOnlyMLP(ToyMLP):
+    def configure_optimizers(self):  # the backbone stays frozen: only the head is in the optimizer
+        return torch.optim.SGD(self.net[6].parameters(), lr=0.05)
+
+
+def test_layers_no_optimizer_holds_are_pruned_too():
+    model = HeadOnlyMLP()
+    pruner = HTSRPruning(target_sparsity=0.5, epsilon=0.0)
+    _trainer([pruner], max_epochs=1).fit(model)
+    assert set(pruner.ratios) == {"net.0", "net.2", "net.4"}
+    for name, keep in pruner.masks.items():
+        assert torch.all(_params(model)[name][~keep] == 0) and (~keep).any()
+    assert pruner.overall_sparsity() == pytest.approx(0.5, abs=0.01)
+
+
 class DriftSGD(torch.optim.SGD):
     """An update that moves every weight whatever its gradient (as decoupled noise or a
     proximal pull inside the step would): only the post-step mask can keep pruned weights zero."""

@@ -132,13 +132,13 @@ class LayerControl:
         self._params: dict[int, nn.Parameter] = {}
         self._saved_groups: list[dict] | None = None
         self._split_runs: list[tuple[int, list[nn.Parameter], float]] = []
-        self._split_cache: tuple[int, list[tuple[int, list[nn.Parameter], float]]] | None = None
+        self._split_cache: tuple[tuple, list[tuple[int, list[nn.Parameter], float]]] | None = None
         # the rescaling path: per device and dtype (params, their copies before the step, 1 - m)
         self._rescale_cache: tuple[tuple, list[_Rescale] | None] | None = None
         self._rescaling: list[_Rescale] | None = None  # the plan of the step under way
         # per version (bumped by every owner's change): the frozen ids, whether any multiplier is
         # not 1, the masks grouped for the foreach ops, the step's LRs -- nothing rebuilt per step
-        self._plan: tuple[tuple[int, int], frozenset[int], bool] | None = None
+        self._plan: tuple[tuple, frozenset[int], bool] | None = None
         self._frozen_params: list[nn.Parameter] = []
         self._mask_groups: tuple[int, list[tuple[list[nn.Parameter], list[torch.Tensor]]]] | None = None
         self._lrs_cache: tuple[tuple, dict[int, float]] | None = None
@@ -216,13 +216,11 @@ class LayerControl:
         multipliers: Mapping[nn.Parameter, float],
         names: Mapping[nn.Parameter, str] | None = None,
     ) -> None:
-        """Replace ``owner``'s multipliers. Parameters this optimizer does not hold are ignored
-        (a model with several optimizers gets one controller each)."""
-        owned = self._owned()
+        """Replace ``owner``'s multipliers. Parameters this optimizer does not hold yet are kept
+        for when ``add_param_group`` brings them (a model with several optimizers gets one
+        controller each; each steps only its own)."""
         table: dict[int, float] = {}
         for p, m in multipliers.items():
-            if id(p) not in owned:
-                continue
             m = float(m)
             if not math.isfinite(m) or m < 0:
                 name = (names or {}).get(p, self._names.get(id(p), "?"))
@@ -234,19 +232,16 @@ class LayerControl:
 
     def name_params(self, names: Mapping[nn.Parameter, str]) -> None:
         """Report these parameters' effective LRs under these (layer) names."""
-        owned = self._owned()
         for p in names:
-            if id(p) in owned:
-                self._adopt(p, names)
+            self._adopt(p, names)
 
     def set_frozen(self, owner: str, params: Iterable[nn.Parameter], names: Mapping[nn.Parameter, str] | None = None) -> None:
-        """Replace the set of parameters ``owner`` keeps frozen."""
-        owned = self._owned()
+        """Replace the set of parameters ``owner`` keeps frozen (one this optimizer does not hold
+        yet stays frozen when it joins)."""
         ids = set()
         for p in params:
-            if id(p) in owned:
-                ids.add(id(p))
-                self._adopt(p, names)
+            ids.add(id(p))
+            self._adopt(p, names)
         self._frozen[owner] = ids
         self._version += 1
 
@@ -263,13 +258,11 @@ class LayerControl:
 
         The masked weights are zeroed now and after every later step; with ``zero_state`` the
         optimizer's per-parameter state (momentum buffers, Adam moments) is zeroed at the masked
-        entries too, so a weight pruned mid-training gets no update from old momentum.
+        entries too, so a weight pruned mid-training gets no update from old momentum. A weight
+        no optimizer holds (a frozen backbone left out of it) is pruned and kept pruned too.
         """
-        owned = self._owned()
         table: dict[int, torch.Tensor] = {}
         for p, keep in masks.items():
-            if id(p) not in owned:
-                continue
             if tuple(keep.shape) != tuple(p.shape):
                 name = (names or {}).get(p, "?")
                 raise ValueError(f"{owner}: the mask of {name!r} has shape {tuple(keep.shape)}, the "
@@ -507,7 +500,8 @@ class LayerControl:
     def _partition(self, groups: list[dict]) -> list[tuple[int, list[nn.Parameter], float]]:
         """(group index, params, multiplier) runs, params in their original order. Cached until
         an owner changes something."""
-        if self._split_cache is not None and self._split_cache[0] == self._version:
+        key = (self._version, _layout(groups))
+        if self._split_cache is not None and self._split_cache[0] == key:
             return self._split_cache[1]
         runs: list[tuple[int, list[nn.Parameter], float]] = []
         for gi, g in enumerate(groups):
@@ -516,7 +510,7 @@ class LayerControl:
                 by_mult.setdefault(self.multiplier(p), []).append(p)
             for m, ps in by_mult.items():
                 runs.append((gi, ps, m))
-        self._split_cache = (self._version, runs)
+        self._split_cache = (key, runs)
         return runs
 
     def _before_step(self, optimizer, args, kwargs):
@@ -583,7 +577,7 @@ class LayerControl:
     def _rescale_plan(self, optimizer) -> list[_Rescale] | None:
         """The rescaling path's plan (module docstring), or None where the split must be used;
         once per change of the owners, and again when the model moved."""
-        key = (self._version, len(optimizer.param_groups))
+        key = (self._version, _layout(optimizer.param_groups))
         cached = self._rescale_cache
         if cached is not None and cached[0] == key and all(
                 ps[0].device == cs[0].device and ps[0].dtype == cs[0].dtype for ps, cs, _ in cached[1] or ()):
@@ -630,9 +624,9 @@ class LayerControl:
 
         return [(ps, [copy_of(p) for p in ps], ws) for ps, ws in by_place.values()]
 
-    def _step_plan(self) -> tuple[tuple[int, int], frozenset[int], bool]:
+    def _step_plan(self) -> tuple[tuple, frozenset[int], bool]:
         """(key, ids of frozen parameters, whether any multiplier is not 1), once per change."""
-        key = (self._version, len(self._groups()))
+        key = (self._version, _layout(self._groups()))
         if self._plan is None or self._plan[0] != key:
             frozen = frozenset().union(*self._frozen.values()) if self._frozen else frozenset()
             self._frozen_params = [p for g in self._groups() for p in g["params"] if id(p) in frozen]
@@ -645,7 +639,7 @@ class LayerControl:
         dict while neither the owners nor the scheduled LRs change."""
         _, frozen, _ = self._step_plan()
         split = self._saved_groups is not None
-        key = (self._version, split, tuple(float(g["lr"]) for g in optimizer.param_groups))
+        key = (self._version, split, _layout(optimizer.param_groups), tuple(float(g["lr"]) for g in optimizer.param_groups))
         if self._lrs_cache is not None and self._lrs_cache[0] == key:
             return self._lrs_cache[1]
         out = {}
@@ -689,6 +683,12 @@ class LayerControl:
                     orig[k] = v
         opt.param_groups = self._saved_groups
         self._saved_groups = None
+
+
+def _layout(groups: list[dict]) -> tuple[int, ...]:
+    """The number of parameters in each group: what the plans are cached for besides the owners'
+    version (``add_param_group`` mid-fit adds a group, a hand-made change may add parameters)."""
+    return tuple(len(g["params"]) for g in groups)
 
 
 def set_requires_grad(params: Iterable[nn.Parameter], flag: bool) -> None:
