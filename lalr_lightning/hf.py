@@ -366,7 +366,7 @@ class _Session:
             cb._batch_start(self.host, inputs)
         loss = inner(model, inputs, *args, **kwargs)
         for cb in self.methods:
-            cb.after_backward(self.host)
+            cb._after_backward(self.host)
         self.last = (loss, inputs)
         return loss
 

@@ -213,6 +213,28 @@ def test_layers_no_optimizer_holds_are_pruned_too():
     assert pruner.overall_sparsity() == pytest.approx(0.5, abs=0.01)
 
 
+class OneOverflowMLP(ToyMLP):
+    def training_step(self, batch, batch_idx):  # one batch whose gradients overflow: the scaler skips its step
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("inf") if batch_idx == 2 else loss
+
+
+def test_a_step_the_grad_scaler_skips_leaves_the_next_steps_gradients_masked():
+    from lightning.pytorch.plugins import MixedPrecision
+
+    model = OneOverflowMLP(opt="sgd")
+    pruner = HTSRPruning(target_sparsity=0.5)
+    scaler = torch.amp.GradScaler("cpu")  # Lightning gives a CPU run no scaler; a GPU fp16 run has one
+    _trainer([pruner], max_epochs=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)]).fit(model)
+    assert scaler.get_scale() < 2.0**16  # the overflow was seen and its step skipped
+    opt = model.trainer.optimizers[0]
+    for name, keep in pruner.masks.items():
+        p = _params(model)[name]
+        assert torch.all(p[~keep] == 0)
+        # no masked gradient reached the optimizer (nor the clipping) after the skipped step
+        assert not opt.state[p]["momentum_buffer"][~keep].any(), name
+
+
 class DriftSGD(torch.optim.SGD):
     """An update that moves every weight whatever its gradient (as decoupled noise or a
     proximal pull inside the step would): only the post-step mask can keep pruned weights zero."""

@@ -446,6 +446,13 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         if self.logs_lr:
             self.log_effective_lrs(host)
 
+    def _after_backward(self, host: Host) -> None:
+        for opt in host.optimizers or []:  # new gradients: masked entries go again before the next step
+            ctl = LayerControl.existing(opt)
+            if ctl is not None:
+                ctl.gradients_changed()
+        self.after_backward(host)
+
     def _before_step(self, host: Host, optimizer: Any) -> None:
         # gradients are final (unscaled, all-reduced) and not yet clipped: masked entries go now
         ctl = LayerControl.existing(optimizer)

@@ -284,7 +284,7 @@ class LightningHooks(Callback):
         self._batch_start(self._host(trainer, pl_module), batch)
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.after_backward(self._host(trainer, pl_module))
+        self._after_backward(self._host(trainer, pl_module))
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
         self._before_step(self._host(trainer, pl_module), optimizer)

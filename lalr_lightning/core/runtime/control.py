@@ -457,6 +457,12 @@ class LayerControl:
                 torch._foreach_mul_(list(grads), list(ks))
         self._grads_masked = True
 
+    def gradients_changed(self) -> None:
+        """A backward ran: the next :meth:`mask_gradients` masks again. The step clears its
+        once-per-step mark too, but a step the mixed-precision scaler skips (an overflow) never
+        comes, and the next step's gradients would reach clipping and the optimizer unmasked."""
+        self._grads_masked = False
+
     @torch.no_grad()
     def apply_masks(self) -> None:
         """Zero every masked weight now (one ``torch._foreach_mul_`` per device and dtype)."""
