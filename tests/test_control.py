@@ -253,6 +253,122 @@ def test_a_group_added_mid_fit_gets_its_layers_multipliers_and_freezing(path, mo
     assert ctl.effective_lr(a[0].weight) == pytest.approx(0.05) and ctl.effective_lr(a[0].bias) == 0.0
 
 
+@pytest.mark.parametrize("path", ["rescale", "split"])
+def test_a_step_that_raised_and_was_caught_leaves_no_trace_on_the_next_steps(path, monkeypatch):
+    """A user who catches an optimizer error and goes on (skip the batch): the next steps take
+    fresh copies and the user's groups, as a per-layer-group optimizer does."""
+    import lalr_lightning.core.runtime.control as control
+
+    monkeypatch.setattr(control, "SPLIT_GROUP_TENSORS", 0 if path == "split" else 10**9)
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    b = copy.deepcopy(a)
+    opt_a = torch.optim.Adam(a.parameters(), lr=0.1)
+    ctl = LayerControl.of(opt_a)
+    ctl.set_multipliers("t", {a[0].weight: 2.0, a[1].weight: 0.5})
+    ctl.set_masks("p", {a[1].weight: torch.rand(2, 4) > 0.3})
+    opt_b = torch.optim.Adam([{"params": [b[0].weight], "lr": 0.2}, {"params": [b[1].weight], "lr": 0.05},
+                              {"params": [b[0].bias, b[1].bias], "lr": 0.1}])
+    b[1].weight.data.mul_(a[1].weight != 0)
+    x = torch.randn(8, 4)
+    for step in range(5):
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            if step == 2:  # Adam refuses a sparse gradient, after the step began
+                model[0].weight.grad = model[0].weight.grad.to_sparse()
+                with pytest.raises(RuntimeError, match="sparse"):
+                    opt.step()
+                with torch.no_grad():  # the caller goes back to weights it trusts
+                    for p in model.parameters():
+                        p.mul_(0.9)
+                continue
+            if model is b:
+                b[1].weight.grad.mul_(a[1].weight != 0)
+            opt.step()
+            if model is b:
+                b[1].weight.data.mul_(a[1].weight != 0)
+        assert len(opt_a.param_groups) == (3 if step == 2 and path == "split" else 1)  # until the next step
+    ctl_path = "rescale" if ctl._rescale_cache[1] else "split"
+    assert ctl_path == path
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
+
+
+class SkipOnErrorMLP(ToyMLP):
+    """Manual optimization that skips a batch whose step raises; per-layer groups at lr x m when
+    ``mults`` are given (the oracle), the user's one group otherwise."""
+
+    def __init__(self, mults=None, **kw):
+        super().__init__(**kw)
+        self.mults = mults
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(nn.functional.cross_entropy(self(batch[0]), batch[1]))
+        if batch_idx == 2:  # Adam refuses a sparse gradient, after the step began
+            self.net[0].weight.grad = self.net[0].weight.grad.to_sparse()
+        try:
+            opt.step()
+        except RuntimeError as e:
+            assert "sparse" in str(e)
+
+    def on_train_batch_end(self, *args):
+        # after the callbacks' own, which gave the groups back; a scheduler stepped inside
+        # training_step, before that, would still see the split (not handled)
+        self.lr_schedulers().step()
+
+    def configure_optimizers(self):
+        if self.mults is None:
+            groups = [{"params": list(self.parameters())}]
+        else:
+            groups = [{"params": list(self.net[int(k[-1])].parameters()), "lr": 0.05 * m} for k, m in self.mults.items()]
+            groups.append({"params": [p for i in (4, 6) for p in self.net[i].parameters()]})
+        opt = torch.optim.Adam(groups, lr=0.05)
+        return [opt], [torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.8**step)]
+
+
+@pytest.mark.parametrize("path", ["rescale", "split"])
+def test_a_caught_step_error_in_manual_optimization_leaves_the_scheduler_the_users_groups(path, monkeypatch):
+    import lalr_lightning.core.runtime.control as control
+
+    monkeypatch.setattr(control, "SPLIT_GROUP_TENSORS", 0 if path == "split" else 10**9)
+    mults = {"net.0": 2.0, "net.2": 0.5}
+    a, b = SkipOnErrorMLP(), SkipOnErrorMLP(mults)
+    _trainer([LayerLRMultiplier(mults)], max_epochs=1).fit(a)
+    _trainer([], max_epochs=1).fit(b)
+    assert len(a.trainer.optimizers[0].param_groups) == 1
+    for pa, pb in zip(a.parameters(), b.parameters()):  # Adam's 1/sqrt(v) magnifies the stretch's rounding
+        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-5)
+
+
+class StepFailsMLP(ToyMLP):
+    def on_before_optimizer_step(self, optimizer):
+        if self.global_step == 2:
+            self.net[0].weight.grad = self.net[0].weight.grad.to_sparse()  # the step will raise
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.05)
+
+
+def test_a_checkpoint_saved_on_an_optimizer_error_holds_the_users_groups(tmp_path, monkeypatch):
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    import lalr_lightning.core.runtime.control as control
+
+    monkeypatch.setattr(control, "SPLIT_GROUP_TENSORS", 0)  # the split
+    model = StepFailsMLP()
+    trainer = _trainer([LayerLRMultiplier({"net.0": 2.0, "net.2": 0.5}), OnExceptionCheckpoint(tmp_path)],
+                       max_epochs=1, enable_checkpointing=True)
+    with pytest.raises(RuntimeError, match="sparse"):
+        trainer.fit(model)
+    saved = torch.load(tmp_path / "on_exception.ckpt", weights_only=False)
+    assert len(saved["optimizer_states"][0]["param_groups"]) == 1
+    assert len(trainer.optimizers[0].param_groups) == 1
+
+
 # ----------------------------------------------------------------------------- masks
 
 

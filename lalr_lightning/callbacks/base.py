@@ -460,6 +460,19 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
             ctl.mask_gradients()
         self.before_step(host, optimizer)
 
+    def _batch_end(self, host: Host, outputs: Any, batch: Any) -> None:
+        # a step that raised and was caught (manual optimization) gives the groups back before the
+        # schedulers step them
+        self._abandon_steps(host)
+        self.after_batch(host, outputs, batch)
+
+    @staticmethod
+    def _abandon_steps(host: Host) -> None:
+        for opt in host.optimizers or []:
+            ctl = LayerControl.existing(opt)
+            if ctl is not None:
+                ctl.abandon_step()
+
     def _end(self, host: Host) -> None:
         self.finish(host)
         host.publish(self, "end")  # the heatmap (unless the last decision logged it), last ESDs, summary

@@ -291,7 +291,11 @@ class LightningHooks(Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self.after_batch(self._host(trainer, pl_module), outputs, batch)
+        self._batch_end(self._host(trainer, pl_module), outputs, batch)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # an optimizer step that raised: its groups back before OnExceptionCheckpoint saves them
+        self._abandon_steps(self._host(trainer, pl_module))
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.after_epoch(self._host(trainer, pl_module))

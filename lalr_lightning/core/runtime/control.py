@@ -522,6 +522,7 @@ class LayerControl:
     def _before_step(self, optimizer, args, kwargs):
         if self._suspended:
             return None
+        self.abandon_step()  # the last step raised after it engaged, and the caller went on
         # With a closure (Lightning's automatic optimization), the gradients only exist once
         # the optimizer has called it, and the user's training_step / on_before_optimizer_step
         # run inside it: engage after the closure, so they all see the user's groups.
@@ -532,6 +533,17 @@ class LayerControl:
             return (self._wrap(optimizer, args[0]), *args[1:]), kwargs
         self._engage(optimizer)
         return None
+
+    def abandon_step(self) -> None:
+        """Put the user's groups back and drop the copies of a step that raised after it engaged
+        (its post-hook never ran): else the next step would step the old split again and stretch
+        from stale copies, and a checkpoint taken meanwhile would hold the split groups. Nothing
+        when no step was left half done."""
+        if self._saved_groups is None and self._rescaling is None:
+            return
+        self._grads_masked = False
+        self._rescaling = None
+        self._restore()
 
     def _wrap(self, optimizer, closure):
         def closure_then_engage():
