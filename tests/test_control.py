@@ -76,6 +76,17 @@ def test_unknown_pattern_lists_layers():
         _trainer([cb], max_epochs=1).fit(ToyMLP())
 
 
+class TiedMLP(ToyMLP):
+    def __init__(self):
+        super().__init__(width=16, d=16)
+        self.net[4].weight = self.net[2].weight  # one matrix, two modules
+
+
+def test_a_pattern_naming_a_tied_module_says_which_layer_holds_its_weight():
+    with pytest.raises(ValueError, match=r"'net\.4' shares its weight with 'net\.2'.*use 'net\.2'"):
+        _trainer([LayerLRMultiplier({"net.0": 2.0, "net.4": 0.5})], max_epochs=1).fit(TiedMLP())
+
+
 def test_lbfgs_refuses_a_split():
     model = ToyMLP()
     opt = torch.optim.LBFGS(model.parameters(), lr=0.1)

@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
 
+import torch
 from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback
 from lalr_lightning.callbacks.host import Host
 from lalr_lightning.choices import unknown
-from lalr_lightning.core.model.layers import find_layers
+from lalr_lightning.core.model.layers import clean_name, find_layers
 
 __all__ = ["LayerLRMultiplier"]
 
@@ -50,9 +51,15 @@ class LayerLRMultiplier(LayerwiseCallback):
         self.patterns = {str(k): float(v) for k, v in patterns.items()}
         self.granularity = granularity
         self.multipliers: dict[str, float] = {}
+        self._tied: dict[str, str] = {}
 
     def configure(self, host: Host, module: nn.Module) -> None:
         self.layers = find_layers(module, self.granularity)
+        # a module whose weight another layer holds (tied) is no layer of its own: say which one
+        owner = {id(p): layer.name for layer in self.layers for p in layer.params.values()}
+        self._tied = {clean_name(raw): owner[id(w)] for raw, mod in module.named_modules()
+                      if isinstance(w := getattr(mod, "weight", None), torch.Tensor) and id(w) in owner
+                      and owner[id(w)] != clean_name(raw)}
         self.early = self.decide([layer.name for layer in self.layers])  # a typo fails here, not silently
 
     def resumed(self, late: bool) -> None:
@@ -63,6 +70,11 @@ class LayerLRMultiplier(LayerwiseCallback):
         values: dict[str, float] = {}
         for pat, m in self.patterns.items():
             if not any(fnmatchcase(n, pat) for n in names):
+                tied = next((t for t in self._tied if fnmatchcase(t, pat)), None)
+                if tied is not None:
+                    raise ValueError(f"pattern {pat!r} matches no layer: {tied!r} shares its weight with "
+                                     f"{self._tied[tied]!r} (tied weights are one layer, named by the module that "
+                                     f"registers them first); use {self._tied[tied]!r}")
                 raise ValueError(f"pattern {pat!r} matches no layer; layers are: {names}")
             values.update({n: m for n in names if fnmatchcase(n, pat) and n not in values})
         return Decision(values=values)
