@@ -52,6 +52,19 @@ def test_kinds_and_tied_weights():
     del transformers
 
 
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "orthogonal"])
+def test_a_parametrized_weight_brings_the_tensors_it_is_computed_from(kind):
+    """torch.nn.utils.parametrize: the layer's weight is computed from ``parametrizations.weight.*``,
+    so those are the layer's parameters (what a multiplier scales and a selection freezes)."""
+    net = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 2))
+    getattr(nn.utils.parametrizations, kind)(net[0])
+    layers = {la.name: la for la in matrix_layers(net)}
+    owned = {id(p) for la in layers.values() for p in la.params.values()}
+    assert owned == {id(p) for p in net.parameters()}  # every parameter in a layer, none twice
+    assert set(layers["0"].params) == {"0.bias", *(f"0.parametrizations.{n}" for n, _ in net[0].parametrizations.named_parameters())}
+    assert layers["0"].weight.shape == (6, 6)
+
+
 def test_names_are_the_same_under_compile_and_ddp_style_wrappers():
     m = torchvision.models.resnet18()
     plain = [layer.name for layer in matrix_layers(m)]

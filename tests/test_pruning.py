@@ -441,6 +441,18 @@ def test_epsilon_pushing_a_ratio_past_the_cap_is_an_error_when_asked():
         _trainer([pruner], max_epochs=1).fit(ToyMLP())
 
 
+def test_a_parametrized_weight_is_left_dense_saying_why():
+    from lalr_lightning.core.pruning.alphapruning import prunable_layers
+
+    model = ToyMLP()
+    torch.nn.utils.parametrizations.weight_norm(model.net[2])
+    keep, excluded = prunable_layers(model, min_evals=2)
+    assert "net.2" not in [la.name for la in keep] and "parametrize" in excluded["net.2"]
+    pruner = HTSRPruning(target_sparsity=0.5, min_evals=2)
+    _trainer([pruner], max_epochs=1).fit(model)
+    assert set(pruner.ratios) == {"net.0", "net.4"} and min(pruner.sparsity.values()) > 0.1
+
+
 def test_layers_too_small_to_prune():
     # some too small: a warning names them and the rest is pruned
     pruner = HTSRPruning(target_sparsity=0.5, min_numel=2000)

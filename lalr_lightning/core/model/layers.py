@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.batch_loss import batch_loss, to_device
@@ -210,7 +211,12 @@ def matrix_layers(
             if not include_frozen and not w.requires_grad:
                 continue
             params = {}
-            for pname, p in mod.named_parameters(recurse=False):
+            # a parametrized weight (weight_norm, spectral_norm, ...) is computed from the tensors
+            # under ``parametrizations``: they are what trains, so they are the layer's
+            own = list(mod.named_parameters(recurse=False))
+            if parametrize.is_parametrized(mod):
+                own += [(f"parametrizations.{n}", p) for n, p in mod.parametrizations.named_parameters()]
+            for pname, p in own:
                 if id(p) in seen:
                     continue
                 seen.add(id(p))

@@ -308,7 +308,8 @@ def prunable_layers(
     Considered: the matrix layers of ``layer_types`` (Linear and convolutions; embeddings only
     when asked, AlphaPruning leaves them dense). Excluded: the model's output layer when
     ``head`` is False (the classifier: AlphaPruning keeps ``lm_head`` dense and channel pruning a
-    head would delete classes), layers whose weight has fewer than ``min_numel`` entries, and
+    head would delete classes), layers whose weight is computed (``torch.nn.utils.parametrize``:
+    weight_norm, spectral_norm), layers whose weight has fewer than ``min_numel`` entries, and
     layers whose ESD has fewer than ``min_evals`` eigenvalues (too few for a power-law fit).
     """
     check_kinds(layer_types)
@@ -325,6 +326,8 @@ def prunable_layers(
     for layer in considered:
         if not head and layer.name == head_name:
             excluded[layer.name] = "classifier head (head=False)"
+        elif not any(p is layer.weight for p in layer.params.values()):
+            excluded[layer.name] = "parametrized weight (torch.nn.utils.parametrize): no mask holds on a computed weight"
         elif layer.weight.numel() < min_numel:
             excluded[layer.name] = f"{layer.weight.numel()} weights < min_numel={min_numel}"
         elif num_eigenvalues(layer) < min_evals:
