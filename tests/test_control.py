@@ -195,6 +195,20 @@ def test_the_split_stays_where_rescaling_would_be_wrong(monkeypatch):
     assert all(torch.equal(pa, pb) for pa, pb in zip(a.parameters(), b.parameters()))
 
 
+def test_a_multiplier_far_above_one_is_stepped_by_the_split(monkeypatch):
+    """The stretch multiplies the rounding of the step by m as well (``m/2`` ulps of the weight
+    instead of half of one): a head at 100x a fine-tuning LR of 1e-5 got its update wrong by
+    5e-4 of itself after 20 AdamW steps. Above RESCALE_MAX_MULTIPLIER the split steps, exactly."""
+    import lalr_lightning.core.runtime.control as control
+
+    monkeypatch.setattr(control, "SPLIT_GROUP_TENSORS", 10**9)  # the stretch wherever it is allowed
+    a, b, ctl, _ = _controlled_vs_per_layer_groups(_OPTIMIZERS["adamw"], [0.5, control.RESCALE_MAX_MULTIPLIER, 1.0])
+    assert ctl._rescale_cache[1] is not None
+    a, b, ctl, _ = _controlled_vs_per_layer_groups(_OPTIMIZERS["adamw"], [0.5, 100.0, 1.0])
+    assert ctl._rescale_cache[1] is None
+    assert all(torch.equal(pa, pb) for pa, pb in zip(a.parameters(), b.parameters()))
+
+
 def test_rescaling_follows_frozen_masked_and_moved_parameters():
     """A frozen parameter is left out of the copies; masks are enforced after the stretch; a
     change of the owners or a parameter moved to another dtype rebuilds the copies."""

@@ -33,7 +33,9 @@ How the multipliers reach the update -- two ways to the same update, chosen per 
   per device and dtype). That is the update at ``lr x m`` whenever the update is linear in the
   LR and the optimizer's state does not depend on it -- true of torch's SGD, Adam, AdamW,
   Adamax, NAdam, RAdam, RMSprop, Adadelta and Adagrad without ``lr_decay`` (:data:`LINEAR_IN_LR`),
-  weight decay included -- up to the rounding of one subtraction (an ulp of the weight). So the
+  weight decay included -- up to rounding: the stretch scales the step's own rounding by ``m``
+  too (about ``(m + 1) / 2`` ulps of the weight instead of half of one), so it is used for
+  multipliers up to :data:`RESCALE_MAX_MULTIPLIER`. So the
   optimizer steps once per group whatever the number of layers: one group per layer costs a
   Python pass per group in every torch optimizer (1.26x a 50-matrix model's step on a CPU).
   It holds a copy of the scaled parameters; it is used when the optimizer is one of
@@ -63,7 +65,8 @@ from torch import nn
 
 from lalr_lightning.core.runtime.placement import follow
 
-__all__ = ["LINEAR_IN_LR", "RESCALE_MAX_BYTES", "SPLIT_GROUP_TENSORS", "LayerControl", "PostStep", "set_requires_grad"]
+__all__ = ["LINEAR_IN_LR", "RESCALE_MAX_BYTES", "RESCALE_MAX_MULTIPLIER", "SPLIT_GROUP_TENSORS", "LayerControl",
+           "PostStep", "set_requires_grad"]
 
 #: torch optimizers whose update is ``lr x`` something the LR does not change (their state
 #: included), so an update at ``lr x m`` is ``m`` times the update at ``lr``; by exact type (a
@@ -79,6 +82,11 @@ SPLIT_GROUP_TENSORS = 7
 #: the largest copy of the scaled parameters the rescaling path keeps; above it the groups are split
 #: (on a model that large a step outweighs the optimizer's pass per group)
 RESCALE_MAX_BYTES = 1 << 30
+#: the largest multiplier the rescaling path stretches by: it stretches the rounding of the step
+#: as well, to about ``(m + 1) / 2`` ulps of the weight (a head at 100x a fine-tuning LR of 1e-5 was
+#: off by 5e-4 of its update after 20 AdamW steps); above it the split steps at ``lr x m`` exactly.
+#: TempBalance's and LALR's multipliers stay well below it
+RESCALE_MAX_MULTIPLIER = 8.0
 
 _ATTR = "_lalr_layer_control"
 
@@ -616,6 +624,8 @@ class LayerControl:
                 m = self.multiplier(p)
                 if m == 1.0 or id(p) in frozen:
                     continue
+                if m > RESCALE_MAX_MULTIPLIER:
+                    return None
                 # a low-precision weight rounds its update before the stretch; a DTensor shard is
                 # left to the split (torch's grouped ops on it are the strategy's business)
                 if p.dtype not in (torch.float32, torch.float64) or type(p.data) is not torch.Tensor:
