@@ -394,6 +394,34 @@ def test_a_checkpoint_saved_on_an_optimizer_error_holds_the_users_groups(tmp_pat
     assert len(trainer.optimizers[0].param_groups) == 1
 
 
+def test_rescaling_follows_part_of_the_model_cast_mid_fit(monkeypatch):
+    """A cast of one layer (not the one a plan is checked by first) re-plans: torch's grouped
+    lerp would refuse the old copies' dtype with an error from deep inside."""
+    import lalr_lightning.core.runtime.control as control
+
+    monkeypatch.setattr(control, "SPLIT_GROUP_TENSORS", 10**9)
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    b = copy.deepcopy(a)
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
+    ctl = LayerControl.of(opt_a)
+    ctl.set_multipliers("t", {**{p: 2.0 for p in a[0].parameters()}, **{p: 3.0 for p in a[1].parameters()}})
+    opt_b = torch.optim.SGD([{"params": list(b[0].parameters()), "lr": 0.2},
+                             {"params": list(b[1].parameters()), "lr": 0.3}], momentum=0.9)
+    x = torch.randn(8, 4)
+    for step in range(4):
+        if step == 2:
+            a[1].double()
+            b[1].double()
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            opt.zero_grad()
+            model[1](model[0](x).to(model[1].weight.dtype)).pow(2).mean().backward()
+            opt.step()
+    assert a[1].weight.dtype == torch.float64 and len(ctl._rescale_cache[1]) == 2  # float32 and float64
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- masks
 
 

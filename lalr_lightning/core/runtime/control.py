@@ -605,8 +605,7 @@ class LayerControl:
         once per change of the owners, and again when the model moved."""
         key = (self._version, _layout(optimizer.param_groups))
         cached = self._rescale_cache
-        if cached is not None and cached[0] == key and all(
-                ps[0].device == cs[0].device and ps[0].dtype == cs[0].dtype for ps, cs, _ in cached[1] or ()):
+        if cached is not None and cached[0] == key and all(_placed_as(ps, cs[0]) for ps, cs, _ in cached[1] or ()):
             return cached[1]
         plan = self._build_rescale(optimizer)
         self._rescale_cache = (key, plan)
@@ -711,6 +710,14 @@ class LayerControl:
                     orig[k] = v
         opt.param_groups = self._saved_groups
         self._saved_groups = None
+
+
+def _placed_as(params: list[nn.Parameter], copy: torch.Tensor) -> bool:
+    """Whether every parameter is still on the device and in the dtype of the plan's copies: a
+    part of the model cast or moved mid-fit (one layer kept in float32) re-plans (about 0.15 us a
+    parameter on a CPU, per step)."""
+    dtype, device = copy.dtype, copy.device
+    return all(p.dtype is dtype and p.device == device for p in params)
 
 
 def _layout(groups: list[dict]) -> tuple[int, ...]:
