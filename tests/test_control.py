@@ -70,6 +70,16 @@ def test_invalid_multiplier_is_a_clear_error():
         ctl.set_multipliers("t", {model.net[0].weight: float("nan")}, {model.net[0].weight: "net.0"})
 
 
+@pytest.mark.parametrize("patterns, match", [
+    ({"net.0": float("inf")}, r"finite.*'net\.0': inf"),
+    ([("net.0", 2.0)], r"patterns=\{glob over layer names: LR factor\}, got a list"),
+    ("net.0", r"patterns=\{glob over layer names: LR factor\}, got a str"),
+])
+def test_layer_lr_multiplier_refuses_bad_patterns_at_construction(patterns, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        LayerLRMultiplier(patterns)
+
+
 def test_unknown_pattern_lists_layers():
     cb = LayerLRMultiplier({"nope*": 2.0})
     with pytest.raises(ValueError, match="net.0"):

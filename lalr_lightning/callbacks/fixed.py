@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
 
@@ -41,11 +42,14 @@ class LayerLRMultiplier(LayerwiseCallback):
                  multipliers: Mapping[str, float] | None = None):
         super().__init__(name=name, strict_resume=strict_resume)
         patterns = self._alias(patterns, multipliers, "multipliers", "patterns")
+        if patterns is not None and not isinstance(patterns, Mapping):
+            raise TypeError("LayerLRMultiplier needs patterns={glob over layer names: LR factor}, got a "
+                            f"{type(patterns).__name__}")
         if not patterns:
             raise ValueError("LayerLRMultiplier needs patterns={glob over layer names: LR factor}")
-        bad = {k: v for k, v in patterns.items() if not (v >= 0)}
+        bad = {k: v for k, v in patterns.items() if not (0 <= v < math.inf)}
         if bad:
-            raise ValueError(f"multipliers must be >= 0, got {bad}")
+            raise ValueError(f"multipliers must be finite and >= 0, got {bad}")
         if granularity not in ("matrix", "block"):
             raise unknown("granularity", granularity, ("matrix", "block"), show=repr)
         self.patterns = {str(k): float(v) for k, v in patterns.items()}
