@@ -97,6 +97,48 @@ def test_a_pattern_naming_a_tied_module_says_which_layer_holds_its_weight():
         _trainer([LayerLRMultiplier({"net.0": 2.0, "net.4": 0.5})], max_epochs=1).fit(TiedMLP())
 
 
+@pytest.mark.parametrize("path", ["rescale", "split"])
+def test_timm_lookahead_steps_its_inner_optimizer_at_lr_times_the_multiplier(path, monkeypatch):
+    """timm's Lookahead skips Optimizer.__init__, so torch's step hooks never run on it: the
+    layer control goes on the optimizer it wraps (whose param_groups it shares)."""
+    import lalr_lightning.core.runtime.control as control
+
+    timm_optim = pytest.importorskip("timm.optim")
+    monkeypatch.setattr(control, "SPLIT_GROUP_TENSORS", 0 if path == "split" else 10**9)
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    b = copy.deepcopy(a)
+    opt_a = timm_optim.Lookahead(torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9), k=3)
+    ctl = LayerControl.of(opt_a)
+    ctl.set_multipliers("t", {a[0].weight: 3.0, a[1].weight: 0.5})
+    ctl.set_frozen("f", [a[1].bias])
+    opt_b = timm_optim.Lookahead(torch.optim.SGD([{"params": [b[0].weight], "lr": 0.3}, {"params": [b[1].weight], "lr": 0.05},
+                                                  {"params": [b[0].bias]}], lr=0.1, momentum=0.9), k=3)
+    x = torch.randn(8, 4)
+    for _ in range(7):
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+    assert LayerControl.existing(opt_a) is ctl and (ctl._rescale_cache[1] is None) == (path == "split")
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
+
+
+def test_an_optimizer_whose_step_runs_no_hooks_is_refused():
+    class NoInit(torch.optim.SGD):
+        def __init__(self, params):  # builds itself without Optimizer.__init__: torch never hooks its step
+            self.param_groups = [{"params": list(params), "lr": 0.1}]
+            self.state = {}
+            self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+
+        def step(self, closure=None):
+            pass
+
+    with pytest.raises(TypeError, match="NoInit.*step hooks"):
+        LayerControl.of(NoInit(ToyMLP().parameters()))
+
+
 def test_lbfgs_refuses_a_split():
     model = ToyMLP()
     opt = torch.optim.LBFGS(model.parameters(), lr=0.1)

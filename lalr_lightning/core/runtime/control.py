@@ -165,13 +165,21 @@ class LayerControl:
         """The optimizer's controller, created (and its hooks installed) on first use.
 
         Lightning wraps optimizers in ``LightningOptimizer``; the wrapped torch optimizer is
-        the one that owns the hooks.
+        the one that owns the hooks. A wrapper sharing its inner optimizer's ``param_groups``
+        (timm's ``Lookahead``, which skips ``Optimizer.__init__`` and so never runs step hooks)
+        is controlled through the inner one, whose step it calls.
         """
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        optimizer = _unwrap(optimizer)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"layer-wise control needs a torch.optim.Optimizer, got {type(optimizer).__name__}; "
                 "DeepSpeed and other engines that own the parameter groups are not supported"
+            )
+        if not getattr(type(optimizer).step, "hooked", False):
+            raise TypeError(
+                f"{type(optimizer).__name__}.step does not run torch's optimizer step hooks (its constructor "
+                "skips Optimizer.__init__), so layer-wise learning rates, freezing and masks cannot reach its "
+                "updates; call super().__init__(params, defaults) in it"
             )
         ctl = getattr(optimizer, _ATTR, None)
         if ctl is None:
@@ -182,7 +190,7 @@ class LayerControl:
     @classmethod
     def existing(cls, optimizer: torch.optim.Optimizer) -> LayerControl | None:
         """The optimizer's controller if one was created, else None (creates nothing)."""
-        return getattr(getattr(optimizer, "_optimizer", optimizer), _ATTR, None)
+        return getattr(_unwrap(optimizer), _ATTR, None)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -710,6 +718,16 @@ class LayerControl:
                     orig[k] = v
         opt.param_groups = self._saved_groups
         self._saved_groups = None
+
+
+def _unwrap(optimizer: object) -> object:
+    """The optimizer whose step updates the parameters: through Lightning's ``LightningOptimizer``
+    (``_optimizer``) and wrappers that share their inner optimizer's groups (timm's Lookahead)."""
+    optimizer = getattr(optimizer, "_optimizer", optimizer)
+    inner = getattr(optimizer, "_base_optimizer", None) or getattr(optimizer, "base_optimizer", None)
+    if isinstance(inner, torch.optim.Optimizer) and getattr(optimizer, "param_groups", None) is inner.param_groups:
+        return _unwrap(inner)
+    return optimizer
 
 
 def _placed_as(params: list[nn.Parameter], copy: torch.Tensor) -> bool:
