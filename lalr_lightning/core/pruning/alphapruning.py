@@ -294,6 +294,20 @@ def channel_masks_of(layer: Layer, ch_keep: torch.Tensor,
 # ---------------------------------------------------------------------------- layers
 
 
+def _left_dense(layer: Layer, is_head: bool, min_numel: int, min_evals: int) -> str | None:
+    """Why :func:`prunable_layers` leaves ``layer`` dense (None: it is pruned)."""
+    if is_head:
+        return "classifier head (head=False)"
+    weight = layer.weight
+    if not any(p is weight for p in layer.params.values()):  # torch.nn.utils.parametrize computes it
+        return "parametrized weight (torch.nn.utils.parametrize): no mask holds on a computed weight"
+    if weight.numel() < min_numel:
+        return f"{weight.numel()} weights < min_numel={min_numel}"
+    if num_eigenvalues(layer) < min_evals:
+        return f"{num_eigenvalues(layer)} eigenvalues < min_evals={min_evals}"
+    return None
+
+
 def prunable_layers(
     model: torch.nn.Module,
     *,
@@ -324,14 +338,9 @@ def prunable_layers(
     out = output_layer(model, every)  # found as the output even when tied to the input embedding
     head_name = None if out is None else out.name
     for layer in considered:
-        if not head and layer.name == head_name:
-            excluded[layer.name] = "classifier head (head=False)"
-        elif not any(p is layer.weight for p in layer.params.values()):
-            excluded[layer.name] = "parametrized weight (torch.nn.utils.parametrize): no mask holds on a computed weight"
-        elif layer.weight.numel() < min_numel:
-            excluded[layer.name] = f"{layer.weight.numel()} weights < min_numel={min_numel}"
-        elif num_eigenvalues(layer) < min_evals:
-            excluded[layer.name] = f"{num_eigenvalues(layer)} eigenvalues < min_evals={min_evals}"
+        reason = _left_dense(layer, not head and layer.name == head_name, min_numel, min_evals)
+        if reason is not None:
+            excluded[layer.name] = reason
     keep = [layer for layer in considered if layer.name not in excluded]
     if not keep:
         detail = "; ".join(f"{k} ({v})" for k, v in excluded.items())
