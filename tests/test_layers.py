@@ -52,6 +52,16 @@ def test_kinds_and_tied_weights():
     del transformers
 
 
+def test_a_tied_modules_own_bias_joins_the_layer_that_holds_its_weight():
+    """A tied decoder with a bias (BERT's masked-LM head): the bias is in the layer of the shared
+    matrix, so a multiplier scales it and a selection freezes it with that matrix."""
+    net = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.Linear(8, 10))
+    net[2].weight = net[0].weight
+    layers = {la.name: la for la in matrix_layers(net)}
+    assert list(layers) == ["0", "1"] and list(layers["0"].params) == ["0.weight", "2.bias"]
+    assert {id(p) for la in layers.values() for p in la.params.values()} == {id(p) for p in net.parameters()}
+
+
 @pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "orthogonal"])
 def test_a_parametrized_weight_brings_the_tensors_it_is_computed_from(kind):
     """torch.nn.utils.parametrize: the layer's weight is computed from ``parametrizations.weight.*``,

@@ -196,6 +196,7 @@ def matrix_layers(
     seen: set[int] = set()
     layers: list[Layer] = []
     by_name: dict[str, Layer] = {}
+    by_weight: dict[int, Layer] = {}
     names_in_order: list[str] = []
     norms: list[tuple[str, nn.Module]] = []
     for raw, mod in model.named_modules():
@@ -207,6 +208,8 @@ def matrix_layers(
         if ok:
             w = mod.weight
             if id(w) in seen:
+                # tied: its other parameters (a decoder's bias) go with the layer holding the weight
+                _join_tied(mod, name, by_weight.get(id(w)), seen)
                 continue
             if not include_frozen and not w.requires_grad:
                 continue
@@ -224,6 +227,7 @@ def matrix_layers(
             layer = Layer(name=name, kind=_kind(mod), module=mod, params=params, modules=[mod])
             layers.append(layer)
             by_name[name] = layer
+            by_weight[id(w)] = layer
             names_in_order.append(name)
         elif types is None and isinstance(mod, nn.MultiheadAttention):
             for layer in attention_layers(name, mod, seen, include_frozen):
@@ -248,6 +252,16 @@ def matrix_layers(
     if types is None and include_frozen:
         warn_left_out(model, seen)
     return layers
+
+
+def _join_tied(mod: nn.Module, name: str, owner: Layer | None, seen: set[int]) -> None:
+    """Give the layer that holds a tied module's weight that module's other parameters."""
+    if owner is None:
+        return
+    for pname, p in mod.named_parameters(recurse=False):
+        if id(p) not in seen:
+            seen.add(id(p))
+            owner.params[f"{name}.{pname}" if name else pname] = p
 
 
 #: nn.MultiheadAttention's input projections: (the parameter holding the matrix, the layer's
