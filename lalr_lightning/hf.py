@@ -429,9 +429,17 @@ class LayerwiseTrainerCallback(_callback_base()):
     def _bind(self, trainer: Any) -> None:
         if self.session is not None and self.session.trainer is trainer:
             return
-        self.session = _Session.of(trainer)
-        if self.method not in self.session.methods:
-            self.session.methods.append(self.method)
+        session = _Session.of(trainer)
+        who = type(self.method).__name__
+        if any(m is self.method for m in session.methods):  # every event would reach it twice
+            raise ValueError(f"{who} is passed to the Trainer twice (two trainer_callback(...) of one callback); "
+                             "pass each callback once")
+        same = [m for m in session.methods if m.state_key == self.method.state_key]
+        if same:  # as Lightning refuses them: one state would overwrite the other, one control the other's
+            raise ValueError(f"two {who} with the same settings share the state key {self.method.state_key!r}; "
+                             f"pass name='...' to each ({who}(..., name='a'), {who}(..., name='b')) to tell them apart")
+        self.session = session
+        session.methods.append(self.method)
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.session is None or not self.session.begun:

@@ -246,6 +246,42 @@ def test_not_a_callback_of_the_package_is_refused():
         trainer_callback(object())
 
 
+def test_two_unnamed_callbacks_with_one_state_key_are_refused_naming_name(tmp_path):
+    """As Lightning refuses them: under the Trainer their learning-rate multipliers would not
+    multiply (0.5e-3, not 0.25e-3) and one state would overwrite the other in the checkpoint."""
+    a, b = C.LayerLRMultiplier({"model.layers.0.*": 0.5}), C.LayerLRMultiplier({"model.layers.0.*": 0.5})
+    with pytest.raises(ValueError, match=r"two LayerLRMultiplier .* name="):
+        _trainer(tmp_path, trainer_callback([a, b]), steps=2)
+
+
+def test_one_callback_wrapped_twice_is_refused(tmp_path):
+    """Each event would reach it twice (ProximalRegularizer measured lambda_o twice an epoch)."""
+    cb = C.ProximalRegularizer(lam=0.5, every_n_epochs=1)
+    with pytest.raises(ValueError, match=r"ProximalRegularizer is passed to the Trainer twice"):
+        _trainer(tmp_path, [trainer_callback(cb), trainer_callback(cb)], steps=2)
+
+
+def test_a_lightning_callback_given_to_the_trainer_unwrapped_names_trainer_callback(tmp_path):
+    with pytest.raises(AttributeError, match=r"TempBalanceCallback is a Lightning callback.*trainer_callback\("):
+        _trainer(tmp_path, [C.TempBalanceCallback(min_evals=5)], steps=1)
+    trainer, _ = _trainer(tmp_path, [], steps=1)
+    trainer.add_callback(C.SpectrumSelect(top_percent=25))
+    with pytest.raises(AttributeError, match=r"SpectrumSelect is a Lightning callback.*trainer_callback\("):
+        trainer.train()
+    assert not hasattr(C.TempBalanceCallback(), "on_init_end")  # still an attribute error to hasattr
+
+
+def test_a_trainer_callback_given_to_lightning_names_the_callback_itself():
+    cb = trainer_callback(C.TempBalanceCallback(min_evals=5))
+    with pytest.raises(TypeError, match=r"for transformers.Trainer; pass TempBalanceCallback itself"):
+        _lightning_first_decision(cb, _model())
+
+
+def test_a_callback_class_instead_of_an_instance_is_told_to_construct_it():
+    with pytest.raises(TypeError, match=r"the class SpectrumSelect; construct it: trainer_callback\(SpectrumSelect\(\.\.\.\)\)"):
+        trainer_callback(C.SpectrumSelect)
+
+
 # ---------------------------------------------------------------------- the same decisions as Lightning
 
 
@@ -345,6 +381,23 @@ def test_a_checkpoint_written_with_other_settings_is_refused_naming_them(tmp_pat
                         steps=4)
     with pytest.raises(C.SettingsMismatchError, match="gamma=1"):
         other.train(resume_from_checkpoint=str(tmp_path / "a" / "out" / "checkpoint-2"))
+
+
+@pytest.mark.parametrize("content", [b"garbage", "list"])
+def test_a_damaged_state_file_in_the_checkpoint_is_one_line_naming_it(tmp_path, content):
+    first, _ = _trainer(tmp_path / "a", [trainer_callback(C.TempBalanceCallback(min_evals=5, every_n_steps=2))],
+                        steps=2, save_strategy="steps", save_steps=2)
+    first.train()
+    ckpt = tmp_path / "a" / "out" / "checkpoint-2"
+    if content == "list":
+        torch.save([1, 2], ckpt / STATE_FILE)
+    else:
+        (ckpt / STATE_FILE).write_bytes(content)
+    again, _ = _trainer(tmp_path / "b", [trainer_callback(C.TempBalanceCallback(min_evals=5, every_n_steps=2))],
+                        steps=4)
+    with pytest.raises(ValueError, match=rf"{STATE_FILE} .* not the callbacks' states written by lalr_lightning.*"
+                                         rf"delete it"):
+        again.train(resume_from_checkpoint=str(ckpt))
 
 
 # ---------------------------------------------------------------------- LISA against LMFlow's callback
