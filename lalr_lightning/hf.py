@@ -420,6 +420,18 @@ class LayerwiseTrainerCallback(_callback_base()):
     def __repr__(self) -> str:
         return f"trainer_callback({type(self.method).__name__})"
 
+    #: Lightning names each callback by it before its hooks (so the refusal in :meth:`setup` is reached)
+    state_key = property(lambda self: repr(self))
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        # Lightning's first hook on a callback: this adapter is the Trainer's, not Lightning's
+        who = type(self.method).__name__
+        raise TypeError(f"trainer_callback({who}) is for transformers.Trainer; pass {who} itself to Lightning's "
+                        f"Trainer: pl.Trainer(..., callbacks=[{who}(...)])")
+
+    def on_exception(self, *args: Any, **kwargs: Any) -> None:
+        """Lightning's hook as the error of :meth:`setup` leaves the fit: nothing to undo."""
+
     def on_init_end(self, args, state, control, **kwargs):
         trainer = _find_trainer()
         if trainer is None:  # pragma: no cover - Trainer.__init__ is always the caller
@@ -498,5 +510,8 @@ def trainer_callback(callback: LayerwiseCallback | Iterable[LayerwiseCallback]) 
         return LayerwiseTrainerCallback(callback)
     if isinstance(callback, (list, tuple)):
         return [trainer_callback(c) for c in callback]
+    if isinstance(callback, type) and issubclass(callback, LayerwiseCallback):
+        raise TypeError(f"trainer_callback takes a callback, got the class {callback.__name__}; construct it: "
+                        f"trainer_callback({callback.__name__}(...))")
     raise TypeError(f"trainer_callback takes a callback of lalr_lightning (or a list of them), got "
                     f"{type(callback).__name__}")
