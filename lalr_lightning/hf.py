@@ -345,7 +345,17 @@ class _Session:
         if self.resume is None:
             return
         path = os.path.join(self.resume, STATE_FILE)
-        states = torch.load(path, map_location="cpu", weights_only=True) if os.path.isfile(path) else {}
+        states: Any = {}
+        if os.path.isfile(path):
+            damaged = f"{path} is not the callbacks' states written by lalr_lightning"
+            fix = ("; delete it to resume without them (each callback starts afresh), or resume from another "
+                   "checkpoint")
+            try:
+                states = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as e:  # noqa: BLE001 -- any unreadable file: truncated, another format, pickled code
+                raise ValueError(f"{damaged} ({type(e).__name__}){fix}") from e
+            if not isinstance(states, dict):
+                raise ValueError(f"{damaged} (a {type(states).__name__}, not a dict){fix}")
         owners = SimpleNamespace(callbacks=self.methods)
         for cb in self.methods:
             keys.adopt(cb, owners, {"callbacks": states})  # an entry written under an earlier key
