@@ -14,6 +14,7 @@ traceback (and jsonargparse's full message).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import importlib
 import inspect
@@ -560,14 +561,23 @@ def analyze_main(argv: list[str] | None = None) -> int:
         print(f"{p.prog}: error: {error}", file=sys.stderr)
         return 2
     out = Path(args.out)
+    created = not out.exists()
+    try:  # before the work: an --out that cannot be made would lose it
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"{p.prog}: error: --out {out}: cannot create the directory ({e.strerror or type(e).__name__}); "
+              "pass a writable path", file=sys.stderr)
+        return 2
     from lalr_lightning import viz
 
     try:
         df, esds, model, kinds, head = _analyze_model(args)
     except (OSError, ValueError, ImportError, RuntimeError) as e:  # ValueError includes CheckpointFileError
         print(f"{p.prog}: error: {_first_line(e)}", file=sys.stderr)
+        if created:  # nothing written: leave no empty folder behind
+            with contextlib.suppress(OSError):
+                out.rmdir()
         return 2
-    out.mkdir(parents=True, exist_ok=True)
     csv = out / "spectral.csv"
     df.to_csv(csv, index=False)
     print(df[["name", "alpha", "xmin", "D", "num_evals", "spectral_norm", "stable_rank"]].to_string(index=False))

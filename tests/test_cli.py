@@ -96,6 +96,27 @@ def test_analyze_bad_inputs_are_clear(tmp_path):
         load_for_analysis(str(tmp_path / "d"))
 
 
+
+def test_analyze_with_an_out_it_cannot_create_is_one_line_before_the_work(tmp_path, capsys, monkeypatch):
+    """A folder under a file (or on a read-only disk): one line, and before the analysis (it was a
+    NotADirectoryError traceback from mkdir after the whole analysis)."""
+    import lalr_lightning.cli as cli
+
+    ckpt = tmp_path / "m.ckpt"
+    torch.save({"state_dict": SmallCNN(width=16).state_dict()}, ckpt)
+    (tmp_path / "taken").write_text("mine")
+    monkeypatch.setattr(cli, "_analyze_model", lambda args: pytest.fail("analyzed before checking --out"))
+    assert analyze_main([str(ckpt), "--out", str(tmp_path / "taken" / "rep"), "--no-plots"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--out " in err and "cannot create" in err and "pass a writable" in err
+    assert (tmp_path / "taken").read_text() == "mine"
+
+
+def test_analyze_that_fails_leaves_no_out_it_created(tmp_path, capsys):
+    assert analyze_main([str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "rep"), "--no-plots"]) == 2
+    assert not (tmp_path / "rep").exists()
+
+
 # ----------------------------------------------------------------------------- broken files
 
 
