@@ -99,6 +99,9 @@ def resolve_config(value: str) -> str:
     named ``value`` (``quickstart``, ``quickstart.yaml`` or ``configs/quickstart.yaml``, as in the
     README, run outside the clone). A value that names no file is refused in one line naming the
     closest shipped config; inline YAML (``--config '{trainer: ...}'``) passes through."""
+    if os.path.isfile(value) and _empty_yaml(value):  # jsonargparse says only "Unexpected config:"
+        raise ConfigError(f"--config {value} is empty (no YAML keys); copy a shipped config to start from: "
+                          f"`{_prog()} configs quickstart > {value}`")
     if os.path.exists(value) or not re.fullmatch(r"[\w./\\-]+", value):
         return value
     folder, name = os.path.split(value)
@@ -112,6 +115,14 @@ def resolve_config(value: str) -> str:
         raise ConfigError(f"--config {value}: no such file, nor a shipped config of that name{hint} "
                           f"(`{_prog()} configs` lists them)")
     return value
+
+
+def _empty_yaml(path: str) -> bool:
+    """Whether the file holds no YAML at all (empty, blank lines or comments only)."""
+    try:
+        return yaml.safe_load(Path(path).read_text()) is None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):  # unreadable or broken: jsonargparse says so
+        return False
 
 
 def _resolve_config_args(args: list[str]) -> list[str]:

@@ -224,6 +224,28 @@ def test_config_errors_are_one_line(tmp_path, capsys):
     assert len(err) == 1 and "unknown assign 'bogus'" in err[0]
 
 
+
+@pytest.mark.parametrize("flag, value, phrase", [
+    ("--trainer.max_epochs", "-3", "max_epochs` must be a non-negative integer or -1"),  # Lightning's own check
+    ("--trainer.accumulate_grad_batches", "0", "accumulate_grad_batches must be an integer >= 1"),  # none in Lightning
+])
+def test_trainer_values_lightning_refuses_or_divides_by_are_one_line(flag, value, phrase, tmp_path, capsys):
+    """They were a MisconfigurationException traceback, and a ZeroDivisionError in the first step."""
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--config", "quickstart", flag, value, "--trainer.logger", "false",
+              "--trainer.default_root_dir", str(tmp_path)])
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if "error:" in line or "Traceback" in line]
+    assert info.value.code == 2 and len(err) == 1 and phrase in err[0] and "trainer" in err[0], err
+
+
+def test_an_empty_config_file_is_one_line_naming_it(tmp_path, capsys):
+    (tmp_path / "empty.yaml").write_text("")
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(tmp_path / "empty.yaml")])
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "empty.yaml is empty" in err, err
+
+
 def test_a_model_that_cannot_be_built_names_the_cause(tmp_path, monkeypatch, capsys):
     """jsonargparse's first line ("Problem with given class_path 'X':") only introduces the cause;
     the one error line carries the cause too (here: the packaged MiniLM is not installed)."""
