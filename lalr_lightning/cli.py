@@ -688,8 +688,36 @@ def main(argv: list[str] | None = None) -> None:
     LightningCLI warns when it gets both ``args`` and a command line. ``--traceback`` anywhere
     (or ``LALR_TRACEBACK=1``) keeps the tracebacks the CLI otherwise turns into one line. Only
     ``fit`` / ``validate`` / ``test`` / ``predict`` import Lightning; every other command parses
-    its arguments before importing torch.
+    its arguments before importing torch. Output into a pipe whose reader has gone (``| head``)
+    ends the command quietly with status 1.
     """
+    try:
+        _main(argv)
+    except BrokenPipeError:
+        if not _stdout_gone():  # another pipe of the run (a socket) broke: not ours to hide
+            raise
+        # Python flushes stdout again at exit: point it at devnull, so that says nothing either
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(1) from None
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe nobody reads any more (poll reports an error on its write end)."""
+    import select
+
+    if not hasattr(select, "poll"):  # Windows: assume the broken pipe was stdout
+        return True
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real stdout (captured): no pipe of ours broke
+        return False
+    poll = select.poll()
+    poll.register(fd, select.POLLOUT)
+    return any(event & select.POLLERR for _, event in poll.poll(0))
+
+
+def _main(argv: list[str] | None) -> None:
     global _TRACEBACK
     args = list(sys.argv[1:] if argv is None else argv)
     if "--traceback" in args:

@@ -525,3 +525,32 @@ def test_parse_error_lines_and_key_suggestions():
         "the following arguments are required: fit.data, fit.model", parser)
     one = parse_error_line('Parser key "trainer.max_epochs":\n  Expected a <class \'int\'>. Got value: abc', parser)
     assert one == "Parser key \"trainer.max_epochs\": Expected a <class 'int'>. Got value: abc"
+
+
+@pytest.mark.parametrize("args", [["--help"], ["configs"], ["configs", "quickstart"]])
+def test_output_into_a_closed_pipe_ends_quietly(args, tmp_path):
+    """``lalr-lightning configs | head -1``: the reader has gone; no BrokenPipeError traceback."""
+    import os
+    import subprocess
+
+    read, write = os.pipe()
+    os.close(read)  # every write to the pipe fails, as after head has read its line
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    try:
+        done = subprocess.run([sys.executable, "-m", "lalr_lightning", *args], cwd=tmp_path, env=env, stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
+    assert done.returncode == 1
+
+
+def test_a_broken_pipe_that_is_not_stdout_keeps_its_error(monkeypatch):
+    import lalr_lightning.cli as cli
+
+    def broken(argv):
+        raise BrokenPipeError(32, "Broken pipe")  # a socket of the run, stdout still read
+
+    monkeypatch.setattr(cli, "_main", broken)
+    with pytest.raises(BrokenPipeError):
+        main(["configs"])
