@@ -282,6 +282,17 @@ def test_a_callback_class_instead_of_an_instance_is_told_to_construct_it():
         trainer_callback(C.SpectrumSelect)
 
 
+
+def test_lisa_on_a_peft_lora_model_is_refused_naming_lora(tmp_path):
+    """The Trainer builds its optimizer over what requires grad: a LoRA model's adapters only."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_model(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    trainer, _ = _trainer(tmp_path, [trainer_callback(C.BlockSchedule("lisa", gamma=1, every_n_steps=1))], steps=1,
+                          model=model)
+    with pytest.raises(ValueError, match=r"every block must be in the optimizer.*LoRA.*without LISA"):
+        trainer.train()
+
+
 # ---------------------------------------------------------------------- the same decisions as Lightning
 
 
