@@ -293,6 +293,21 @@ def test_lisa_on_a_peft_lora_model_is_refused_naming_lora(tmp_path):
         trainer.train()
 
 
+
+@pytest.mark.parametrize("make, phrase", [
+    (lambda: C.SpectrumSelect(top_percent=25), "SpectrumSelect on the model without LoRA"),
+    (lambda: C.HTSRPruning(**PRUNE), "prune the model without LoRA"),
+])
+def test_spectrum_and_pruning_on_a_peft_lora_model_name_lora_b(tmp_path, make, phrase):
+    """The SNR / alpha of a zero lora_B is NaN: the error said 'all-zero weights?; leave them out with
+    layer_types', which no layer_types can do (the adapters are Linear layers as the base ones)."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_model(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    trainer, _ = _trainer(tmp_path, [trainer_callback(make())], steps=1, model=model)
+    with pytest.raises(ValueError, match=rf"lora_B.*start at zero.*{phrase}"):
+        trainer.train()
+
+
 # ---------------------------------------------------------------------- the same decisions as Lightning
 
 
