@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 import os
 import sys
@@ -175,7 +176,7 @@ class HFHost(Host):
         """The training data as the Trainer collates it, in order (its own loader is accelerate's,
         whose iteration drives gradient accumulation: a measurement must not draw from it); under
         DDP each rank its share (``as_given``: every rank all of it)."""
-        from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
+        from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, SequentialSampler
 
         trainer = self.trainer
         data, collate = trainer.train_dataset, trainer.data_collator
@@ -190,10 +191,14 @@ class HFHost(Host):
                 collate = trainer._get_collator_with_removed_columns(collate, description="training")
         except ImportError:  # pragma: no cover
             pass
+        size = trainer.args.per_device_train_batch_size
+        if isinstance(data, IterableDataset):  # streamed: in its own order, no sampler; under DDP every n-th batch
+            loader = DataLoader(data, batch_size=size, collate_fn=collate)
+            return _Strided(loader, self.global_rank, self.world_size) if self.world_size > 1 and not as_given \
+                else loader
         sampler = DistributedSampler(data, self.world_size, self.global_rank, shuffle=False) \
             if self.world_size > 1 and not as_given else SequentialSampler(data)
-        return DataLoader(data, batch_size=trainer.args.per_device_train_batch_size, sampler=sampler,
-                          collate_fn=collate)
+        return DataLoader(data, batch_size=size, sampler=sampler, collate_fn=collate)
 
     # ---------------------------------------------------------------- logs
 
@@ -228,6 +233,17 @@ class HFHost(Host):
         """Nothing to check: the Trainer stops between steps (its ``should_training_stop``, also set
         when ``max_steps`` is reached), and Ctrl-C raises between chunks by itself."""
         return lambda: None
+
+
+class _Strided:
+    """Batches ``start``, ``start + step``, ... of ``loader``, anew at each iteration (a rank's share
+    of a streamed dataset, which no sampler can split)."""
+
+    def __init__(self, loader: Iterable, start: int, step: int):
+        self.loader, self.start, self.step = loader, start, step
+
+    def __iter__(self):
+        return itertools.islice(iter(self.loader), self.start, None, self.step)
 
 
 def _find_trainer() -> Any:

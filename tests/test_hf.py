@@ -308,6 +308,48 @@ def test_spectrum_and_pruning_on_a_peft_lora_model_name_lora_b(tmp_path, make, p
         trainer.train()
 
 
+
+class _Stream(torch.utils.data.IterableDataset):
+    """A streamed train_dataset (``datasets``' ``streaming=True``, a generator): no length, no sampler."""
+
+    def __iter__(self):
+        yield from _rows()
+
+
+@pytest.mark.parametrize("name", ["autorgn", "wanda"])
+def test_methods_that_measure_on_batches_take_a_streamed_train_dataset(tmp_path, name):
+    """They measured through a DataLoader with a sampler, which torch refuses for an IterableDataset
+    ('expected unspecified sampler option'); the batches are the map-style dataset's, in order."""
+    streamed_cb, listed_cb = CASES[name](), CASES[name]()
+    streamed, _ = _trainer(tmp_path / "a", [trainer_callback(streamed_cb)], steps=1)
+    streamed.train_dataset = _Stream()
+    streamed.train()
+    listed, _ = _trainer(tmp_path / "b", [trainer_callback(listed_cb)], steps=1)
+    listed.train()
+    attr = listed_cb.decision_attr
+    assert streamed_cb.history[0][attr] == pytest.approx(listed_cb.history[0][attr])
+
+
+
+def test_a_ranks_share_of_a_streamed_dataset_is_every_nth_batch_at_each_iteration():
+    from types import SimpleNamespace
+
+    from lalr_lightning.hf import HFHost
+
+    def host(rank: int, world: int):
+        args = SimpleNamespace(world_size=world, process_index=rank, per_device_train_batch_size=4)
+        return HFHost(SimpleNamespace(args=args, train_dataset=_Stream(), data_collator=None,
+                                      _get_collator_with_removed_columns=lambda collate, description: collate))
+
+    whole = [b["input_ids"] for b in host(0, 1).batches()]
+    assert len(whole) == N // 4
+    share = host(1, 2).batches()
+    for _ in range(2):  # a new pass over the stream each time
+        got = [b["input_ids"] for b in share]
+        assert len(got) == 2 and all(torch.equal(a, b) for a, b in zip(got, whole[1::2]))
+    assert len(list(host(1, 2).batches(as_given=True))) == len(whole)
+
+
 # ---------------------------------------------------------------------- the same decisions as Lightning
 
 
