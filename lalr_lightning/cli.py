@@ -146,10 +146,16 @@ def configs_main(argv: list[str] | None = None) -> int:
     if args.name:
         try:
             path = Path(resolve_config(args.name))
+            text = path.read_text()
         except ConfigError as e:
             print(f"{p.prog}: error: {e}", file=sys.stderr)
             return 2
-        print(path.read_text(), end="")
+        except (OSError, UnicodeDecodeError) as e:  # a directory, a binary file
+            why = "a directory" if path.is_dir() else getattr(e, "strerror", None) or "not UTF-8 text"
+            print(f"{p.prog}: error: {args.name} is not a config file ({why}); `{_prog()} configs` lists the "
+                  "shipped ones", file=sys.stderr)
+            return 2
+        print(text, end="")
         return 0
     width = max(map(len, found), default=0)
     for name, path in found.items():

@@ -321,6 +321,20 @@ def test_a_config_is_found_by_name_from_anywhere(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().out == quickstart.read_text()
 
 
+
+@pytest.mark.parametrize("what", ["dir", "binary"])
+def test_configs_name_that_is_no_text_file_is_one_line(what, tmp_path, capsys):
+    """They were an IsADirectoryError / UnicodeDecodeError traceback."""
+    path = tmp_path / "d"
+    if what == "dir":
+        path.mkdir()
+    else:
+        path.write_bytes(b"\xff\xfe\x00weights")
+    assert configs_main([str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a config file" in err[0] and "configs` lists" in err[0], err
+
+
 # ----------------------------------------------------------------------------- one line per error
 #
 # Run through the console script, as a user meets them: stderr ends with one error line, and no
