@@ -99,9 +99,10 @@ def resolve_config(value: str) -> str:
     named ``value`` (``quickstart``, ``quickstart.yaml`` or ``configs/quickstart.yaml``, as in the
     README, run outside the clone). A value that names no file is refused in one line naming the
     closest shipped config; inline YAML (``--config '{trainer: ...}'``) passes through."""
-    if os.path.isfile(value) and _empty_yaml(value):  # jsonargparse says only "Unexpected config:"
-        raise ConfigError(f"--config {value} is empty (no YAML keys); copy a shipped config to start from: "
-                          f"`{_prog()} configs quickstart > {value}`")
+    problem = _config_problem(value) if os.path.isfile(value) else None
+    if problem is not None:  # jsonargparse says only "Unexpected config:", or a UnicodeDecodeError traceback
+        raise ConfigError(f"--config {value} {problem}; copy a shipped config to start from: "
+                          f"`{_prog()} configs quickstart > mine.yaml`")
     if os.path.exists(value) or not re.fullmatch(r"[\w./\\-]+", value):
         return value
     folder, name = os.path.split(value)
@@ -117,12 +118,20 @@ def resolve_config(value: str) -> str:
     return value
 
 
-def _empty_yaml(path: str) -> bool:
-    """Whether the file holds no YAML at all (empty, blank lines or comments only)."""
+def _config_problem(path: str) -> str | None:
+    """Why the file cannot be a config (empty, not text, not a mapping of keys), or None; a YAML
+    syntax error is jsonargparse's to report (it names the line)."""
     try:
-        return yaml.safe_load(Path(path).read_text()) is None
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):  # unreadable or broken: jsonargparse says so
-        return False
+        data = yaml.safe_load(Path(path).read_text())
+    except UnicodeDecodeError:
+        return "is not a YAML file (not UTF-8 text)"
+    except (OSError, yaml.YAMLError):
+        return None
+    if data is None:
+        return "is empty (no YAML keys)"
+    if not isinstance(data, dict):
+        return f"holds a YAML {type(data).__name__}, not a mapping of keys (trainer:, model:, data:)"
+    return None
 
 
 def _resolve_config_args(args: list[str]) -> list[str]:

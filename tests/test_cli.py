@@ -238,12 +238,17 @@ def test_trainer_values_lightning_refuses_or_divides_by_are_one_line(flag, value
     assert info.value.code == 2 and len(err) == 1 and phrase in err[0] and "trainer" in err[0], err
 
 
-def test_an_empty_config_file_is_one_line_naming_it(tmp_path, capsys):
-    (tmp_path / "empty.yaml").write_text("")
+@pytest.mark.parametrize("content, phrase", [("", "is empty"), ("# a comment\n", "is empty"),
+                                             ("- a\n- b\n", "holds a YAML list, not a mapping"),
+                                             (b"\xff\xfe\x00", "is not a YAML file (not UTF-8 text)")])
+def test_an_empty_or_foreign_config_file_is_one_line_naming_it(tmp_path, capsys, content, phrase):
+    """They were jsonargparse's bare 'Unexpected config:', and a UnicodeDecodeError traceback."""
+    path = tmp_path / "mine.yaml"
+    path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
     with pytest.raises(SystemExit):
-        main(["fit", "--config", str(tmp_path / "empty.yaml")])
+        main(["fit", "--config", str(path)])
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "empty.yaml is empty" in err, err
+    assert "\n" not in err and f"mine.yaml {phrase}" in err and "configs quickstart >" in err, err
 
 
 def test_a_model_that_cannot_be_built_names_the_cause(tmp_path, monkeypatch, capsys):
