@@ -350,6 +350,17 @@ def test_a_ranks_share_of_a_streamed_dataset_is_every_nth_batch_at_each_iteratio
     assert len(list(host(1, 2).batches(as_given=True))) == len(whole)
 
 
+
+def test_a_pattern_naming_a_tied_head_says_which_layer_it_is(tmp_path):
+    """GPT-2's lm_head shares transformer.wte's weight: one layer, found under the embedding's name;
+    'matches no layer' alone sent the user looking for a missing head."""
+    model = tiny_lm("gpt2", True, layers=2, hidden=16)
+    cb = C.LayerLRMultiplier({"lm_head": 2.0})
+    with pytest.raises(ValueError, match=r"'lm_head' matches lm_head, whose weight is tied to transformer.wte.*"
+                                         r"use the pattern 'transformer.wte'"):
+        _trainer(tmp_path, [trainer_callback(cb)], steps=1, model=model)[0].train()
+
+
 # ---------------------------------------------------------------------- the same decisions as Lightning
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
 
+import torch
 from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback
@@ -53,7 +55,26 @@ class LayerLRMultiplier(LayerwiseCallback):
 
     def configure(self, host: Host, module: nn.Module) -> None:
         self.layers = find_layers(module, self.granularity)
+        self._refuse_tied_names(module)
         self.early = self.decide([layer.name for layer in self.layers])  # a typo fails here, not silently
+
+    def _refuse_tied_names(self, module: nn.Module) -> None:
+        """A pattern that matches no layer but a module whose weight is a layer's (GPT-2's ``lm_head``
+        is ``transformer.wte``): one line naming the layer to use."""
+        owner = {}
+        for layer in self.layers:
+            with contextlib.suppress(AttributeError):  # a block has no single weight
+                owner[id(layer.weight)] = layer.name
+        names = {layer.name for layer in self.layers}
+        for pat in self.patterns:
+            if any(fnmatchcase(n, pat) for n in names):
+                continue
+            for alias, mod in module.named_modules(remove_duplicate=False):
+                weight = getattr(mod, "weight", None)
+                if alias not in names and fnmatchcase(alias, pat) and isinstance(weight, torch.Tensor) \
+                        and id(weight) in owner:
+                    raise ValueError(f"pattern {pat!r} matches {alias}, whose weight is tied to {owner[id(weight)]} "
+                                     f"(one layer, one learning rate): use the pattern {owner[id(weight)]!r}")
 
     def resumed(self, late: bool) -> None:
         if self.early is not None:  # configured
