@@ -327,8 +327,9 @@ def test_a_config_is_found_by_name_from_anywhere(tmp_path, monkeypatch, capsys):
 
 
 
-@pytest.mark.parametrize("what", ["dir", "binary"])
-def test_configs_name_that_is_no_text_file_is_one_line(what, tmp_path, capsys):
+@pytest.mark.parametrize("what, phrase", [("dir", "not a config file (a directory)"),
+                                          ("binary", "not a YAML file (not UTF-8 text)")])
+def test_configs_name_that_is_no_text_file_is_one_line(what, phrase, tmp_path, capsys):
     """They were an IsADirectoryError / UnicodeDecodeError traceback."""
     path = tmp_path / "d"
     if what == "dir":
@@ -337,7 +338,7 @@ def test_configs_name_that_is_no_text_file_is_one_line(what, tmp_path, capsys):
         path.write_bytes(b"\xff\xfe\x00weights")
     assert configs_main([str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "not a config file" in err[0] and "configs` lists" in err[0], err
+    assert len(err) == 1 and phrase in err[0] and "configs" in err[0], err
 
 
 # ----------------------------------------------------------------------------- one line per error
