@@ -486,6 +486,29 @@ def _streamed(spec: str) -> bool:
     return path.is_dir() and any(path.glob("*.safetensors"))
 
 
+def _with_small_matrices(args: argparse.Namespace, df, kinds: dict[str, str], model):
+    """(table, kinds) with the SNR of the matrices --min-evals left out of the table too: Spectrum's
+    ranking needs no fit, and SpectrumSelect ranks every matrix (a YAML without them froze them)."""
+    if args.min_evals <= 1:
+        return df, kinds
+    import warnings
+
+    import pandas as pd
+
+    from lalr_lightning.core.spectral import htsr
+
+    source = args.model if model is None else model  # None: streamed from the checkpoint
+    with warnings.catch_warnings():  # "skips ... with more than max_evals": the table's own layers
+        warnings.simplefilter("ignore", UserWarning)
+        small, _ = htsr._analyze(source, metrics=["snr"], min_evals=1, max_evals=args.min_evals - 1,
+                                 device=args.device, progress=False)
+    small = small[~small["name"].isin(df["name"])]
+    if small.empty:
+        return df, kinds
+    return (pd.concat([df[["name", "snr"]], small[["name", "snr"]]], ignore_index=True),
+            {**kinds, **dict(zip(small["name"], small["kind"]))})
+
+
 def _spectrum_yaml(df, kinds: dict[str, str], head: str | None, top_percent: float) -> tuple[str, int]:
     """Spectrum's YAML from an analyze table: the head and the embeddings always, then the top
     ``top_percent`` % by SNR of each module type (:mod:`lalr_lightning.core.spectral.spectrum_snr`)."""
@@ -610,10 +633,11 @@ def analyze_main(argv: list[str] | None = None) -> int:
     print(f"\n{len(df)} layers -> {csv.resolve()}")
     print(_FIT_NOTES[args.fit])
     if args.spectrum is not None:
-        text, n = _spectrum_yaml(df, kinds, head, args.spectrum)
+        ranked, ranked_kinds = _with_small_matrices(args, df, kinds, model)
+        text, n = _spectrum_yaml(ranked, ranked_kinds, head, args.spectrum)
         target = out / f"spectrum_{args.spectrum:g}percent.yaml"
         target.write_text(text)
-        print(f"Spectrum {args.spectrum:g}%: {n} of {len(df)} matrices unfrozen -> {target.resolve()}")
+        print(f"Spectrum {args.spectrum:g}%: {n} of {len(ranked)} matrices unfrozen -> {target.resolve()}")
     if args.pruning is not None:
         from lalr_lightning.plans import write_pruning_plan
 
