@@ -14,6 +14,7 @@ traceback (and jsonargparse's full message).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import importlib
 import inspect
@@ -98,6 +99,10 @@ def resolve_config(value: str) -> str:
     named ``value`` (``quickstart``, ``quickstart.yaml`` or ``configs/quickstart.yaml``, as in the
     README, run outside the clone). A value that names no file is refused in one line naming the
     closest shipped config; inline YAML (``--config '{trainer: ...}'``) passes through."""
+    problem = _config_problem(value) if os.path.isfile(value) else None
+    if problem is not None:  # jsonargparse says only "Unexpected config:", or a UnicodeDecodeError traceback
+        raise ConfigError(f"--config {value} {problem}; copy a shipped config to start from: "
+                          f"`{_prog()} configs quickstart > mine.yaml`")
     if os.path.exists(value) or not re.fullmatch(r"[\w./\\-]+", value):
         return value
     folder, name = os.path.split(value)
@@ -111,6 +116,22 @@ def resolve_config(value: str) -> str:
         raise ConfigError(f"--config {value}: no such file, nor a shipped config of that name{hint} "
                           f"(`{_prog()} configs` lists them)")
     return value
+
+
+def _config_problem(path: str) -> str | None:
+    """Why the file cannot be a config (empty, not text, not a mapping of keys), or None; a YAML
+    syntax error is jsonargparse's to report (it names the line)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except UnicodeDecodeError:
+        return "is not a YAML file (not UTF-8 text)"
+    except (OSError, yaml.YAMLError):
+        return None
+    if data is None:
+        return "is empty (no YAML keys)"
+    if not isinstance(data, dict):
+        return f"holds a YAML {type(data).__name__}, not a mapping of keys (trainer:, model:, data:)"
+    return None
 
 
 def _resolve_config_args(args: list[str]) -> list[str]:
@@ -134,10 +155,16 @@ def configs_main(argv: list[str] | None = None) -> int:
     if args.name:
         try:
             path = Path(resolve_config(args.name))
+            text = path.read_text()
         except ConfigError as e:
             print(f"{p.prog}: error: {e}", file=sys.stderr)
             return 2
-        print(path.read_text(), end="")
+        except (OSError, UnicodeDecodeError) as e:  # a directory, a binary file
+            why = "a directory" if path.is_dir() else getattr(e, "strerror", None) or "not UTF-8 text"
+            print(f"{p.prog}: error: {args.name} is not a config file ({why}); `{_prog()} configs` lists the "
+                  "shipped ones", file=sys.stderr)
+            return 2
+        print(text, end="")
         return 0
     width = max(map(len, found), default=0)
     for name, path in found.items():
@@ -459,6 +486,29 @@ def _streamed(spec: str) -> bool:
     return path.is_dir() and any(path.glob("*.safetensors"))
 
 
+def _with_small_matrices(args: argparse.Namespace, df, kinds: dict[str, str], model):
+    """(table, kinds) with the SNR of the matrices --min-evals left out of the table too: Spectrum's
+    ranking needs no fit, and SpectrumSelect ranks every matrix (a YAML without them froze them)."""
+    if args.min_evals <= 1:
+        return df, kinds
+    import warnings
+
+    import pandas as pd
+
+    from lalr_lightning.core.spectral import htsr
+
+    source = args.model if model is None else model  # None: streamed from the checkpoint
+    with warnings.catch_warnings():  # "skips ... with more than max_evals": the table's own layers
+        warnings.simplefilter("ignore", UserWarning)
+        small, _ = htsr._analyze(source, metrics=["snr"], min_evals=1, max_evals=args.min_evals - 1,
+                                 device=args.device, progress=False)
+    small = small[~small["name"].isin(df["name"])]
+    if small.empty:
+        return df, kinds
+    return (pd.concat([df[["name", "snr"]], small[["name", "snr"]]], ignore_index=True),
+            {**kinds, **dict(zip(small["name"], small["kind"]))})
+
+
 def _spectrum_yaml(df, kinds: dict[str, str], head: str | None, top_percent: float) -> tuple[str, int]:
     """Spectrum's YAML from an analyze table: the head and the embeddings always, then the top
     ``top_percent`` % by SNR of each module type (:mod:`lalr_lightning.core.spectral.spectrum_snr`)."""
@@ -560,24 +610,34 @@ def analyze_main(argv: list[str] | None = None) -> int:
         print(f"{p.prog}: error: {error}", file=sys.stderr)
         return 2
     out = Path(args.out)
+    created = not out.exists()
+    try:  # before the work: an --out that cannot be made would lose it
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"{p.prog}: error: --out {out}: cannot create the directory ({e.strerror or type(e).__name__}); "
+              "pass a writable path", file=sys.stderr)
+        return 2
     from lalr_lightning import viz
 
     try:
         df, esds, model, kinds, head = _analyze_model(args)
     except (OSError, ValueError, ImportError, RuntimeError) as e:  # ValueError includes CheckpointFileError
         print(f"{p.prog}: error: {_first_line(e)}", file=sys.stderr)
+        if created:  # nothing written: leave no empty folder behind
+            with contextlib.suppress(OSError):
+                out.rmdir()
         return 2
-    out.mkdir(parents=True, exist_ok=True)
     csv = out / "spectral.csv"
     df.to_csv(csv, index=False)
     print(df[["name", "alpha", "xmin", "D", "num_evals", "spectral_norm", "stable_rank"]].to_string(index=False))
     print(f"\n{len(df)} layers -> {csv.resolve()}")
     print(_FIT_NOTES[args.fit])
     if args.spectrum is not None:
-        text, n = _spectrum_yaml(df, kinds, head, args.spectrum)
+        ranked, ranked_kinds = _with_small_matrices(args, df, kinds, model)
+        text, n = _spectrum_yaml(ranked, ranked_kinds, head, args.spectrum)
         target = out / f"spectrum_{args.spectrum:g}percent.yaml"
         target.write_text(text)
-        print(f"Spectrum {args.spectrum:g}%: {n} of {len(df)} matrices unfrozen -> {target.resolve()}")
+        print(f"Spectrum {args.spectrum:g}%: {n} of {len(ranked)} matrices unfrozen -> {target.resolve()}")
     if args.pruning is not None:
         from lalr_lightning.plans import write_pruning_plan
 
@@ -667,8 +727,36 @@ def main(argv: list[str] | None = None) -> None:
     LightningCLI warns when it gets both ``args`` and a command line. ``--traceback`` anywhere
     (or ``LALR_TRACEBACK=1``) keeps the tracebacks the CLI otherwise turns into one line. Only
     ``fit`` / ``validate`` / ``test`` / ``predict`` import Lightning; every other command parses
-    its arguments before importing torch.
+    its arguments before importing torch. Output into a pipe whose reader has gone (``| head``)
+    ends the command quietly with status 1.
     """
+    try:
+        _main(argv)
+    except BrokenPipeError:
+        if not _stdout_gone():  # another pipe of the run (a socket) broke: not ours to hide
+            raise
+        # Python flushes stdout again at exit: point it at devnull, so that says nothing either
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(1) from None
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe nobody reads any more (poll reports an error on its write end)."""
+    import select
+
+    if not hasattr(select, "poll"):  # Windows: assume the broken pipe was stdout
+        return True
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real stdout (captured): no pipe of ours broke
+        return False
+    poll = select.poll()
+    poll.register(fd, select.POLLOUT)
+    return any(event & select.POLLERR for _, event in poll.poll(0))
+
+
+def _main(argv: list[str] | None) -> None:
     global _TRACEBACK
     args = list(sys.argv[1:] if argv is None else argv)
     if "--traceback" in args:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 import os
 import sys
@@ -175,7 +176,7 @@ class HFHost(Host):
         """The training data as the Trainer collates it, in order (its own loader is accelerate's,
         whose iteration drives gradient accumulation: a measurement must not draw from it); under
         DDP each rank its share (``as_given``: every rank all of it)."""
-        from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
+        from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, SequentialSampler
 
         trainer = self.trainer
         data, collate = trainer.train_dataset, trainer.data_collator
@@ -190,10 +191,14 @@ class HFHost(Host):
                 collate = trainer._get_collator_with_removed_columns(collate, description="training")
         except ImportError:  # pragma: no cover
             pass
+        size = trainer.args.per_device_train_batch_size
+        if isinstance(data, IterableDataset):  # streamed: in its own order, no sampler; under DDP every n-th batch
+            loader = DataLoader(data, batch_size=size, collate_fn=collate)
+            return _Strided(loader, self.global_rank, self.world_size) if self.world_size > 1 and not as_given \
+                else loader
         sampler = DistributedSampler(data, self.world_size, self.global_rank, shuffle=False) \
             if self.world_size > 1 and not as_given else SequentialSampler(data)
-        return DataLoader(data, batch_size=trainer.args.per_device_train_batch_size, sampler=sampler,
-                          collate_fn=collate)
+        return DataLoader(data, batch_size=size, sampler=sampler, collate_fn=collate)
 
     # ---------------------------------------------------------------- logs
 
@@ -228,6 +233,17 @@ class HFHost(Host):
         """Nothing to check: the Trainer stops between steps (its ``should_training_stop``, also set
         when ``max_steps`` is reached), and Ctrl-C raises between chunks by itself."""
         return lambda: None
+
+
+class _Strided:
+    """Batches ``start``, ``start + step``, ... of ``loader``, anew at each iteration (a rank's share
+    of a streamed dataset, which no sampler can split)."""
+
+    def __init__(self, loader: Iterable, start: int, step: int):
+        self.loader, self.start, self.step = loader, start, step
+
+    def __iter__(self):
+        return itertools.islice(iter(self.loader), self.start, None, self.step)
 
 
 def _find_trainer() -> Any:
@@ -345,7 +361,17 @@ class _Session:
         if self.resume is None:
             return
         path = os.path.join(self.resume, STATE_FILE)
-        states = torch.load(path, map_location="cpu", weights_only=True) if os.path.isfile(path) else {}
+        states: Any = {}
+        if os.path.isfile(path):
+            damaged = f"{path} is not the callbacks' states written by lalr_lightning"
+            fix = ("; delete it to resume without them (each callback starts afresh), or resume from another "
+                   "checkpoint")
+            try:
+                states = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as e:  # noqa: BLE001 -- any unreadable file: truncated, another format, pickled code
+                raise ValueError(f"{damaged} ({type(e).__name__}){fix}") from e
+            if not isinstance(states, dict):
+                raise ValueError(f"{damaged} (a {type(states).__name__}, not a dict){fix}")
         owners = SimpleNamespace(callbacks=self.methods)
         for cb in self.methods:
             keys.adopt(cb, owners, {"callbacks": states})  # an entry written under an earlier key
@@ -420,6 +446,18 @@ class LayerwiseTrainerCallback(_callback_base()):
     def __repr__(self) -> str:
         return f"trainer_callback({type(self.method).__name__})"
 
+    #: Lightning names each callback by it before its hooks (so the refusal in :meth:`setup` is reached)
+    state_key = property(lambda self: repr(self))
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        # Lightning's first hook on a callback: this adapter is the Trainer's, not Lightning's
+        who = type(self.method).__name__
+        raise TypeError(f"trainer_callback({who}) is for transformers.Trainer; pass {who} itself to Lightning's "
+                        f"Trainer: pl.Trainer(..., callbacks=[{who}(...)])")
+
+    def on_exception(self, *args: Any, **kwargs: Any) -> None:
+        """Lightning's hook as the error of :meth:`setup` leaves the fit: nothing to undo."""
+
     def on_init_end(self, args, state, control, **kwargs):
         trainer = _find_trainer()
         if trainer is None:  # pragma: no cover - Trainer.__init__ is always the caller
@@ -429,9 +467,17 @@ class LayerwiseTrainerCallback(_callback_base()):
     def _bind(self, trainer: Any) -> None:
         if self.session is not None and self.session.trainer is trainer:
             return
-        self.session = _Session.of(trainer)
-        if self.method not in self.session.methods:
-            self.session.methods.append(self.method)
+        session = _Session.of(trainer)
+        who = type(self.method).__name__
+        if any(m is self.method for m in session.methods):  # every event would reach it twice
+            raise ValueError(f"{who} is passed to the Trainer twice (two trainer_callback(...) of one callback); "
+                             "pass each callback once")
+        same = [m for m in session.methods if m.state_key == self.method.state_key]
+        if same:  # as Lightning refuses them: one state would overwrite the other, one control the other's
+            raise ValueError(f"two {who} with the same settings share the state key {self.method.state_key!r}; "
+                             f"pass name='...' to each ({who}(..., name='a'), {who}(..., name='b')) to tell them apart")
+        self.session = session
+        session.methods.append(self.method)
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.session is None or not self.session.begun:
@@ -490,5 +536,8 @@ def trainer_callback(callback: LayerwiseCallback | Iterable[LayerwiseCallback]) 
         return LayerwiseTrainerCallback(callback)
     if isinstance(callback, (list, tuple)):
         return [trainer_callback(c) for c in callback]
+    if isinstance(callback, type) and issubclass(callback, LayerwiseCallback):
+        raise TypeError(f"trainer_callback takes a callback, got the class {callback.__name__}; construct it: "
+                        f"trainer_callback({callback.__name__}(...))")
     raise TypeError(f"trainer_callback takes a callback of lalr_lightning (or a list of them), got "
                     f"{type(callback).__name__}")

@@ -11,6 +11,7 @@ import sys
 
 import lightning.pytorch as pl
 import yaml
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
@@ -145,6 +146,10 @@ class LalrCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         cfg = self._subconfig()
+        accumulate = cfg.get("trainer.accumulate_grad_batches")
+        if accumulate is not None and accumulate < 1:  # Lightning takes it, then divides by it in the first step
+            raise ConfigError(f"trainer.accumulate_grad_batches must be an integer >= 1 (batches per optimizer "
+                              f"step), got {accumulate}")
         ckpt = cfg.get("model.init_args.checkpoint")
         if not ckpt:
             return
@@ -158,6 +163,8 @@ class LalrCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
+        except MisconfigurationException as e:  # the Trainer's own checks of its arguments: the message is the fix
+            raise ConfigError(f"trainer: {_first_line(e)}") from e
         except ValueError as e:
             # jsonargparse reports a constructor's error inside a many-line "Does not validate
             # against any of the Union subtypes" message; the constructor's own line is the cause

@@ -521,11 +521,23 @@ def report_main(argv: list[str] | None = None, prog: str = "python -m lalr_light
     p.add_argument("run_dir", help="a CSVLogger or TensorBoardLogger version directory, or an offline W&B run folder")
     p.add_argument("--out", default=None, help="the page to write (default: report.html in RUN_DIR)")
     args = p.parse_args(argv)
+    if args.out is not None and Path(args.out).is_dir():
+        print(f"{prog}: error: --out {args.out} is a directory; --out names the HTML file to write: pass "
+              f"{Path(args.out) / 'report.html'}", file=sys.stderr)
+        return 2
     try:
         run = read_run(args.run_dir)
-        out = write_report(args.run_dir, args.out, run=run)
     except (ReportError, OSError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        out = write_report(args.run_dir, args.out, run=run)
+    except ReportError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the folder is a file, a read-only disk, ...
+        print(f"{prog}: error: cannot write --out {args.out or 'report.html in the run'} ({e.strerror or e}); "
+              "pass a writable path", file=sys.stderr)
         return 2
     for note in run.notes:
         print(f"{prog}: warning: {note}", file=sys.stderr)

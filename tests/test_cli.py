@@ -96,6 +96,27 @@ def test_analyze_bad_inputs_are_clear(tmp_path):
         load_for_analysis(str(tmp_path / "d"))
 
 
+
+def test_analyze_with_an_out_it_cannot_create_is_one_line_before_the_work(tmp_path, capsys, monkeypatch):
+    """A folder under a file (or on a read-only disk): one line, and before the analysis (it was a
+    NotADirectoryError traceback from mkdir after the whole analysis)."""
+    import lalr_lightning.cli as cli
+
+    ckpt = tmp_path / "m.ckpt"
+    torch.save({"state_dict": SmallCNN(width=16).state_dict()}, ckpt)
+    (tmp_path / "taken").write_text("mine")
+    monkeypatch.setattr(cli, "_analyze_model", lambda args: pytest.fail("analyzed before checking --out"))
+    assert analyze_main([str(ckpt), "--out", str(tmp_path / "taken" / "rep"), "--no-plots"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--out " in err and "cannot create" in err and "pass a writable" in err
+    assert (tmp_path / "taken").read_text() == "mine"
+
+
+def test_analyze_that_fails_leaves_no_out_it_created(tmp_path, capsys):
+    assert analyze_main([str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "rep"), "--no-plots"]) == 2
+    assert not (tmp_path / "rep").exists()
+
+
 # ----------------------------------------------------------------------------- broken files
 
 
@@ -203,6 +224,33 @@ def test_config_errors_are_one_line(tmp_path, capsys):
     assert len(err) == 1 and "unknown assign 'bogus'" in err[0]
 
 
+
+@pytest.mark.parametrize("flag, value, phrase", [
+    ("--trainer.max_epochs", "-3", "max_epochs` must be a non-negative integer or -1"),  # Lightning's own check
+    ("--trainer.accumulate_grad_batches", "0", "accumulate_grad_batches must be an integer >= 1"),  # none in Lightning
+])
+def test_trainer_values_lightning_refuses_or_divides_by_are_one_line(flag, value, phrase, tmp_path, capsys):
+    """They were a MisconfigurationException traceback, and a ZeroDivisionError in the first step."""
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--config", "quickstart", flag, value, "--trainer.logger", "false",
+              "--trainer.default_root_dir", str(tmp_path)])
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if "error:" in line or "Traceback" in line]
+    assert info.value.code == 2 and len(err) == 1 and phrase in err[0] and "trainer" in err[0], err
+
+
+@pytest.mark.parametrize("content, phrase", [("", "is empty"), ("# a comment\n", "is empty"),
+                                             ("- a\n- b\n", "holds a YAML list, not a mapping"),
+                                             (b"\xff\xfe\x00", "is not a YAML file (not UTF-8 text)")])
+def test_an_empty_or_foreign_config_file_is_one_line_naming_it(tmp_path, capsys, content, phrase):
+    """They were jsonargparse's bare 'Unexpected config:', and a UnicodeDecodeError traceback."""
+    path = tmp_path / "mine.yaml"
+    path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(path)])
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"mine.yaml {phrase}" in err and "configs quickstart >" in err, err
+
+
 def test_a_model_that_cannot_be_built_names_the_cause(tmp_path, monkeypatch, capsys):
     """jsonargparse's first line ("Problem with given class_path 'X':") only introduces the cause;
     the one error line carries the cause too (here: the packaged MiniLM is not installed)."""
@@ -276,6 +324,21 @@ def test_a_config_is_found_by_name_from_anywhere(tmp_path, monkeypatch, capsys):
     assert f"{len(packaged_configs())} configs in {ROOT / 'configs'}" in listing
     assert configs_main(["quickstart"]) == 0
     assert capsys.readouterr().out == quickstart.read_text()
+
+
+
+@pytest.mark.parametrize("what, phrase", [("dir", "not a config file (a directory)"),
+                                          ("binary", "not a YAML file (not UTF-8 text)")])
+def test_configs_name_that_is_no_text_file_is_one_line(what, phrase, tmp_path, capsys):
+    """They were an IsADirectoryError / UnicodeDecodeError traceback."""
+    path = tmp_path / "d"
+    if what == "dir":
+        path.mkdir()
+    else:
+        path.write_bytes(b"\xff\xfe\x00weights")
+    assert configs_main([str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and phrase in err[0] and "configs" in err[0], err
 
 
 # ----------------------------------------------------------------------------- one line per error
@@ -482,3 +545,32 @@ def test_parse_error_lines_and_key_suggestions():
         "the following arguments are required: fit.data, fit.model", parser)
     one = parse_error_line('Parser key "trainer.max_epochs":\n  Expected a <class \'int\'>. Got value: abc', parser)
     assert one == "Parser key \"trainer.max_epochs\": Expected a <class 'int'>. Got value: abc"
+
+
+@pytest.mark.parametrize("args", [["--help"], ["configs"], ["configs", "quickstart"]])
+def test_output_into_a_closed_pipe_ends_quietly(args, tmp_path):
+    """``lalr-lightning configs | head -1``: the reader has gone; no BrokenPipeError traceback."""
+    import os
+    import subprocess
+
+    read, write = os.pipe()
+    os.close(read)  # every write to the pipe fails, as after head has read its line
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    try:
+        done = subprocess.run([sys.executable, "-m", "lalr_lightning", *args], cwd=tmp_path, env=env, stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
+    assert done.returncode == 1
+
+
+def test_a_broken_pipe_that_is_not_stdout_keeps_its_error(monkeypatch):
+    import lalr_lightning.cli as cli
+
+    def broken(argv):
+        raise BrokenPipeError(32, "Broken pipe")  # a socket of the run, stdout still read
+
+    monkeypatch.setattr(cli, "_main", broken)
+    with pytest.raises(BrokenPipeError):
+        main(["configs"])

@@ -270,6 +270,23 @@ def test_report_command_names_what_it_needs(tmp_path, capsys):
     assert len(err) == 1 and "no metrics.csv, TensorBoard event file or offline W&B run" in err[0]
 
 
+
+@pytest.mark.parametrize("where, phrase", [("dir", "is a directory; --out names the HTML file"),
+                                           ("file/page.html", "cannot write --out")])
+def test_report_with_an_out_it_cannot_write_names_the_fix(tmp_path, capsys, where, phrase):
+    from lalr_lightning.report import report_main
+
+    run = tmp_path / "version_0"
+    run.mkdir()
+    (run / "metrics.csv").write_text("step,tempbalance/alpha/model.layer2\n0,3.0\n5,2.5\n")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("mine")
+    assert report_main([str(run), "--out", str(tmp_path / where)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and phrase in err[0] and "pass " in err[0], err
+    assert (tmp_path / "file").read_text() == "mine"
+
+
 # ----------------------------------------------------------------------------- a real browser
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or (

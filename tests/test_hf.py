@@ -246,6 +246,121 @@ def test_not_a_callback_of_the_package_is_refused():
         trainer_callback(object())
 
 
+def test_two_unnamed_callbacks_with_one_state_key_are_refused_naming_name(tmp_path):
+    """As Lightning refuses them: under the Trainer their learning-rate multipliers would not
+    multiply (0.5e-3, not 0.25e-3) and one state would overwrite the other in the checkpoint."""
+    a, b = C.LayerLRMultiplier({"model.layers.0.*": 0.5}), C.LayerLRMultiplier({"model.layers.0.*": 0.5})
+    with pytest.raises(ValueError, match=r"two LayerLRMultiplier .* name="):
+        _trainer(tmp_path, trainer_callback([a, b]), steps=2)
+
+
+def test_one_callback_wrapped_twice_is_refused(tmp_path):
+    """Each event would reach it twice (ProximalRegularizer measured lambda_o twice an epoch)."""
+    cb = C.ProximalRegularizer(lam=0.5, every_n_epochs=1)
+    with pytest.raises(ValueError, match=r"ProximalRegularizer is passed to the Trainer twice"):
+        _trainer(tmp_path, [trainer_callback(cb), trainer_callback(cb)], steps=2)
+
+
+def test_a_lightning_callback_given_to_the_trainer_unwrapped_names_trainer_callback(tmp_path):
+    with pytest.raises(AttributeError, match=r"TempBalanceCallback is a Lightning callback.*trainer_callback\("):
+        _trainer(tmp_path, [C.TempBalanceCallback(min_evals=5)], steps=1)
+    trainer, _ = _trainer(tmp_path, [], steps=1)
+    trainer.add_callback(C.SpectrumSelect(top_percent=25))
+    with pytest.raises(AttributeError, match=r"SpectrumSelect is a Lightning callback.*trainer_callback\("):
+        trainer.train()
+    assert not hasattr(C.TempBalanceCallback(), "on_init_end")  # still an attribute error to hasattr
+
+
+def test_a_trainer_callback_given_to_lightning_names_the_callback_itself():
+    cb = trainer_callback(C.TempBalanceCallback(min_evals=5))
+    with pytest.raises(TypeError, match=r"for transformers.Trainer; pass TempBalanceCallback itself"):
+        _lightning_first_decision(cb, _model())
+
+
+def test_a_callback_class_instead_of_an_instance_is_told_to_construct_it():
+    with pytest.raises(TypeError, match=r"the class SpectrumSelect; construct it: trainer_callback\(SpectrumSelect\(\.\.\.\)\)"):
+        trainer_callback(C.SpectrumSelect)
+
+
+
+def test_lisa_on_a_peft_lora_model_is_refused_naming_lora(tmp_path):
+    """The Trainer builds its optimizer over what requires grad: a LoRA model's adapters only."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_model(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    trainer, _ = _trainer(tmp_path, [trainer_callback(C.BlockSchedule("lisa", gamma=1, every_n_steps=1))], steps=1,
+                          model=model)
+    with pytest.raises(ValueError, match=r"every block must be in the optimizer.*LoRA.*without LISA"):
+        trainer.train()
+
+
+
+@pytest.mark.parametrize("make, phrase", [
+    (lambda: C.SpectrumSelect(top_percent=25), "SpectrumSelect on the model without LoRA"),
+    (lambda: C.HTSRPruning(**PRUNE), "prune the model without LoRA"),
+])
+def test_spectrum_and_pruning_on_a_peft_lora_model_name_lora_b(tmp_path, make, phrase):
+    """The SNR / alpha of a zero lora_B is NaN: the error said 'all-zero weights?; leave them out with
+    layer_types', which no layer_types can do (the adapters are Linear layers as the base ones)."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_model(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    trainer, _ = _trainer(tmp_path, [trainer_callback(make())], steps=1, model=model)
+    with pytest.raises(ValueError, match=rf"lora_B.*start at zero.*{phrase}"):
+        trainer.train()
+
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """A streamed train_dataset (``datasets``' ``streaming=True``, a generator): no length, no sampler."""
+
+    def __iter__(self):
+        yield from _rows()
+
+
+@pytest.mark.parametrize("name", ["autorgn", "wanda"])
+def test_methods_that_measure_on_batches_take_a_streamed_train_dataset(tmp_path, name):
+    """They measured through a DataLoader with a sampler, which torch refuses for an IterableDataset
+    ('expected unspecified sampler option'); the batches are the map-style dataset's, in order."""
+    streamed_cb, listed_cb = CASES[name](), CASES[name]()
+    streamed, _ = _trainer(tmp_path / "a", [trainer_callback(streamed_cb)], steps=1)
+    streamed.train_dataset = _Stream()
+    streamed.train()
+    listed, _ = _trainer(tmp_path / "b", [trainer_callback(listed_cb)], steps=1)
+    listed.train()
+    attr = listed_cb.decision_attr
+    assert streamed_cb.history[0][attr] == pytest.approx(listed_cb.history[0][attr])
+
+
+
+def test_a_ranks_share_of_a_streamed_dataset_is_every_nth_batch_at_each_iteration():
+    from types import SimpleNamespace
+
+    from lalr_lightning.hf import HFHost
+
+    def host(rank: int, world: int):
+        args = SimpleNamespace(world_size=world, process_index=rank, per_device_train_batch_size=4)
+        return HFHost(SimpleNamespace(args=args, train_dataset=_Stream(), data_collator=None,
+                                      _get_collator_with_removed_columns=lambda collate, description: collate))
+
+    whole = [b["input_ids"] for b in host(0, 1).batches()]
+    assert len(whole) == N // 4
+    share = host(1, 2).batches()
+    for _ in range(2):  # a new pass over the stream each time
+        got = [b["input_ids"] for b in share]
+        assert len(got) == 2 and all(torch.equal(a, b) for a, b in zip(got, whole[1::2]))
+    assert len(list(host(1, 2).batches(as_given=True))) == len(whole)
+
+
+
+def test_a_pattern_naming_a_tied_head_says_which_layer_it_is(tmp_path):
+    """GPT-2's lm_head shares transformer.wte's weight: one layer, found under the embedding's name;
+    'matches no layer' alone sent the user looking for a missing head."""
+    model = tiny_lm("gpt2", True, layers=2, hidden=16)
+    cb = C.LayerLRMultiplier({"lm_head": 2.0})
+    with pytest.raises(ValueError, match=r"'lm_head' shares its weight with 'transformer.wte'.*"
+                                         r"use 'transformer.wte'"):
+        _trainer(tmp_path, [trainer_callback(cb)], steps=1, model=model)[0].train()
+
+
 # ---------------------------------------------------------------------- the same decisions as Lightning
 
 
@@ -345,6 +460,23 @@ def test_a_checkpoint_written_with_other_settings_is_refused_naming_them(tmp_pat
                         steps=4)
     with pytest.raises(C.SettingsMismatchError, match="gamma=1"):
         other.train(resume_from_checkpoint=str(tmp_path / "a" / "out" / "checkpoint-2"))
+
+
+@pytest.mark.parametrize("content", [b"garbage", "list"])
+def test_a_damaged_state_file_in_the_checkpoint_is_one_line_naming_it(tmp_path, content):
+    first, _ = _trainer(tmp_path / "a", [trainer_callback(C.TempBalanceCallback(min_evals=5, every_n_steps=2))],
+                        steps=2, save_strategy="steps", save_steps=2)
+    first.train()
+    ckpt = tmp_path / "a" / "out" / "checkpoint-2"
+    if content == "list":
+        torch.save([1, 2], ckpt / STATE_FILE)
+    else:
+        (ckpt / STATE_FILE).write_bytes(content)
+    again, _ = _trainer(tmp_path / "b", [trainer_callback(C.TempBalanceCallback(min_evals=5, every_n_steps=2))],
+                        steps=4)
+    with pytest.raises(ValueError, match=rf"{STATE_FILE} .* not the callbacks' states written by lalr_lightning.*"
+                                         rf"delete it"):
+        again.train(resume_from_checkpoint=str(ckpt))
 
 
 # ---------------------------------------------------------------------- LISA against LMFlow's callback

@@ -107,6 +107,25 @@ def test_analyze_streams_every_matrix_and_writes_a_spectrum_yaml_that_round_trip
     assert read_unfrozen_yaml(text) == ["^lm_head.weight$", "model.layers.1.mlp.up_proj"]
 
 
+@pytest.mark.parametrize("percent", [50, 100])
+def test_analyze_spectrum_ranks_the_matrices_min_evals_leaves_out_of_the_table(tmp_path, percent, capsys):
+    """k_proj/v_proj of hidden 16 (8 eigenvalues) are under analyze's --min-evals 10: the YAML left
+    them frozen even at 100 %, a choice SpectrumSelect (no min_evals) does not make."""
+    path = save_tiny_lm(tmp_path / "lm", "llama", False, hidden=16, layers=2)
+    out = tmp_path / "report"
+    assert analyze_main([str(path), "--out", str(out), "--spectrum", str(percent), "--no-plots", "--quiet"]) == 0
+    assert " of 16 matrices unfrozen" in capsys.readouterr().out  # 14 matrices in 2 blocks, embedding, head
+    import pandas as pd
+
+    assert not any("k_proj" in n for n in pd.read_csv(out / "spectral.csv")["name"])  # the table keeps min_evals
+    patterns = read_unfrozen_yaml((out / f"spectrum_{percent}percent.yaml").read_text())
+    model = tiny_lm("llama", False, hidden=16, layers=2)
+    unfrozen = {n for n, _ in model.named_parameters() if any(re.match(p, n) for p in patterns)}
+    plan = SpectrumSelect(top_percent=percent).plan(model)
+    chosen = {f"{n}.weight" for n in plan.loc[plan["selected"].astype(bool), "layer"]}
+    assert unfrozen == chosen
+
+
 def test_grouping_report_and_always_trained_matrices():
     from lalr_lightning.core.model.layers import matrix_layers, output_layer
     from lalr_lightning.core.spectral import htsr

@@ -360,6 +360,19 @@ def test_model_without_eligible_layers_is_a_clear_error():
         _trainer([TempBalanceCallback(layer_types=["embedding"])], max_epochs=1).fit(OnlyTiny(), data)
 
 
+def test_a_model_whose_balanced_layers_all_are_frozen_is_refused_naming_lora():
+    """peft LoRA: the base layers are frozen and the adapters have too few eigenvalues, so the
+    multipliers would act on nothing (the fit ran, decided and changed nothing)."""
+    model = _model()
+    for p in model.model.parameters():
+        p.requires_grad_(False)
+    model.model.fc.weight.requires_grad_(True)  # the head trains, outside TempBalance's layers
+    with pytest.raises(ValueError, match=r"none of its 3 layers trains .*LoRA.*LALRScheduleCallback"):
+        _trainer([TempBalanceCallback(min_evals=100, first=True, head=True)], max_epochs=1).fit(model, _loader())
+    tb = TempBalanceCallback(min_evals=100, first=True, head=True)
+    assert set(tb.plan(model)["layer"]) == {"model.layer2.conv", "model.layer3.conv", "model.layer4.conv"}  # no fit
+
+
 def test_too_few_eigenvalues_are_excluded_with_the_reason():
     # width 16: layer2 and layer3 have 9*16 = 144 eigenvalues, layer4 9*32 = 288
     with pytest.raises(ValueError, match="144 eigenvalues < min_evals=200"):

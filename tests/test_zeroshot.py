@@ -140,3 +140,18 @@ def test_bad_task_file_is_one_line(files, tmp_path, capsys, line, phrase):
     bad.write_text(line + "\n")
     code, _, err = _run(["zeroshot", str(model), "--task", str(bad)], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1 and phrase in err and "line 1" in err
+
+
+@pytest.mark.parametrize("where, phrase", [("dir", "is a directory"), ("missing/r.json", "no such folder")])
+def test_an_out_that_cannot_be_written_is_one_line_before_the_evaluation(files, tmp_path, capsys, monkeypatch, where,
+                                                                         phrase):
+    """Refused before the model loads (the evaluation's results were lost to an IsADirectoryError
+    traceback after it ran)."""
+    import lalr_lightning.oneshot.commands as commands
+
+    _, model, task, _ = files
+    (tmp_path / "dir").mkdir()
+    monkeypatch.setattr(commands, "_zeroshot_run", lambda *a: pytest.fail("evaluated before checking --out"))
+    code, _, err = _run(["zeroshot", str(model), "--task", str(task), "--quiet", "--out", str(tmp_path / where)],
+                        capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and phrase in err and "--out" in err

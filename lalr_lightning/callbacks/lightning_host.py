@@ -235,10 +235,23 @@ class OptimizerResume:
         vars(trainer.strategy).pop("load_checkpoint", None)
 
 
+#: the events ``transformers.Trainer`` calls on each of its callbacks (``TrainerCallback``'s methods)
+_TRAINER_EVENTS = frozenset((
+    "on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_step_begin",
+    "on_pre_optimizer_step", "on_optimizer_step", "on_substep_end", "on_step_end", "on_evaluate", "on_predict",
+    "on_save", "on_log", "on_prediction_step", "on_push_begin"))
+
 class LightningHooks(Callback):
     """Lightning's hooks, each one event of the timeline (``_begin``, ``_wrapped``, ``_restore``,
     ``_train_start``, ``_epoch_start``, ``_batch_start``, ...; base.py). Mixed into the base of
     every method; a method overrides none of these."""
+
+    def __getattr__(self, attr: str) -> Any:  # only for what the class and the instance lack
+        if attr in _TRAINER_EVENTS:  # transformers.Trainer calls its events on every callback it holds
+            raise AttributeError(f"{type(self).__name__} is a Lightning callback; on transformers.Trainer (or TRL's "
+                                 f"trainers) wrap it: Trainer(..., callbacks=[trainer_callback(cb)]) with "
+                                 "`from lalr_lightning.hf import trainer_callback`")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}")
 
     def _host(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> LightningHost:
         host = self.__dict__.get("_lightning_host")

@@ -151,7 +151,9 @@ class BlockSchedule(LayerSelection):
         if missing:
             raise ValueError(
                 f"{self.schedule.upper()} switches blocks on and off, so every block must be in the optimizer; "
-                f"{missing} are not (configure_optimizers filtered them out, e.g. by requires_grad)"
+                f"{missing} are not (the optimizer was built over the parameters that required grad: "
+                "configure_optimizers filtered them, or a peft LoRA model keeps its base weights frozen); build it "
+                f"over every parameter, or train the LoRA adapters without {self.schedule.upper()}"
             )
 
     # ------------------------------------------------------------------ what

@@ -132,6 +132,15 @@ class TempBalanceCallback(LayerwiseCallback):
         self.layers, self.excluded = core.eligible_layers(module, self.layer_types, first=self.first, head=self.head,
                                                           min_evals=self.min_evals)
 
+    def prepare(self, host: Host) -> None:
+        # in a fit only (plan() measures frozen weights as they are): multipliers on frozen layers change nothing
+        if self.layers and not any(p.requires_grad for la in self.layers for p in la.params.values()):
+            raise ValueError(
+                f"{type(self).__name__}: none of its {len(self.layers)} layers trains (requires_grad is False for "
+                "all; a peft LoRA model trains only its adapters, whose few eigenvalues leave them out), so its "
+                "learning-rate multipliers would change nothing; train the layers, or for LoRA use "
+                "LALRScheduleCallback (a LoRA layer measured on its merged weight)")
+
     @property
     def cadence(self) -> Cadence:  # the first allocation comes from the initial weights
         return Cadence(start=True, every_n_epochs=self.every_n_epochs if self.every_n_steps is None else None,

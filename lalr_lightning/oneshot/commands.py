@@ -286,6 +286,11 @@ def zeroshot_main(argv: Sequence[str] | None = None, prog: str = "python -m lalr
         p.error("give --task FILE.jsonl or --tasks boolq,rte,... (or both)")
     if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
         p.error(f"--batch-size and --limit must be >= 1, got {args.batch_size} and {args.limit}")
+    out = Path(args.out or "zeroshot.json")
+    if out.is_dir():  # checked before the evaluation, whose results the write would lose
+        p.error(f"--out {out} is a directory; --out names the JSON file to write: pass a file path")
+    if not out.resolve().parent.is_dir():
+        p.error(f"--out {out}: no such folder {out.resolve().parent}; create it or pass another path")
     names = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
     _quiet_transformers()
     try:
@@ -299,8 +304,12 @@ def zeroshot_main(argv: Sequence[str] | None = None, prog: str = "python -m lalr
 
     print(table(results, "acc"))
     print(table(results, "acc_norm"))
-    out = Path(args.out or "zeroshot.json")
-    out.write_text(json.dumps({"model": str(Path(args.model).resolve()), "results": results}, indent=2) + "\n")
+    try:
+        out.write_text(json.dumps({"model": str(Path(args.model).resolve()), "results": results}, indent=2) + "\n")
+    except OSError as e:  # the tables above keep the numbers
+        print(f"{prog}: error: cannot write --out {out} ({e.strerror or type(e).__name__}); the results are above",
+              file=sys.stderr)
+        return 1
     print(f"\nresults -> {out.resolve()}")
     return 0
 

@@ -37,6 +37,7 @@ from lalr_lightning.core.model.layers import (
     num_eigenvalues,
     output_layer,
 )
+from lalr_lightning.core.runtime.checks import lora_zero
 from lalr_lightning.core.spectral import htsr
 
 __all__ = [
@@ -448,6 +449,10 @@ def finite_metric(values: Mapping[str, float], names: Sequence[str], metric: str
     """``values`` of the layers ``names``, in that order; a ValueError naming the layers whose
     ``metric`` is missing or not finite."""
     bad = {n: values.get(n) for n in names if n not in values or not math.isfinite(values[n])}
+    if bad and lora_zero(bad):
+        raise ValueError(f"metric {metric!r} is not finite for layers {list(bad)[:5]}: peft LoRA's lora_B matrices "
+                         "start at zero; prune the model without LoRA, or after merging the adapters "
+                         "(model.merge_and_unload())")
     if bad:
         raise ValueError(f"metric {metric!r} is not finite for layers {bad} (all-zero or constant weights?); "
                          "exclude them (min_numel) or choose another metric")

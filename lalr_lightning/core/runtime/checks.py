@@ -12,7 +12,7 @@ import numbers
 import types
 import typing
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +20,7 @@ from torch import nn
 
 __all__ = ["DEFAULT_FIGURES", "FIGURES", "ArgumentTypeError", "constructor_settings", "default_settings",
            "distinct_settings", "with_figures", "check_arguments", "check_counts", "check_figures",
-           "check_loss_fn", "check_min_evals", "check_number", "check_taken", "union_signature", "coerce", "lazy_error", "lazy_parameters",
+           "check_loss_fn", "check_min_evals", "check_number", "check_taken", "union_signature", "coerce", "lazy_error", "lazy_parameters", "lora_zero",
            "non_finite", "orphaned_masks", "plain_setting", "uninitialized"]
 
 _NUMBERS = {int: "an integer", float: "a number"}
@@ -347,3 +347,9 @@ def distinct_settings(obj: Any, skip: Sequence[str] = ()) -> dict:
         ref = {a: plain_setting(p.default) for a, p in inspect.signature(type(obj).__init__).parameters.items()
                if p.default is not inspect.Parameter.empty}
     return {k: v for k, v in obj.settings().items() if k not in skip and (k not in ref or ref[k] != v)}
+
+
+def lora_zero(names: Iterable[str]) -> bool:
+    """Whether one of the layer ``names`` is a peft LoRA ``lora_B`` matrix: zero when the adapter is
+    made, so no spectrum (NaN SNR, alpha) until training moves it."""
+    return any(".lora_B." in n or n.endswith(".lora_B") for n in names)

@@ -31,6 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.layers import Layer
+from lalr_lightning.core.runtime.checks import lora_zero
 from lalr_lightning.core.spectral import htsr
 
 __all__ = ["GROUPINGS", "module_type", "group_types", "types_of", "top_by_type", "chosen_count", "grouping_report",
@@ -92,6 +93,10 @@ def top_by_type(snr: Mapping[str, float], top_percent: float,
     if not 0 <= top_percent <= 100:
         raise ValueError(f"top_percent must be in [0, 100], got {top_percent}")
     bad = [k for k, v in snr.items() if not isinstance(v, (int, float)) or math.isnan(v)]
+    if bad and lora_zero(bad):  # a peft model: no layer_types tells its adapters from the base layers
+        raise ValueError(f"SNR is NaN for {bad[:5]}: peft LoRA's lora_B matrices start at zero; Spectrum chooses "
+                         "which of the model's own matrices train, in place of LoRA: run SpectrumSelect on the model "
+                         "without LoRA")
     if bad:
         raise ValueError(f"SNR is NaN for {bad[:5]} (all-zero weights?); leave them out with layer_types")
     if groups is None:
