@@ -570,8 +570,12 @@ def _analyze_args_error(args: argparse.Namespace) -> str | None:
     """The one-line error for arguments that need no file (checked before the work), or None."""
     if args.spectrum is not None and not 0 <= args.spectrum <= 100:
         return f"--spectrum takes a percentage in [0, 100], got {args.spectrum:g}"
-    if args.preset is not None and args.pruning is None or args.pruning is not None and not 0 <= args.pruning < 1:
-        return f"--pruning takes a target sparsity in [0, 1) (--preset goes with it), got {args.pruning}"
+    if args.preset is not None and args.pruning is None:
+        return f"--preset {args.preset} goes with --pruning S (a target sparsity in [0, 1)): add it"
+    if args.pruning is not None and not 0 <= args.pruning < 1:
+        return f"--pruning takes a target sparsity in [0, 1), got {args.pruning}"
+    if args.min_evals < 2:  # a power law is fitted to at least two eigenvalues, as the callbacks' min_evals
+        return f"--min-evals must be at least 2 (a fit needs two eigenvalues), got {args.min_evals}"
     out = Path(args.out)
     if out.exists() and not out.is_dir():  # the work would end in FileExistsError
         return (f"--out {out} is an existing file; --out names a directory (created if missing) for "

@@ -112,6 +112,22 @@ def test_analyze_with_an_out_it_cannot_create_is_one_line_before_the_work(tmp_pa
     assert (tmp_path / "taken").read_text() == "mine"
 
 
+@pytest.mark.parametrize("flags, phrase", [
+    (["--min-evals", "1"], "--min-evals must be at least 2"),
+    (["--min-evals", "-5"], "--min-evals must be at least 2"),
+    (["--preset", "alphapruning"], "--preset alphapruning goes with --pruning S"),
+    (["--pruning", "1.5"], "--pruning takes a target sparsity in [0, 1), got 1.5"),
+])
+def test_analyze_arguments_out_of_range_are_one_line_before_the_work(flags, phrase, tmp_path, capsys, monkeypatch):
+    """--min-evals below 2 was accepted (NaN rows; the callbacks refuse it), --preset alone said 'got None'."""
+    import lalr_lightning.cli as cli
+
+    monkeypatch.setattr(cli, "_analyze_model", lambda args: pytest.fail("analyzed before checking the arguments"))
+    assert analyze_main(["resnet18", "--out", str(tmp_path / "rep"), "--no-plots", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and phrase in err
+
+
 def test_analyze_that_fails_leaves_no_out_it_created(tmp_path, capsys):
     assert analyze_main([str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "rep"), "--no-plots"]) == 2
     assert not (tmp_path / "rep").exists()
