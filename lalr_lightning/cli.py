@@ -571,7 +571,7 @@ def _analyze_args_error(args: argparse.Namespace) -> str | None:
     if args.spectrum is not None and not 0 <= args.spectrum <= 100:
         return f"--spectrum takes a percentage in [0, 100], got {args.spectrum:g}"
     if args.preset is not None and args.pruning is None:
-        return f"--preset {args.preset} goes with --pruning S (a target sparsity in [0, 1)): add it"
+        return f"--pruning takes a target sparsity in [0, 1), and --preset {args.preset} needs it: add --pruning S"
     if args.pruning is not None and not 0 <= args.pruning < 1:
         return f"--pruning takes a target sparsity in [0, 1), got {args.pruning}"
     if args.min_evals < 2:  # a power law is fitted to at least two eigenvalues, as the callbacks' min_evals

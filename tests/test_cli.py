@@ -115,7 +115,7 @@ def test_analyze_with_an_out_it_cannot_create_is_one_line_before_the_work(tmp_pa
 @pytest.mark.parametrize("flags, phrase", [
     (["--min-evals", "1"], "--min-evals must be at least 2"),
     (["--min-evals", "-5"], "--min-evals must be at least 2"),
-    (["--preset", "alphapruning"], "--preset alphapruning goes with --pruning S"),
+    (["--preset", "alphapruning"], "--preset alphapruning needs it: add --pruning S"),
     (["--pruning", "1.5"], "--pruning takes a target sparsity in [0, 1), got 1.5"),
 ])
 def test_analyze_arguments_out_of_range_are_one_line_before_the_work(flags, phrase, tmp_path, capsys, monkeypatch):
