@@ -559,6 +559,8 @@ def _analyze_parser() -> argparse.ArgumentParser:
                         "directory or .safetensors file is then loaded whole")
     p.add_argument("--preset", default=None, choices=[p for p in PRESETS if p != "owl"],
                    help="with --pruning: HTSRPruning's preset (alphapruning: AlphaPruning's LLM recipe)")
+    p.add_argument("--head", action="store_true",
+                   help="with --pruning: prune the output layer too (HTSRPruning(head=True); left dense by default)")
     p.add_argument("--quiet", action="store_true", help="no progress bar (none is drawn when stderr is not a terminal)")
     p.add_argument("--unsafe-load", action="store_true",
                    help="read torch files that hold Python objects besides tensors (torch.load weights_only=False); "
@@ -570,6 +572,8 @@ def _analyze_args_error(args: argparse.Namespace) -> str | None:
     """The one-line error for arguments that need no file (checked before the work), or None."""
     if args.spectrum is not None and not 0 <= args.spectrum <= 100:
         return f"--spectrum takes a percentage in [0, 100], got {args.spectrum:g}"
+    if args.head and args.pruning is None:
+        return "--head goes with --pruning S (it prunes the output layer too): add --pruning S"
     if args.preset is not None and args.pruning is None:
         return f"--pruning takes a target sparsity in [0, 1), and --preset {args.preset} needs it: add --pruning S"
     if args.pruning is not None and not 0 <= args.pruning < 1:
@@ -647,9 +651,10 @@ def analyze_main(argv: list[str] | None = None) -> int:
 
         try:
             whole = model if model is not None else load_for_analysis(args.model, weights_only=not args.unsafe_load)
-            print(write_pruning_plan(whole, args.pruning, args.preset, out)[1])
-        except (ValueError, RuntimeError) as e:
-            print(f"{p.prog}: error: {_first_line(e)}", file=sys.stderr)
+            print(write_pruning_plan(whole, args.pruning, args.preset, out, head=args.head)[1])
+        except (ValueError, RuntimeError) as e:  # the callback's argument names, as this command's flags
+            said = _first_line(e).replace("set head=True", "pass --head")
+            print(f"{p.prog}: error: {said}", file=sys.stderr)
             return 2
     if not args.no_plots:
         written = viz.save_esd_plots(model, df, out, esds=esds)

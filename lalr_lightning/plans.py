@@ -15,13 +15,14 @@ from torch import nn
 __all__ = ["pruning_plan", "write_pruning_plan"]
 
 
-def pruning_plan(model: nn.Module, target_sparsity: float, preset: str | None = None) -> tuple[pd.DataFrame, dict]:
-    """(``HTSRPruning(target_sparsity=..., preset=...).plan(model)``, whose ``numel`` column
+def pruning_plan(model: nn.Module, target_sparsity: float, preset: str | None = None, *,
+                 head: bool = False) -> tuple[pd.DataFrame, dict]:
+    """(``HTSRPruning(target_sparsity=..., preset=..., head=...).plan(model)``, whose ``numel`` column
     weights the mean, the layers left dense and why). Raises ``ValueError`` for a target outside [0, 1)."""
     from lalr_lightning.callbacks.pruning import HTSRPruning
     from lalr_lightning.core.pruning.alphapruning import prunable_layers
 
-    pruner = HTSRPruning(target_sparsity=target_sparsity, preset=preset)
+    pruner = HTSRPruning(target_sparsity=target_sparsity, preset=preset, head=head)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the layers left dense are reported with the summary
         table = pruner.plan(model)
@@ -33,10 +34,11 @@ def pruning_plan(model: nn.Module, target_sparsity: float, preset: str | None = 
     return table, dense
 
 
-def write_pruning_plan(model: nn.Module, target_sparsity: float, preset: str | None, out: str | Path) -> tuple[Path, str]:
+def write_pruning_plan(model: nn.Module, target_sparsity: float, preset: str | None, out: str | Path, *,
+                       head: bool = False) -> tuple[Path, str]:
     """Write the per-layer ratios as ``pruning_<preset>_<target>.csv`` in ``out`` (columns
     ``layer, numel, metric, ratio``); return its path and a one-paragraph summary."""
-    table, dense = pruning_plan(model, target_sparsity, preset)
+    table, dense = pruning_plan(model, target_sparsity, preset, head=head)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"pruning_{preset or 'htsr'}_{target_sparsity:g}.csv"

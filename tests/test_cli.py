@@ -128,6 +128,21 @@ def test_analyze_arguments_out_of_range_are_one_line_before_the_work(flags, phra
     assert "\n" not in err and phrase in err
 
 
+def test_analyze_pruning_names_its_own_flag_for_the_output_layer(tmp_path, capsys):
+    """A model whose only matrix is its output layer: the plan's fix was 'set head=True', a callback
+    argument the command line did not have; it is --head, and with it the layer is planned."""
+    ckpt = tmp_path / "one.pt"
+    torch.save({"w.weight": torch.randn(40, 40, generator=torch.Generator().manual_seed(0))}, ckpt)
+    assert analyze_main([str(ckpt), "--pruning", "0.5", "--out", str(tmp_path / "a"), "--no-plots"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "pass --head" in err and "head=True" not in err
+    assert analyze_main([str(ckpt), "--pruning", "0.5", "--head", "--out", str(tmp_path / "b"), "--no-plots"]) == 0
+    plan = pd.read_csv(tmp_path / "b" / "pruning_htsr_0.5.csv")
+    assert list(plan["layer"]) == ["w"] and plan["ratio"].iloc[0] == pytest.approx(0.5)
+    assert analyze_main([str(ckpt), "--head", "--out", str(tmp_path / "c"), "--no-plots"]) == 2
+    assert "--head goes with --pruning S" in capsys.readouterr().err
+
+
 def test_analyze_that_fails_leaves_no_out_it_created(tmp_path, capsys):
     assert analyze_main([str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "rep"), "--no-plots"]) == 2
     assert not (tmp_path / "rep").exists()
