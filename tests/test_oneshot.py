@@ -213,6 +213,12 @@ def test_bad_inputs_give_one_line_errors(files, tmp_path, capsys):
         (["prune", model, "--out", model, *base], "new directory"),
         (["perplexity", model, "--data", str(root / "short.jsonl"), "--seq-len", "32"], "fewer than one window"),
         (["perplexity", str(tmp_path / "missing"), "--data", calib], "no such model directory"),
+        # a directory where a file goes, a file where the model directory goes: said as such
+        (["perplexity", model, "--data", str(root), "--seq-len", "16"], "is a directory; give one text file"),
+        (["prune", model, "--out", str(tmp_path / "o9"), "--calibration", str(root), "--n-samples", "2",
+          "--seq-len", "16"], "is a directory; give one text file"),
+        (["perplexity", str(models["llama"] / "config.json"), "--data", calib], "is a file; give the Hugging Face "
+                                                                                "model directory"),
     ]
     for argv, phrase in cases:
         code, _, err = _run(argv, capsys)

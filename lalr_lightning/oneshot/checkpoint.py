@@ -31,6 +31,9 @@ def _first_line(e: BaseException) -> str:
 def _load_config(model_dir: Path):
     from transformers import AutoConfig
 
+    if model_dir.is_file():
+        raise ValueError(f"{model_dir} is a file; give the Hugging Face model directory that holds it "
+                         f"({model_dir.parent} if it is the model's weights or config.json)")
     if not model_dir.is_dir():
         raise FileNotFoundError(f"no such model directory: {model_dir}")
     if not (model_dir / "config.json").is_file():

@@ -488,6 +488,9 @@ def _check_calibration(criterion: str, recipe: Recipe, calibration, config, seq_
     why = f"criterion {criterion!r}" if criteria.needs_stats(criterion) else "--preset owl"
     if needs and calibration is None:
         raise ValueError(f"{why} needs --calibration FILE (text or JSON lines, e.g. a C4 shard)")
+    if calibration is not None and Path(calibration).is_dir():
+        raise ValueError(f"--calibration {calibration} is a directory; give one text file (.txt, .json or .jsonl) "
+                         "in it, e.g. a C4 shard")
     if calibration is not None and not Path(calibration).is_file():
         raise FileNotFoundError(f"no such calibration file: {calibration}" + (
             "" if needs else f" (--criterion {criterion} does not read one: leave --calibration out)"))

@@ -20,6 +20,8 @@ def read_text(path: str | os.PathLike, text_field: str = "text") -> tuple[list[s
     from lalr_lightning.records import read_records
 
     p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{p} is a directory; give one text file (.txt, .json or .jsonl) in it")
     if not p.is_file():
         raise FileNotFoundError(f"no such file: {p}")
     if p.suffix.lower() not in (".txt", ".json", ".jsonl", ".ndjson"):
