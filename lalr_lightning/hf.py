@@ -325,7 +325,22 @@ class _Session:
         self.resume = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
         self.begun = False
         self.host.epoch = None
-        return inner(resume_from_checkpoint, *args, **kwargs)
+        try:
+            return inner(resume_from_checkpoint, *args, **kwargs)
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _abandon(self) -> None:
+        """A fit that raised: undo what ``on_train_end`` would (the Trainer has no exception event;
+        Lightning's teardown runs after an error too), so the model keeps no selection's
+        ``requires_grad`` flags and the optimizer no step's split groups."""
+        if not self.begun:
+            return
+        self.begun = False
+        for cb in self.methods:
+            cb._abandon_steps(self.host)
+            cb._teardown(self.host)
 
     def _create_optimizer(self, inner, *args, **kwargs):
         if self.begun:

@@ -351,6 +351,28 @@ def test_a_ranks_share_of_a_streamed_dataset_is_every_nth_batch_at_each_iteratio
 
 
 
+def test_a_train_that_raises_gives_the_model_its_flags_back(tmp_path):
+    """The Trainer has no exception event: a train() that raised left the selection's
+    requires_grad flags on the model (Lightning's teardown runs after an error); now as after a
+    finished fit, and a second train() starts from the user's flags."""
+    from transformers import TrainerCallback
+
+    class Boom(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                raise RuntimeError("boom")
+
+    model = _model()
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    trainer, _ = _trainer(tmp_path, [trainer_callback(C.SpectrumSelect(top_percent=25)), Boom()], model=model)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.train()
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
+    trainer.callback_handler.pop_callback(Boom)
+    trainer.train()  # the same Trainer again, to the end
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
+
+
 def test_a_pattern_naming_a_tied_head_says_which_layer_it_is(tmp_path):
     """GPT-2's lm_head shares transformer.wte's weight: one layer, found under the embedding's name;
     'matches no layer' alone sent the user looking for a missing head."""
