@@ -338,8 +338,8 @@ class _Session:
         if not self.begun:
             return
         self.begun = False
+        LayerwiseCallback._abandon_steps(self.host)  # the optimizers' controllers, once for all methods
         for cb in self.methods:
-            cb._abandon_steps(self.host)
             cb._teardown(self.host)
 
     def _create_optimizer(self, inner, *args, **kwargs):
