@@ -501,3 +501,36 @@ def test_scheduled_blocks_and_lisa_checks():
     lines = S.lisa_warnings(blocks, 3, blocks[2], "e.g. x")
     assert lines[0].startswith("LISA cannot switch: gamma=3") and lines[0].endswith("smaller blocks (e.g. x)")
     assert lines[1].startswith("LISA: the model's output layer is in the middle block 'b2'")
+
+
+def test_auto_rgn_on_a_fresh_lora_adapter_trains_b_and_says_why_a_waits():
+    """peft LoRA before its first step: ``lora_B`` is zero (infinite RGN) and ``lora_A`` gets no
+    gradient (RGN 0). That used to stop the fit with "every measured gradient is zero"; RGN over
+    its infinite maximum gives B 1 and A 0, and a warning names LoRA. From the second epoch B has
+    moved, so A gets a finite, non-zero multiplier."""
+    from peft import LoraConfig, get_peft_model
+
+    from lalr_lightning.callbacks import AutoRGN
+    from lalr_lightning.core.selection import surgical as S
+    from tests._lm import lm_module
+
+    assert S.rgn_multipliers({"a": 0.0, "b": float("inf")}) == {"a": 0.0, "b": 1.0}
+    with pytest.raises(RuntimeError, match="every measured gradient is zero"):
+        S.rgn_multipliers({"a": 0.0, "b": 0.0})  # nothing would train
+    module = lm_module("llama", lr=1e-2)
+    module.model = get_peft_model(module.model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    seen = []
+
+    class Record(Callback):
+        def on_train_epoch_start(self, trainer, pl_module):
+            seen.append(dict(cb.multipliers))
+
+    cb = AutoRGN()
+    trainer = pl.Trainer(max_epochs=2, callbacks=[cb, Record()], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    with pytest.warns(UserWarning, match=r"AutoRGN: 4 of 8 weight matrices .* 4 LoRA B matrices are all zeros"):
+        trainer.fit(module)
+    first, second = seen
+    assert {k: v for k, v in first.items() if "lora_A" in k} == dict.fromkeys(
+        [k for k in first if "lora_A" in k], 0.0) and all(v == 1.0 for k, v in first.items() if "lora_B" in k)
+    assert all(0.0 < v < 1.0 for k, v in second.items() if "lora_A" in k) and max(second.values()) == 1.0

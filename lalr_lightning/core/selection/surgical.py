@@ -107,14 +107,18 @@ def sharded_scores(criterion: str, stats: Mapping[str, tuple[float, float]], nam
 
 def rgn_multipliers(rgn: Mapping[str, float]) -> dict[str, float]:
     """RGN divided by its maximum over tensors; a tensor with infinite RGN (zero weight norm)
-    gets 1 and is left out of the maximum."""
+    gets 1 and is left out of the maximum. When every finite RGN is 0 and some tensor's is infinite
+    (LoRA before its first step: ``lora_B`` is zero, so ``lora_A`` gets no gradient), each finite RGN
+    over the infinite maximum is 0: the zero tensors train and the others wait for a gradient."""
     finite = [v for v in rgn.values() if math.isfinite(v)]
     top = max(finite) if finite else 0.0
     if finite and top <= 0.0:
-        raise RuntimeError(
-            "every measured gradient is zero, so relative gradient norms cannot rank the tensors; "
-            "check that the loss depends on the parameters (and that they require grad)"
-        )
+        if len(finite) == len(rgn):
+            raise RuntimeError(
+                "every measured gradient is zero, so relative gradient norms cannot rank the tensors; "
+                "check that the loss depends on the parameters (and that they require grad)"
+            )
+        return {k: (0.0 if math.isfinite(v) else 1.0) for k, v in rgn.items()}
     return {k: (1.0 if not math.isfinite(v) else v / top) for k, v in rgn.items()}
 
 
@@ -142,11 +146,12 @@ def with_excluded(names: Sequence[str], measured: Mapping[str, float], exclude: 
     return {n: excluded_multiplier if excluded(n, exclude) else measured.get(n, 1.0) for n in names}
 
 
-def zero_scales(units: Sequence[Layer]) -> list[str]:
-    """The tensor units that are norm-layer scales at zero (timm's ``zero_init_last``): they block
-    the gradient of their branch (:func:`zero_gradient_warning` names them)."""
+def zero_scales(units: Sequence[Layer], *, matrices: bool = False) -> list[str]:
+    """The tensor units that are norm-layer scales at zero (timm's ``zero_init_last``), and with
+    ``matrices`` also weight matrices at zero (LoRA's ``lora_B``): they block the gradient of what
+    feeds them (:func:`zero_gradient_warning` names them)."""
     return [u.name for u in units if u.name.endswith("weight") and all(
-        p.ndim == 1 and not bool(p.detach().any()) for p in u.params.values())]
+        (p.ndim == 1 or matrices and p.ndim >= 2) and not bool(p.detach().any()) for p in u.params.values())]
 
 
 def weight_tensors(model: nn.Module, units: Sequence[Layer], exclude: Sequence[str]) -> list[str]:
@@ -165,10 +170,15 @@ def zero_gradient_warning(multipliers: Mapping[str, float], scores: Mapping[str,
     their branch -- for good when the exclusion keeps them at multiplier 0. ``None`` when at most
     half of the weight matrices are affected."""
     dead = [w for w in weights if multipliers.get(w, 1.0) == 0.0 and scores.get(w) == 0.0]
-    if not weights or 2 * len(dead) <= len(weights):
+    lora = [n for n in zero_scales if "lora_B" in n]
+    if not dead or not lora and 2 * len(dead) <= len(weights):
         return None
     head = (f"AutoRGN: {len(dead)} of {len(weights)} weight matrices get multiplier 0.0 and do not train "
             f"(e.g. {dead[0]}): their measured gradient is exactly 0")
+    if lora:  # the method's own outcome on a fresh adapter: said, so that a frozen lora_A is no surprise
+        return (f"{head}, because {len(lora)} LoRA B matrices are all zeros (e.g. {lora[0]}; LoRA zero-initialises "
+                "B, so A gets no gradient until B has moved); B trains now, so A gets gradients from the next "
+                "measurement on")
     if not zero_scales:
         return f"{head} on the measured batches; check that the loss depends on them"
     cause = (f"{head}, because {len(zero_scales)} norm-layer scales are all zeros (e.g. {zero_scales[0]}; timm "
