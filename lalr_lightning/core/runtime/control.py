@@ -161,6 +161,7 @@ class LayerControl:
         self._suspended = False  # a step that is not training (grad_flags_of): nothing engages
         self._pre = optimizer.register_step_pre_hook(self._before_step)
         self._post = optimizer.register_step_post_hook(self._after_step)
+        _guard_step(optimizer)
 
     # ------------------------------------------------------------------ construction
 
@@ -556,9 +557,11 @@ class LayerControl:
 
     def abandon_step(self) -> None:
         """Put the user's groups back and drop the copies of a step that raised after it engaged
-        (its post-hook never ran): else the next step would step the old split again and stretch
-        from stale copies, and a checkpoint taken meanwhile would hold the split groups. Nothing
-        when no step was left half done."""
+        (its post-hook never ran): else a scheduler stepped before the next step would schedule the
+        split groups (its change then lost), the next step would stretch from stale copies, and a
+        checkpoint taken meanwhile would hold the split groups. Run by the step guard as the error
+        leaves ``step`` (:func:`_guard_step`), and again before the next step. Nothing when no step
+        was left half done."""
         if self._saved_groups is None and self._rescaling is None:
             return
         self._grads_masked = False
@@ -722,6 +725,29 @@ class LayerControl:
                     orig[k] = v
         opt.param_groups = self._saved_groups
         self._saved_groups = None
+
+
+def _guard_step(optimizer: torch.optim.Optimizer) -> None:
+    """Wrap the instance's ``step`` (as torch's LR schedulers do) so that a step that raises gives
+    the user's groups back as the error leaves it: torch's step hooks have no error hook, and a
+    user who catches the error in a manual-optimization ``training_step`` may step a scheduler
+    before the next optimizer step. It stays a bound method, which the schedulers' own wrapping
+    (``step.__func__``) needs; a scheduler's earlier wrapping stays inside it. The controller is
+    looked up at the error, so a removed one is not called."""
+    inner = optimizer.step
+
+    def step(self, *args, **kwargs):
+        try:
+            return inner(*args, **kwargs)
+        except BaseException:
+            ctl = getattr(self, _ATTR, None)
+            if ctl is not None:
+                ctl.abandon_step()
+            raise
+
+    if hasattr(inner, "_wrapped_by_lr_sched"):
+        step._wrapped_by_lr_sched = True  # a scheduler made later does not wrap it twice
+    optimizer.step = step.__get__(optimizer)
 
 
 def _unwrap(optimizer: object) -> object:
