@@ -329,3 +329,44 @@ def test_spectrum_trains_more_than_the_head_on_every_family_or_warns(family):
             assert t == module_type(n)
     if family in ("gpt2", "opt", "llama"):
         assert ranked == {n: module_type(n) for n in ranked}  # no pooling at all on transformer LMs
+
+
+class HeadFirstMLP(pl.LightningModule):
+    """A user's model that registers its classifier before its trunk: the last registered matrix
+    is a trunk layer, the output layer is what runs last."""
+
+    def __init__(self, example: bool = False):
+        super().__init__()
+        self.classifier = nn.Linear(32, 4)
+        self.trunk = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+        if example:
+            self.example_input_array = torch.randn(2, 16)
+
+    def forward(self, x):
+        return self.classifier(self.trunk(x))
+
+    def training_step(self, batch, _):
+        return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(make_data(16), batch_size=8)
+
+
+def test_the_output_layer_of_a_model_that_registers_its_head_first_is_what_runs_last():
+    """HTSRPruning leaves the classifier dense and SpectrumSelect always trains it, though a trunk
+    layer is registered last; a plan without a batch has only the registration order, and one with
+    ``example_input_array`` runs it."""
+    from lalr_lightning.callbacks import HTSRPruning
+
+    prune = dict(target_sparsity=0.5, min_numel=1, min_evals=3)
+    pruning, spectrum = HTSRPruning(**prune), SpectrumSelect(top_percent=50)
+    make_trainer([pruning, spectrum], max_steps=1).fit(HeadFirstMLP())
+    assert pruning.excluded == {"classifier": "classifier head (head=False)"}
+    assert [la.name for la in pruning.layers] == ["trunk.0", "trunk.2", "trunk.4"]
+    assert "classifier" in spectrum.selected and "always trained: classifier" in spectrum.grouping_summary
+    assert "classifier" not in set(HTSRPruning(**prune).plan(HeadFirstMLP(example=True))["layer"])
+    assert "trunk.4" not in set(HTSRPruning(**prune).plan(HeadFirstMLP())["layer"])  # the registration order
+    assert output_layer(HeadFirstMLP()).name == "trunk.4"

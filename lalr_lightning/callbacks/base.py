@@ -26,6 +26,7 @@ own name, so ``settings()`` can read them back for the checkpoint check and for 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -39,7 +40,7 @@ from lalr_lightning.callbacks import keys
 from lalr_lightning.callbacks.host import Cadence, Host
 from lalr_lightning.callbacks.lightning_host import LightningHooks, SpawnHandoff, check_strategy
 from lalr_lightning.callbacks.planning import Planner, _NoFit
-from lalr_lightning.core.model.layers import Layer
+from lalr_lightning.core.model.layers import Layer, forward_trace
 from lalr_lightning.core.runtime import shards
 from lalr_lightning.core.runtime.checks import (
     DEFAULT_FIGURES,
@@ -305,6 +306,16 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         """Find ``self.layers`` (and anything else that depends on the model) at the start of a
         fit, before the model is wrapped: a function of the architecture and the settings only,
         so it is the same on every rank and after resume."""
+
+    def forward_order(self, host: Host, module: nn.Module) -> Callable[[], Any] | None:
+        """One forward pass of ``module`` on a probe batch, run when first asked (side-effect free:
+        :func:`~lalr_lightning.core.model.layers.forward_trace`), for finding the output layer of a
+        model with no Hugging Face / timm getter by what runs last; outside a fit (``plan()``) only
+        on the module's ``example_input_array`` (None without one: the registration order decides)."""
+        if isinstance(host, _NoFit) and getattr(module, "example_input_array", None) is None:
+            return None
+        # host.batches is looked up only when no example input is there (plan()'s host has none)
+        return functools.cache(lambda: forward_trace(module, lambda: host.batches(), getattr(self, "loss_fn", None)))
 
     def lazy_guarded(self, module: nn.Module, fn: Callable[[], Any]) -> dict:
         """Run ``fn``; where the model has lazy parameters and ``fn`` fails, one line naming them and

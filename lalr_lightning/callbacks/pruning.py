@@ -241,7 +241,8 @@ class HTSRPruning(LayerwiseCallback):
             check_when(type(self).__name__, self.when, self.gradual_epochs, host.max_epochs)
         self._model = module
         layers, self.excluded = ap.prunable_layers(module, layer_types=self.layer_types, head=self.head,
-                                                   min_numel=self.min_numel, min_evals=self.min_evals)
+                                                   min_numel=self.min_numel, min_evals=self.min_evals,
+                                                   trace=self.forward_order(host, module))
         self.layers, packed = bc.readable_layers(layers, self.criterion, self.n, self.m)
         self.excluded.update(packed)
         note = ap.dense_note(self.excluded)

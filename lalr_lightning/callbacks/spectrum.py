@@ -113,7 +113,8 @@ class SpectrumSelect(LayerSelection):
         if not self.layers:
             raise ValueError(f"SpectrumSelect found no matrices of kinds {self.layer_types} in "
                              f"{type(module).__name__}; widen layer_types")
-        self._always = spectrum_snr.always_trained(self.layers, output_layer(module, every), self.head, self.embeddings)
+        out = output_layer(module, every, self.forward_order(host, module))
+        self._always = spectrum_snr.always_trained(self.layers, out, self.head, self.embeddings)
         self._groups, self.module_types = spectrum_snr.ranked_types(self.layers, self._always, self.types,
                                                                     self.grouping)
         self.grouping_summary, warning = spectrum_snr.grouping_report(type(self).__name__, self._groups,

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from lalr_lightning.choices import unknown
+from lalr_lightning.core.model.forward_blocks import Trace
 from lalr_lightning.core.model.layers import (
     DEFAULT_KINDS,
     MATRIX_KINDS,
@@ -316,9 +317,11 @@ def prunable_layers(
     head: bool = False,
     min_numel: int = 512,
     min_evals: int = 10,
+    trace: Callable[[], Trace] | None = None,
 ) -> tuple[list[Layer], dict[str, str]]:
     """(layers to prune, {excluded layer: reason}) -- a function of the architecture only, so
-    every rank and every resumed run prunes the same layers, whatever the metric.
+    every rank and every resumed run prunes the same layers, whatever the metric (``trace``: a
+    forward pass on a fixed probe batch, :func:`~lalr_lightning.core.model.layers.output_layer`'s).
 
     Considered: the matrix layers of ``layer_types`` (Linear and convolutions; embeddings only
     when asked, AlphaPruning leaves them dense). Excluded: the model's output layer when
@@ -336,7 +339,7 @@ def prunable_layers(
             f"widen layer_types (valid: {', '.join(MATRIX_KINDS)})"
         )
     excluded: dict[str, str] = {}
-    out = output_layer(model, every)  # found as the output even when tied to the input embedding
+    out = output_layer(model, every, trace)  # found as the output even when tied to the input embedding
     head_name = None if out is None else out.name
     for layer in considered:
         reason = _left_dense(layer, not head and layer.name == head_name, min_numel, min_evals)
