@@ -356,14 +356,17 @@ class HeadFirstMLP(pl.LightningModule):
 
 
 def test_the_output_layer_of_a_model_that_registers_its_head_first_is_what_runs_last():
-    """HTSRPruning leaves the classifier dense and SpectrumSelect always trains it, though a trunk
-    layer is registered last; a plan without a batch has only the registration order, and one with
+    """HTSRPruning leaves the classifier dense, and SpectrumSelect and NTKSelect(head=True) always
+    train it, though a trunk layer is registered last; a plan without a batch has only the registration order, and one with
     ``example_input_array`` runs it."""
-    from lalr_lightning.callbacks import HTSRPruning
+    from lalr_lightning.callbacks import HTSRPruning, NTKSelect
 
     prune = dict(target_sparsity=0.5, min_numel=1, min_evals=3)
     pruning, spectrum = HTSRPruning(**prune), SpectrumSelect(top_percent=50)
     make_trainer([pruning, spectrum], max_steps=1).fit(HeadFirstMLP())
+    ntk = NTKSelect(head=True, probe_size=8, max_layers=1)
+    make_trainer([ntk], max_steps=1).fit(HeadFirstMLP())
+    assert ntk.head_layer == "classifier"  # kept trainable as the head, not trunk.4
     assert pruning.excluded == {"classifier": "classifier head (head=False)"}
     assert [la.name for la in pruning.layers] == ["trunk.0", "trunk.2", "trunk.4"]
     assert "classifier" in spectrum.selected and "always trained: classifier" in spectrum.grouping_summary

@@ -109,7 +109,7 @@ class NTKSelect(LayerSelection):
 
     def configure(self, host: Host, module: nn.Module) -> None:
         self._params, self._groups = ntk.trainable_groups(module, type(self).__name__)
-        self.head_layer = ntk.selectable_head(module, self._groups, self.head)
+        self.head_layer = ntk.selectable_head(module, self._groups, self.head, self.forward_order(host, module))
         self.layers = ntk.group_layers(self._groups, self._params)
         self.block_list = self.layers  # the units label the per-step log and own their norm layers
 

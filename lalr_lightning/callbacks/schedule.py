@@ -138,7 +138,8 @@ class BlockSchedule(LayerSelection):
         say(f"{self.title} blocks of {type(module).__name__}: {describe_blocks(self.layers)}")
         if self.schedule == "lisa":  # errors for a LISA that cannot sample, warnings for one that cannot switch
             hint = f"e.g. blocks={suggest_blocks(module)!r}" if self.blocks is not None else ""
-            for line in lisa_warnings(self.layers, self.gamma, output_layer(module, self.layers), hint):
+            out = output_layer(module, self.layers, self.forward_order(host, module))
+            for line in lisa_warnings(self.layers, self.gamma, out, hint):
                 warn(line)
 
     @property

@@ -198,10 +198,11 @@ def group_layers(groups: Mapping[str, Sequence[str]], params: Mapping[str, Tenso
             for g, members in groups.items()]
 
 
-def head_group(model: nn.Module, groups: Mapping[str, Sequence[str]]) -> str | None:
+def head_group(model: nn.Module, groups: Mapping[str, Sequence[str]], trace: Callable[[], Any] | None = None
+               ) -> str | None:
     """The group holding the model's output layer (peft's trainable ``modules_to_save`` copy
-    included), or None."""
-    out = output_layer(model)
+    included; ``trace``: :func:`~lalr_lightning.core.model.layers.output_layer`'s), or None."""
+    out = output_layer(model, trace=trace)
     if out is None:
         return None
     ids = {id(p) for p in out.params.values()}
@@ -209,7 +210,8 @@ def head_group(model: nn.Module, groups: Mapping[str, Sequence[str]]) -> str | N
     return next((g for g, members in groups.items() if names & set(members)), None)
 
 
-def selectable_head(model: nn.Module, groups: Mapping[str, Sequence[str]], head: bool) -> str | None:
+def selectable_head(model: nn.Module, groups: Mapping[str, Sequence[str]], head: bool,
+                    trace: Callable[[], Any] | None = None) -> str | None:
     """NTKSelect's head group (:func:`head_group`; None without ``head``), or a ValueError where the
     groups leave nothing to select between."""
     name = type(model).__name__
@@ -217,7 +219,7 @@ def selectable_head(model: nn.Module, groups: Mapping[str, Sequence[str]], head:
         raise ValueError(f"{name} has one trainable layer ({list(groups)}); there is nothing to select between")
     if not head:
         return None
-    found = head_group(model, groups)
+    found = head_group(model, groups, trace)
     if found is None:
         raise ValueError(f"NTKSelect(head=True): no trainable output layer found in {name} (its classifier is frozen "
                          "or not recognised); use head=False to rank every layer")
