@@ -4,6 +4,11 @@ algorithms they implement (written here as torch loops: the oracles)."""
 
 from __future__ import annotations
 
+import time
+import traceback
+import warnings
+from pathlib import Path
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -439,29 +444,50 @@ def _ddp_fit(kind: str, save_compute: bool, accumulate: int, steps: int = 6,
 SWITCHING = [("llama", 1, "32-true"), ("llama", 2, "32-true"), ("mlp", 2, "32-true"), ("llama", 2, "bf16-mixed")]
 
 
-def _switching_pair(rank, record, workdir):
+def _switching_pair(rank, record, workdir, faildir):
     """Every fit of the switching test in one pair of processes (spawning is the slow part):
     per rank, ``(weights, steps_checked)`` (weights on rank 0 only, as numpy), or the failure's
-    text, AveragedByHand's assertions included. A fit that fails on both ranks leaves them in
-    step, so the next fits still run and their tests still say what they find."""
-    import warnings
-
+    text, AveragedByHand's assertions included (:func:`_failed_together` decides what follows)."""
     warnings.filterwarnings("ignore")
     for case in SWITCHING:
         for save_compute in (True, False):
             kind, accumulate, precision = case
+            key = (*case, save_compute)
             try:
                 module, checked = _ddp_fit(kind, save_compute, accumulate, precision=precision)
                 weights = {n: p.detach().cpu().numpy().copy() for n, p in module.named_parameters()} if rank == 0 else {}
-                record((*case, save_compute), (weights, checked))
-            except Exception as err:  # noqa: BLE001 -- recorded; the test names it
-                record((*case, save_compute), f"{type(err).__name__}: {err}")
+                record(key, (weights, checked))
+            except Exception as err:  # noqa: BLE001 -- recorded; the test names it, and where it failed
+                at = traceback.extract_tb(err.__traceback__)[-1]
+                text = f"{type(err).__name__}: {err} (at {Path(at.filename).name}:{at.lineno} in {at.name}: {at.line})"
+                record(key, text)
+                _failed_together(rank, Path(faildir), key, text)
+
+
+def _failed_together(rank: int, faildir: Path, key: tuple, text: str, wait_s: float = 30.0) -> None:
+    """A fit failed on this rank: the next fit runs only if it failed on the other rank too
+    (both have left it, in step). Else the other rank waits in one of its collectives, and this
+    one raises, which ends the pair; what failed is written in ``faildir`` for the fixture."""
+    line = f"{key} failed on rank {rank}: {text}\n"
+    with open(faildir / f"rank{rank}.txt", "a") as f:
+        f.write(line)
+    peer, deadline = faildir / f"rank{1 - rank}.txt", time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if peer.exists() and f"{key} failed on rank {1 - rank}:" in peer.read_text():
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"{key} failed on rank {rank} only: {text}")
 
 
 @pytest.fixture(scope="module")
 def switching(tmp_path_factory):
     """{rank: {(kind, accumulate, precision, save_compute): (weights, steps_checked) or failure text}}."""
-    return run_pair_once("savings_switching", tmp_path_factory, _switching_pair)
+    faildir = tmp_path_factory.mktemp("switching_failures")
+    try:
+        return run_pair_once("savings_switching", tmp_path_factory, _switching_pair, str(faildir))
+    except Exception as err:  # noqa: BLE001 -- a fit failed on one rank only: name it
+        said = "".join(sorted(p.read_text() for p in faildir.glob("rank*.txt"))) or "nothing recorded (see the output)"
+        pytest.fail(f"the pair of processes stopped ({type(err).__name__}: {err}); {said}")
 
 
 def _got(runs, rank, key):
