@@ -4,6 +4,11 @@ algorithms they implement (written here as torch loops: the oracles)."""
 
 from __future__ import annotations
 
+import time
+import traceback
+import warnings
+from pathlib import Path
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -15,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lalr_lightning.callbacks import BlockSchedule, LayerSelection, NTKSelect, SpectrumSelect
 from lalr_lightning.core.model.layers import block_layers, matrix_layers
 from lalr_lightning.core.selection.surgical import lift_block, lisa_sample
-from tests._dist import ddp_spawn
+from tests._dist import ddp, ddp_spawn, run_pair_once
 from tests._lm import tiny_lm
 from tests._toys import ToyMLP, make_trainer
 
@@ -419,38 +424,107 @@ class AveragedByHand(Callback):
         pl_module.log("steps_checked", float(self.checked), reduce_fx="max")
 
 
-def _ddp_fit(kind: str, save_compute: bool, accumulate: int, steps: int = 6, precision: str = "32-true") -> nn.Module:
+def _ddp_fit(kind: str, save_compute: bool, accumulate: int, steps: int = 6,
+             precision: str = "32-true") -> tuple[nn.Module, float]:
+    """One fit under DDP inside the pair of processes (:func:`_switching_pair`): the trained
+    module and the steps AveragedByHand checked on this rank."""
     module = LM() if kind == "llama" else MLP(samples=32)
     cb = _schedule(kind, save_compute=save_compute)
     full = 4 * sum(p.numel() for p in module.parameters())
     perturb = ("model.model.embed_tokens", "model.model.layers.2") if kind == "llama" else ("net.2",)
     check = AveragedByHand(cb, KEPT_IN_DDP[kind] if save_compute else full, perturb if save_compute else ())
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ddp_spawn(), max_steps=steps, logger=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=ddp(), max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          accumulate_grad_batches=accumulate, precision=precision, callbacks=[cb, check])
     trainer.fit(module)
-    assert trainer.callback_metrics["steps_checked"] == steps
-    return module
+    return module, float(trainer.callback_metrics["steps_checked"])
 
 
-@pytest.mark.parametrize(("kind", "accumulate", "precision"),
-                         [("llama", 1, "32-true"), ("llama", 2, "32-true"), ("mlp", 2, "32-true"),
-                          ("llama", 2, "bf16-mixed")])
-def test_ddp_switching_blocks_stay_out_of_ddps_buckets_and_train_as_under_ddp(kind, accumulate, precision):
-    """LISA (tiny LLaMA) and LIFT (MLP) under ddp_spawn, with and without gradient accumulation:
+#: (kind, accumulate, precision) of the switching test, each fitted with and without save_compute
+SWITCHING = [("llama", 1, "32-true"), ("llama", 2, "32-true"), ("mlp", 2, "32-true"), ("llama", 2, "bf16-mixed")]
+
+
+def _switching_pair(rank, record, workdir, faildir):
+    """Every fit of the switching test in one pair of processes (spawning is the slow part):
+    per rank, ``(weights, steps_checked)`` (weights on rank 0 only, as numpy), or the failure's
+    text, AveragedByHand's assertions included (:func:`_failed_together` decides what follows)."""
+    warnings.filterwarnings("ignore")
+    for case in SWITCHING:
+        for save_compute in (True, False):
+            kind, accumulate, precision = case
+            key = (*case, save_compute)
+            try:
+                module, checked = _ddp_fit(kind, save_compute, accumulate, precision=precision)
+                weights = {n: p.detach().cpu().numpy().copy() for n, p in module.named_parameters()} if rank == 0 else {}
+                record(key, (weights, checked))
+            except Exception as err:  # noqa: BLE001 -- recorded; the test names it, and where it failed
+                at = traceback.extract_tb(err.__traceback__)[-1]
+                text = f"{type(err).__name__}: {err} (at {Path(at.filename).name}:{at.lineno} in {at.name}: {at.line})"
+                record(key, text)
+                _failed_together(rank, Path(faildir), key, text)
+
+
+def _failed_together(rank: int, faildir: Path, key: tuple, text: str, wait_s: float = 30.0) -> None:
+    """A fit failed on this rank: the next fit runs only if it failed on the other rank too
+    (both have left it, in step). Else the other rank waits in one of its collectives, and this
+    one raises, which ends the pair; what failed is written in ``faildir`` for the fixture."""
+    line = f"{key} failed on rank {rank}: {text}\n"
+    with open(faildir / f"rank{rank}.txt", "a") as f:
+        f.write(line)
+    peer, deadline = faildir / f"rank{1 - rank}.txt", time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if peer.exists() and f"{key} failed on rank {1 - rank}:" in peer.read_text():
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"{key} failed on rank {rank} only: {text}")
+
+
+@pytest.fixture(scope="module")
+def switching(tmp_path_factory):
+    """{rank: {(kind, accumulate, precision, save_compute): (weights, steps_checked) or failure text}}."""
+    faildir = tmp_path_factory.mktemp("switching_failures")
+    try:
+        return run_pair_once("savings_switching", tmp_path_factory, _switching_pair, str(faildir))
+    except Exception as err:  # noqa: BLE001 -- a fit failed on one rank only: name it
+        said = "".join(sorted(p.read_text() for p in faildir.glob("rank*.txt"))) or "nothing recorded (see the output)"
+        pytest.fail(f"the pair of processes stopped ({type(err).__name__}: {err}); {said}")
+
+
+def _got(runs, rank, key):
+    got = runs[rank].get(key)
+    if got is None:
+        pytest.fail(f"{key} has no record on rank {rank}: its pair of processes stopped before it (see the output)")
+    if isinstance(got, str):
+        pytest.fail(f"{key} failed on rank {rank}: {got}")
+    return got
+
+
+@pytest.mark.parametrize(("kind", "accumulate", "precision"), SWITCHING)
+def test_ddp_switching_blocks_stay_out_of_ddps_buckets_and_train_as_under_ddp(switching, kind, accumulate, precision):
+    """LISA (tiny LLaMA) and LIFT (MLP) under DDP, with and without gradient accumulation:
     with save_compute DDP's buckets hold only what always trains, the switching blocks'
     gradients are averaged by hand (AveragedByHand checks them against the ranks' own), ranks
     that start different are made equal, and the weights after 6 steps with switches equal
-    those of save_compute=False, where DDP all-reduces everything; under bf16 autocast too."""
-    new = _ddp_fit(kind, True, accumulate, precision=precision)
-    old = _ddp_fit(kind, False, accumulate, precision=precision)
+    those of save_compute=False, where DDP all-reduces everything; under bf16 autocast too.
+    The eight fits run in one pair of processes (Lightning's DDP joins its group);
+    ddp_spawn with blocks averaged by hand stays covered by
+    test_ddp_resume_mid_interval_equals_the_uninterrupted_run."""
+    steps = 6
+    for save_compute in (True, False):
+        for rank in (0, 1):  # AveragedByHand ran on every step on both ranks
+            assert _got(switching, rank, (kind, accumulate, precision, save_compute))[1] == steps
+    new = {n: torch.from_numpy(a) for n, a in _got(switching, 0, (kind, accumulate, precision, True))[0].items()}
+    old = {n: torch.from_numpy(a) for n, a in _got(switching, 0, (kind, accumulate, precision, False))[0].items()}
     start = LM() if kind == "llama" else MLP()
-    for (n, a), b in zip(new.named_parameters(), old.parameters()):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), n
-    trained = {id(p) for s in range(3) for u in _units(kind, new) if u.name in _chosen(kind, new, s)
+    names = [n for n, _ in start.named_parameters()]
+    assert list(new) == names and list(old) == names
+    for n in names:
+        assert torch.allclose(new[n], old[n], rtol=1e-5, atol=1e-6), n
+    name_of = {id(p): n for n, p in start.named_parameters()}
+    trained = {name_of[id(p)] for s in range(3) for u in _units(kind, start) if u.name in _chosen(kind, start, s)
                for p in u.params.values()}
-    moved = {id(a) for a, c in zip(new.parameters(), start.parameters()) if not torch.equal(a, c)}
-    assert moved == trained and len(trained) > len(list(new.parameters())) // 2  # the switches took effect
+    moved = {n for n, c in start.named_parameters() if not torch.equal(new[n], c)}
+    assert moved == trained and len(trained) > len(names) // 2  # the switches took effect
 
 
 def test_ddp_resume_mid_interval_equals_the_uninterrupted_run(tmp_path):
