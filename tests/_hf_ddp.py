@@ -1,5 +1,5 @@
-"""Two ranks of Hugging Face's Trainer on CPU (gloo), started by ``torch.distributed.run`` from
-tests/test_hf.py: each rank writes what it decided, which parameters got a gradient, what DDP
+"""Two ranks of Hugging Face's Trainer on CPU (gloo), started once by ``torch.distributed.run`` from
+tests/test_hf.py for every case named: for each, each rank writes what it decided, which parameters got a gradient, what DDP
 reduces and its final weights, for the test to compare."""
 
 from __future__ import annotations
@@ -23,7 +23,13 @@ CASES = {
 }
 
 
-def main(out: str, name: str) -> None:
+def main(out: str, names: list[str]) -> None:
+    """Each case in turn, one Trainer each, in the same two processes (starting them is the slow part)."""
+    for name in names:
+        fit(out, name)
+
+
+def fit(out: str, name: str) -> None:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     model = tiny_lm("llama", False, layers=4, hidden=16, seed=0)
@@ -37,7 +43,7 @@ def main(out: str, name: str) -> None:
             got.append(({n for n, p in model.named_parameters() if p.grad is not None},
                         {n for n, p in model.named_parameters() if not p.requires_grad}))
 
-    args = TrainingArguments(output_dir=f"{out}/run", max_steps=4, per_device_train_batch_size=2, report_to="none",
+    args = TrainingArguments(output_dir=f"{out}/run_{name}", max_steps=4, per_device_train_batch_size=2, report_to="none",
                              use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0, learning_rate=1e-3,
                              ddp_backend="gloo")
     trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[trainer_callback(cb), Peek()])
@@ -52,8 +58,8 @@ def main(out: str, name: str) -> None:
     torch.save({"bytes": bytes_of, "history": cb.history, "grads": [(sorted(g), sorted(f)) for g, f in got], "frozen": frozen, "reduced": reduced,
                 "is_ddp": type(ddp).__name__, "world": trainer.args.world_size,
                 "weights": {n: p.detach().clone() for n, p in model.named_parameters()}},
-               f"{out}/rank{trainer.args.process_index}.pt")
+               f"{out}/{name}_rank{trainer.args.process_index}.pt")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2:])

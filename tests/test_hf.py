@@ -574,18 +574,41 @@ def test_lisa_steps_as_lmflows_callback(tmp_path):
 # ---------------------------------------------------------------------- two processes
 
 
-@pytest.mark.parametrize("name", ["spectrum", "lisa", "tempbalance", "autorgn"])
-def test_two_ranks_decide_alike_and_frozen_parameters_get_no_gradient_nor_ddp_bucket(tmp_path, name):
+TWO_RANK_CASES = ["spectrum", "lisa", "tempbalance", "autorgn"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """One ``torch.distributed.run`` of tests/_hf_ddp.py for every case (once per session, whatever
+    the number of pytest-xdist workers): ``(return code, stderr, its output directory)``."""
+    import os
     import subprocess
     import sys
     from pathlib import Path
 
-    script = Path(__file__).with_name("_hf_ddp.py")
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_port", str(29500 + hash(name) % 400), str(script), str(tmp_path), name],
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    a, b = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    out = root / "hf_two_ranks"
+    with FileLock(str(root / "hf_two_ranks.lock")):
+        if not (out / "done.txt").exists():
+            out.mkdir(exist_ok=True)
+            script = Path(__file__).with_name("_hf_ddp.py")
+            run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                  "--master_port", str(29500 + os.getpid() % 400), str(script), str(out),
+                                  *TWO_RANK_CASES], capture_output=True, text=True, timeout=600)
+            (out / "done.txt").write_text(f"{run.returncode}\n{run.stderr[-3000:]}")
+    code, stderr = (out / "done.txt").read_text().split("\n", 1)
+    return int(code), stderr, out
+
+
+@pytest.mark.parametrize("name", TWO_RANK_CASES)
+def test_two_ranks_decide_alike_and_frozen_parameters_get_no_gradient_nor_ddp_bucket(two_ranks, name):
+    code, stderr, out = two_ranks
+    if not all((out / f"{name}_rank{r}.pt").exists() for r in (0, 1)):
+        pytest.fail(f"{name} wrote no result (return code {code}): {stderr}")
+    a, b = (torch.load(out / f"{name}_rank{r}.pt", weights_only=False) for r in (0, 1))
     assert a["is_ddp"] == "DistributedDataParallel" and a["world"] == 2
     assert a["history"] and a["history"] == b["history"]
     for n in a["weights"]:
@@ -600,6 +623,7 @@ def test_two_ranks_decide_alike_and_frozen_parameters_get_no_gradient_nor_ddp_bu
     if name == "lisa":  # the switching blocks are kept out of DDP; stem and head reduce in its buckets
         stem_head = sum(v for n, v in a["bytes"].items() if ".layers." not in n)
         assert a["reduced"] == stem_head
+    assert code == 0, stderr  # the run as a whole ended cleanly (every case's results checked above first)
 
 
 def test_a_batch_loss_is_the_models_own_outputs_loss_from_a_batch_with_labels():
