@@ -332,3 +332,35 @@ def test_constructor_and_distinct_settings_read_the_arguments_back():
     assert distinct_settings(made) == {"width": 8, "tags": ["a", "b"]}
     assert distinct_settings(_Plain()) == {}
     assert distinct_settings(made, ("tags",)) == {"width": 8}
+
+
+def test_substituted_parameters_follow_ties_only_where_an_override_names_a_tied_tensor():
+    """call_with_params with the model's shared_names: an override of a tied tensor reaches every
+    name that holds it (as functional_call's tie_weights=True does), any other override is
+    substituted alone; fixed_rng draws as torch.manual_seed does and gives the stream back."""
+    from torch.func import functional_call
+
+    from lalr_lightning.core.model.taps import call_with_params, fixed_rng, shared_names
+
+    model = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 4), nn.Linear(4, 5, bias=False))
+    model[2].weight = model[0].weight  # a head tied to the input embedding
+    shared = shared_names(model)
+    assert shared == {"0.weight", "2.weight"}
+    ids = torch.tensor([[1, 2, 3]])
+    new_embed, new_mid = torch.randn(5, 4), torch.randn(4, 4)
+    for override in ({"0.weight": new_embed}, {"1.weight": new_mid}):
+        got = call_with_params(model, override, lambda: model(ids), shared)
+        torch.testing.assert_close(got, functional_call(model, override, (ids,), tie_weights=True), rtol=0, atol=0)
+    assert not torch.equal(call_with_params(model, {"0.weight": new_embed}, lambda: model(ids), shared),
+                           functional_call(model, {"0.weight": new_embed}, (ids,), tie_weights=False))
+    torch.manual_seed(3)
+    before = torch.rand(4)
+    torch.manual_seed(3)
+    with fixed_rng(7):
+        inside = torch.rand(4)
+    torch.manual_seed(7)
+    assert torch.equal(inside, torch.rand(4))  # the seed's draws
+    torch.manual_seed(3)
+    with fixed_rng(7):
+        torch.rand(100)
+    assert torch.equal(torch.rand(4), before)  # the stream goes on as if nothing had drawn
