@@ -112,6 +112,19 @@ def run_pair_once(name: str, tmp_path_factory, fn: Callable[..., None], *args: A
     return torch.load(done, weights_only=False)
 
 
+def pair_record(runs: dict[int, dict], rank: int, key: Any) -> Any:
+    """Rank ``rank``'s record ``key`` from :func:`run_pair_once`'s result; the test fails naming it
+    when the pair stopped before it or the record is a failure's text."""
+    import pytest
+
+    got = runs[rank].get(key)
+    if got is None:
+        pytest.fail(f"{key} has no record on rank {rank}: its pair of processes stopped before it (see the output)")
+    if isinstance(got, str):
+        pytest.fail(f"{key} failed on rank {rank}: {got}")
+    return got
+
+
 def _pair_main(rank: int, fn, workdir: str, args: tuple, timeout_s: int, nprocs: int = 2) -> None:
     # Lightning takes the processes as launched from outside (LOCAL_RANK set) and joins the group
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(nprocs), RANK=str(rank),

@@ -21,7 +21,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from _dist import ddp, fsdp1, fsdp2, run_pair_once
+from _dist import ddp, fsdp1, fsdp2, pair_record, run_pair_once
 from _lm import tiny_lm
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
@@ -249,15 +249,6 @@ def runs(tmp_path_factory):
     return run_pair_once("fsdp", tmp_path_factory, _strategy_pair, ("ddp", *KINDS, "fsdp2_dcp"))
 
 
-def _get(runs, rank, key):
-    got = runs[rank].get(key)
-    if got is None:
-        pytest.fail(f"{key} has no record on rank {rank}: its pair of processes stopped before it (see the output)")
-    if isinstance(got, str):
-        pytest.fail(f"{key} failed on rank {rank}: {got}")
-    return got
-
-
 def _same(a, b, tol: float, where: str = ""):
     """``a`` equals ``b`` (nested dicts / lists of numbers, strings and arrays), floats within ``tol``."""
     if isinstance(a, dict):
@@ -284,19 +275,19 @@ CASE_KINDS = [(case, kind) for case in _cases() for kind in _kinds(case)]
 
 @pytest.mark.parametrize("case, kind", CASE_KINDS)
 def test_same_decisions_and_weights_as_ddp_on_both_ranks(runs, case, kind):
-    ddp_decision, ddp_weights = _get(runs, 0, (case, "ddp"))
-    decision, weights = _get(runs, 0, (case, kind))
+    ddp_decision, ddp_weights = pair_record(runs, 0, (case, "ddp"))
+    decision, weights = pair_record(runs, 0, (case, kind))
     _same(decision, ddp_decision, 1e-4, f"{case} {kind} decision")
     _same(weights, ddp_weights, 1e-4, f"{case} {kind} weights")
-    _same(_get(runs, 1, (case, kind))[0], decision, 0.0, f"{case} {kind} rank 1")
+    _same(pair_record(runs, 1, (case, kind))[0], decision, 0.0, f"{case} {kind} rank 1")
 
 
 @pytest.mark.parametrize("case, kind", CASE_KINDS)
 def test_resume_equals_the_uninterrupted_run(runs, case, kind):
     if (case, kind) in NO_RESUME:
         pytest.skip(NO_RESUME[case, kind])
-    decision, weights = _get(runs, 0, (case, kind))
-    resumed, resumed_weights = _get(runs, 0, (case, kind, "resumed"))
+    decision, weights = pair_record(runs, 0, (case, kind))
+    resumed, resumed_weights = pair_record(runs, 0, (case, kind, "resumed"))
     _same(resumed, decision, 1e-6, f"{case} {kind} resumed decision")
     _same(resumed_weights, weights, 1e-6, f"{case} {kind} resumed weights")
 
@@ -328,7 +319,7 @@ def one_rank(tmp_path_factory):
 @pytest.mark.parametrize("kind", ["fsdp1_wrap", "fsdp2"])
 @pytest.mark.parametrize("case", ONE_RANK)
 def test_one_rank_fsdp_decides_and_trains_as_ddp_on_one_rank(one_rank, case, kind):
-    single, (decision, weights) = _get({0: one_rank}, 0, (case, "ddp")), _get({0: one_rank}, 0, (case, kind))
+    single, (decision, weights) = pair_record({0: one_rank}, 0, (case, "ddp")), pair_record({0: one_rank}, 0, (case, kind))
     _same(decision, single[0], 1e-4, f"{case} {kind} decision")
     _same(weights, single[1], 1e-4, f"{case} {kind} weights")
 

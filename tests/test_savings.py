@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lalr_lightning.callbacks import BlockSchedule, LayerSelection, NTKSelect, SpectrumSelect
 from lalr_lightning.core.model.layers import block_layers, matrix_layers
 from lalr_lightning.core.selection.surgical import lift_block, lisa_sample
-from tests._dist import ddp, ddp_spawn, run_pair_once
+from tests._dist import ddp, ddp_spawn, pair_record, run_pair_once
 from tests._lm import tiny_lm
 from tests._toys import ToyMLP, make_trainer
 
@@ -490,15 +490,6 @@ def switching(tmp_path_factory):
         pytest.fail(f"the pair of processes stopped ({type(err).__name__}: {err}); {said}")
 
 
-def _got(runs, rank, key):
-    got = runs[rank].get(key)
-    if got is None:
-        pytest.fail(f"{key} has no record on rank {rank}: its pair of processes stopped before it (see the output)")
-    if isinstance(got, str):
-        pytest.fail(f"{key} failed on rank {rank}: {got}")
-    return got
-
-
 @pytest.mark.parametrize(("kind", "accumulate", "precision"), SWITCHING)
 def test_ddp_switching_blocks_stay_out_of_ddps_buckets_and_train_as_under_ddp(switching, kind, accumulate, precision):
     """LISA (tiny LLaMA) and LIFT (MLP) under DDP, with and without gradient accumulation:
@@ -512,9 +503,9 @@ def test_ddp_switching_blocks_stay_out_of_ddps_buckets_and_train_as_under_ddp(sw
     steps = 6
     for save_compute in (True, False):
         for rank in (0, 1):  # AveragedByHand ran on every step on both ranks
-            assert _got(switching, rank, (kind, accumulate, precision, save_compute))[1] == steps
-    new = {n: torch.from_numpy(a) for n, a in _got(switching, 0, (kind, accumulate, precision, True))[0].items()}
-    old = {n: torch.from_numpy(a) for n, a in _got(switching, 0, (kind, accumulate, precision, False))[0].items()}
+            assert pair_record(switching, rank, (kind, accumulate, precision, save_compute))[1] == steps
+    new = {n: torch.from_numpy(a) for n, a in pair_record(switching, 0, (kind, accumulate, precision, True))[0].items()}
+    old = {n: torch.from_numpy(a) for n, a in pair_record(switching, 0, (kind, accumulate, precision, False))[0].items()}
     start = LM() if kind == "llama" else MLP()
     names = [n for n, _ in start.named_parameters()]
     assert list(new) == names and list(old) == names
