@@ -185,7 +185,7 @@ class AutoRGN(LayerSelection):
         loader = host.batches()
         units = surgical.measured_units(self.criterion, loader, self.layers, self.exclude)
         params = [next(iter(u.params.values())) for u in units]
-        self._zero_scales = surgical.zero_scales(self.layers, matrices=True)  # the degeneracy warning names them
+        self._zero_scales = surgical.zero_scales(self.layers)  # the degeneracy warning names them
         frozen = [u for u in units if u.name not in set(self.selected)] if self._sharded else []
         self.set_requires_grad(frozen, True)  # FSDP: the tensors frozen now are measured too (see apply)
         check = stop_on_sigterm(host)

@@ -17,6 +17,7 @@ from torch import nn
 
 from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.layers import Layer, clean_name, matrix_layers
+from lalr_lightning.core.runtime.checks import lora_zero
 
 __all__ = [
     "CRITERIA",
@@ -146,12 +147,12 @@ def with_excluded(names: Sequence[str], measured: Mapping[str, float], exclude: 
     return {n: excluded_multiplier if excluded(n, exclude) else measured.get(n, 1.0) for n in names}
 
 
-def zero_scales(units: Sequence[Layer], *, matrices: bool = False) -> list[str]:
-    """The tensor units that are norm-layer scales at zero (timm's ``zero_init_last``), and with
-    ``matrices`` also weight matrices at zero (LoRA's ``lora_B``): they block the gradient of what
-    feeds them (:func:`zero_gradient_warning` names them)."""
+def zero_scales(units: Sequence[Layer]) -> list[str]:
+    """The tensor units that are norm-layer scales at zero (timm's ``zero_init_last``), and peft
+    LoRA ``lora_B`` matrices at zero (a fresh adapter): they block the gradient of what feeds them
+    (:func:`zero_gradient_warning` names them)."""
     return [u.name for u in units if u.name.endswith("weight") and all(
-        (p.ndim == 1 or matrices and p.ndim >= 2) and not bool(p.detach().any()) for p in u.params.values())]
+        (p.ndim == 1 or lora_zero([u.name])) and not bool(p.detach().any()) for p in u.params.values())]
 
 
 def weight_tensors(model: nn.Module, units: Sequence[Layer], exclude: Sequence[str]) -> list[str]:
@@ -170,7 +171,7 @@ def zero_gradient_warning(multipliers: Mapping[str, float], scores: Mapping[str,
     their branch -- for good when the exclusion keeps them at multiplier 0. ``None`` when at most
     half of the weight matrices are affected."""
     dead = [w for w in weights if multipliers.get(w, 1.0) == 0.0 and scores.get(w) == 0.0]
-    lora = [n for n in zero_scales if "lora_B" in n]
+    lora = [n for n in zero_scales if lora_zero([n])]
     if not dead or not lora and 2 * len(dead) <= len(weights):
         return None
     head = (f"AutoRGN: {len(dead)} of {len(weights)} weight matrices get multiplier 0.0 and do not train "
