@@ -38,7 +38,7 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 
 from lalr_lightning.callbacks import ProximalRegularizer  # noqa: E402
-from lalr_lightning.core.linearization import ntk  # noqa: E402
+from lalr_lightning.core.linearization import linearize  # noqa: E402
 from lalr_lightning.core.model.probe import probe_inputs  # noqa: E402
 from lalr_lightning.data.text import TextDataModule, sentiment_corpus  # noqa: E402
 from lalr_lightning.models.text import TextClassifier  # noqa: E402
@@ -69,7 +69,7 @@ def run(lam: float, selective: bool, files: dict, args) -> dict:
     acc = float(trainer.callback_metrics.get("val/acc", math.nan))
     x, _ = probe_inputs(model, data.train_dataloader(), 64)
     params = {n: p.detach() for n, p in model.named_parameters() if n in prox._params}
-    gap = ntk.linearization_gap(*ntk.linearize(model, x, prox._anchor, params))
+    gap = linearize.linearization_gap(*linearize.linearize(model, x, prox._anchor, params))
     _, total = prox.current_distances()
     pulled = sum(prox._pulled.values()) / max(1, sum(prox._steps.values()))
     return {"lam": lam, "selective": selective, "distance": total, "gap": gap.gap, "kl": gap.kl,

@@ -2,7 +2,7 @@
 
 NTK part (``--part ntk``). For each workload it times
 :func:`lalr_lightning.core.linearization.ntk.empirical_ntk` on a probe batch of ``--n`` samples, with the
-per-layer kernels ``S_l`` of :func:`~lalr_lightning.core.linearization.ntk.layer_groups` computed in the same
+per-layer kernels ``S_l`` of :func:`~lalr_lightning.core.linearization.param_groups.layer_groups` computed in the same
 pass, and then ``kappa(K + sigma I)`` and every ``eta_l`` (Theorems 5-6) from the result. It
 reports wall-clock and process CPU seconds (on a shared machine CPU time is the steadier
 number), the Jacobian size ``rows x P`` and how many row blocks of it were computed under
@@ -49,6 +49,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from lalr_lightning.core.linearization import model_calls, ntk_spectra, param_groups  # noqa: E402
 from lalr_lightning.core.linearization import ntk as N  # noqa: E402
 
 
@@ -89,8 +90,8 @@ def minilm_workload(n: int, max_length: int, seed: int):
 
 
 def report(name: str, model, inputs, n: int, modes, budget: int, sigma_rel: float, vectorize: bool | None) -> None:
-    groups = N.layer_groups(model)
-    params = N.trainable_parameters(model)
+    groups = param_groups.layer_groups(model)
+    params = param_groups.trainable_parameters(model)
     p = sum(t.numel() for t in params.values())
     print(f"\n{name}: N = {n} samples, P = {p:,} trainable parameters in {len(params)} tensors, {len(groups)} layers")
     print(f"  {'mode':6s} {'K':>9s} {'J rows x P':>18s} {'blocks':>6s} {'vmap':>5s} {'NTK wall s':>10s} {'cpu s':>8s} "
@@ -103,7 +104,7 @@ def report(name: str, model, inputs, n: int, modes, budget: int, sigma_rel: floa
         sigma = sigma_rel * float(torch.trace(res.K)) / res.K.shape[0]
 
         def spectra(res=res, sigma=sigma):
-            return N.condition_number(res.K, sigma), N.layer_etas(res.K, res.S, sigma)
+            return ntk_spectra.condition_number(res.K, sigma), ntk_spectra.layer_etas(res.K, res.S, sigma)
 
         (kappa, etas), swall, _ = clock(spectra)
         top = max(etas, key=etas.get)
@@ -222,8 +223,8 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=["resnet18", "minilm"], choices=["resnet18", "minilm"])
     ap.add_argument("--n", type=int, default=64, help="probe batch size")
     ap.add_argument("--max-length", type=int, default=128, help="MiniLM tokens per sample")
-    ap.add_argument("--resnet-modes", nargs="+", default=["trace"], choices=list(N.MODES))
-    ap.add_argument("--minilm-modes", nargs="+", default=["trace", "full"], choices=list(N.MODES))
+    ap.add_argument("--resnet-modes", nargs="+", default=["trace"], choices=list(model_calls.MODES))
+    ap.add_argument("--minilm-modes", nargs="+", default=["trace", "full"], choices=list(model_calls.MODES))
     ap.add_argument("--max-jacobian-numel", type=int, default=2**30,
                     help="Jacobian entries per block (2**30 = 4 GiB in fp32: one class of the ResNet probe)")
     ap.add_argument("--sigma-rel", type=float, default=1e-6, help="sigma = sigma_rel * trace(K) / M for kappa and eta")

@@ -34,7 +34,7 @@ import warnings
 import torch
 
 from lalr_lightning.core.model.layers import matrix_layers
-from lalr_lightning.core.spectral import htsr
+from lalr_lightning.core.spectral import esd, htsr
 
 
 def _timed(fns: dict, repeats: int) -> dict[str, tuple[float, float]]:
@@ -55,7 +55,7 @@ def _timed(fns: dict, repeats: int) -> dict[str, tuple[float, float]]:
 
 
 def _bare_svd(layers, dtype):
-    mats = [htsr._slices(layer.weight, layer.kind)[0] for layer in layers]
+    mats = [esd._slices(layer.weight, layer.kind)[0] for layer in layers]
 
     def run():
         with torch.no_grad():
@@ -66,7 +66,7 @@ def _bare_svd(layers, dtype):
 
 
 def _bare_gram(layers):
-    mats = [htsr._slices(layer.weight, layer.kind)[0] for layer in layers]
+    mats = [esd._slices(layer.weight, layer.kind)[0] for layer in layers]
 
     def run():
         with torch.no_grad():

@@ -23,7 +23,8 @@ _WHERE = {
     "LayerControl": "lalr_lightning.core.runtime.control",
     "DivergenceError": "lalr_lightning.core.runtime.errors",
     "lalr_metrics": "lalr_lightning.core.spectral.lalr_metrics",
-    **dict.fromkeys(("Layer", "block_layers", "find_layers", "matrix_layers"), "lalr_lightning.core.model.layers"),
+    **dict.fromkeys(("Layer", "matrix_layers"), "lalr_lightning.core.model.layers"),
+    **dict.fromkeys(("block_layers", "find_layers"), "lalr_lightning.core.model.blocks"),
     "analyze": "lalr_lightning.core.spectral.htsr",
 }
 

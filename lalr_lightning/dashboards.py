@@ -147,17 +147,17 @@ def esd_figures(cb, names: Sequence[str], title: str) -> list[tuple[str, Any]]:
     from matplotlib.ticker import NullFormatter
 
     from lalr_lightning import viz
-    from lalr_lightning.core.spectral import htsr
+    from lalr_lightning.core.spectral import esd, powerlaw
 
     fit = getattr(cb, "fit", "ks")
-    fit = fit if fit in htsr.FITS else "ks"
+    fit = fit if fit in powerlaw.FITS else "ks"
     out = []
     for la in _matrix_layers(cb, names):
-        ev = htsr.layer_esd(cb.weight_of(la).detach(), la.kind).cpu()
+        ev = esd.layer_esd(cb.weight_of(la).detach(), la.kind).cpu()
         if getattr(cb, "filter_zeros", False):
-            ev = ev[ev > htsr.EVALS_THRESH]
+            ev = ev[ev > esd.EVALS_THRESH]
         try:
-            res = htsr.fit_power_law(ev, fit)
+            res = powerlaw.fit_power_law(ev, fit)
             alpha, xmin = float(res["alpha"]), float(res["xmin"])
         except ValueError:  # degenerate spectrum: the histogram alone
             alpha = xmin = None

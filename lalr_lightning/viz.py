@@ -220,7 +220,8 @@ def save_esd_plots(
     eigenvalues}``, with ``df``) skips that, e.g. for a streamed checkpoint (``model_or_layers``
     is then not read).
     """
-    from .core.spectral.htsr import _analyze, _resolve_layers, compute_esds
+    from .core.spectral.esd import _resolve_layers, compute_esds
+    from .core.spectral.htsr import _analyze
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

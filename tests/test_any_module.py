@@ -34,8 +34,9 @@ from lalr_lightning.callbacks import (
     ProximalRegularizer,
     SurgicalBlocks,
 )
-from lalr_lightning.core.linearization import ntk
-from lalr_lightning.core.model.layers import Layer, block_layers, matrix_layers, suggest_blocks
+from lalr_lightning.core.linearization import lambda_o, ntk
+from lalr_lightning.core.model.blocks import block_layers, suggest_blocks
+from lalr_lightning.core.model.layers import Layer, matrix_layers
 from lalr_lightning.core.pruning.by_criterion import criterion_prune
 from tests._anymodule import MODULES, AttrCNN, HFCausalLM, HFClassifier, TimmClassifier, callbacks
 from tests._toys import MemLogger, make_trainer
@@ -342,8 +343,8 @@ def test_blocks_found_in_setup_from_the_example_input_or_a_clear_error():
 
 
 def test_forward_trace_runs_the_example_input_or_a_training_batch_or_says_what_to_set():
+    from lalr_lightning.core.model.blocks import forward_trace
     from lalr_lightning.core.model.forward_blocks import forward_units, trace_modules
-    from lalr_lightning.core.model.layers import forward_trace
 
     def no_loader():
         raise RuntimeError("setup first")
@@ -509,8 +510,8 @@ def test_lambda_o_from_the_modules_own_loss():
     """Oracle: for L = ||f - y||^2 / (2N), N ||dL/df|| is the paper's ||f - y||, so the two
     residuals give the same lambda_o; on the LM it is finite and positive."""
     model, x, y = _MLP(), torch.randn(8, 5), torch.randn(8, 6)
-    paper = ntk.estimate_lambda_o(model, x, y, 2.0, iters=50)
-    own = ntk.estimate_lambda_o(model, x, None, 2.0, iters=50,
+    paper = lambda_o.estimate_lambda_o(model, x, y, 2.0, iters=50)
+    own = lambda_o.estimate_lambda_o(model, x, None, 2.0, iters=50,
                                 loss=lambda: ((model(x) - y) ** 2).sum() / (2 * len(x)))
     assert own == pytest.approx(paper, rel=1e-6)
     prox = ProximalRegularizer(lam=1.0, probe_size=4)

@@ -464,7 +464,7 @@ def test_an_error_that_is_not_the_librarys_keeps_its_traceback():
             fn()
         except (ValueError, KeyError) as e:
             assert _raised_by_library(e) is expected
-    from lalr_lightning.core.model.layers import block_layers
+    from lalr_lightning.core.model.blocks import block_layers
 
     with pytest.raises(ValueError) as info:
         block_layers(torch.nn.Linear(2, 2), blocks=["nope"])

@@ -4,12 +4,14 @@ against a hand computation or the error it must give."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
 from torch import nn
 
-from lalr_lightning.core.model.layers import block_layers, matrix_layers
+from lalr_lightning.core.model.blocks import block_layers
+from lalr_lightning.core.model.layers import matrix_layers
 from lalr_lightning.core.model.taps import BlockTaps
 from lalr_lightning.core.pruning import alphapruning as ap
 from lalr_lightning.core.pruning import by_criterion as bc
@@ -283,10 +285,14 @@ def test_fit_alphas_and_the_error_for_a_layer_with_no_fit():
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
     with torch.no_grad():
         model[1].weight.zero_()
-    fitted = tb.fit_alphas(matrix_layers(model), "median", filter_zeros=False)
-    assert math.isfinite(fitted["0"][0]) and not math.isfinite(fitted["1"][0])
-    assert tb.finite_alphas({"0": fitted["0"]}) == {"0": fitted["0"][0]}
-    with pytest.raises(ValueError, match=r"TempBalanceCallback: no power-law fit for \['1'\]"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the reason is data, not a warning
+        fitted = tb.fit_alphas(matrix_layers(model), "median", filter_zeros=False)
+    assert math.isfinite(fitted["0"].alpha) and not math.isfinite(fitted["1"].alpha)
+    assert (fitted["0"].status, fitted["1"].status, fitted["1"].reason) == ("fitted", "failed", "all-zero weights")
+    assert fitted["0"].num_evals == fitted["1"].num_evals == 64
+    assert tb.finite_alphas({"0": fitted["0"]}) == {"0": fitted["0"].alpha}
+    with pytest.raises(ValueError, match=r"TempBalanceCallback: no power-law fit for \['1'\] \(1: all-zero weights\)"):
         tb.finite_alphas(fitted)
 
 

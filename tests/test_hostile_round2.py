@@ -453,7 +453,7 @@ def test_tied_weights_with_lisa_are_one_unit_so_the_freeze_is_real():
 
 
 def test_tied_units_join_in_every_block_selection():
-    from lalr_lightning.core.model.layers import block_layers
+    from lalr_lightning.core.model.blocks import block_layers
     from lalr_lightning.core.model.tied import join_tied
 
     model = _Tied()

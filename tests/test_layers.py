@@ -8,7 +8,8 @@ import torch
 import torchvision
 from torch import nn
 
-from lalr_lightning.core.model.layers import block_layers, clean_name, find_layers, matrix_layers
+from lalr_lightning.core.model.blocks import block_layers, find_layers
+from lalr_lightning.core.model.layers import clean_name, matrix_layers
 
 
 def test_clean_name_drops_wrappers_only():

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lalr_lightning.callbacks.lmsa import LMSAStepper
-from lalr_lightning.core.model.layers import block_layers
+from lalr_lightning.core.model.blocks import block_layers
 from lalr_lightning.core.model.taps import BlockTaps
 from lalr_lightning.core.selection import msa
 from tests._dist import ddp_spawn

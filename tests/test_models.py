@@ -11,7 +11,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lalr_lightning.core.model.layers import block_layers, matrix_layers
+from lalr_lightning.core.model.blocks import block_layers
+from lalr_lightning.core.model.layers import matrix_layers
 from lalr_lightning.models import (
     ClassifierModule,
     ImageClassifier,

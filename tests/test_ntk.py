@@ -10,6 +10,7 @@ import scipy.linalg
 import torch
 from torch import nn
 
+from lalr_lightning.core.linearization import lambda_o, linearize, model_calls, ntk_spectra, param_groups
 from lalr_lightning.core.linearization import ntk as N
 
 
@@ -72,14 +73,14 @@ def slices(model: nn.Module, names: list[str]) -> dict[str, slice]:
     return out
 
 
-@pytest.mark.parametrize("mode", N.MODES)
+@pytest.mark.parametrize("mode", model_calls.MODES)
 @pytest.mark.parametrize("which", ["mlp", "cnn"])
 def test_K_and_S_equal_explicit_per_sample_gradients(which, mode):
     model = tiny_mlp() if which == "mlp" else tiny_cnn()
     x = torch.randn(6, 5, dtype=torch.float64) if which == "mlp" else torch.randn(5, 2, 4, 4, dtype=torch.float64)
     model.train()  # the NTK is taken in eval mode and the mode is restored
-    groups = N.layer_groups(model)
-    names = list(N.trainable_parameters(model))
+    groups = param_groups.layer_groups(model)
+    names = list(param_groups.trainable_parameters(model))
     jac = explicit_jacobian(model, x, names)
     res = N.empirical_ntk(model, x, groups=groups, mode=mode)
     assert model.training and all(m.training for m in model.modules())
@@ -98,8 +99,8 @@ def test_K_and_S_equal_explicit_per_sample_gradients(which, mode):
 @pytest.mark.parametrize("mode", ["full", "trace"])
 def test_chunked_equals_unchunked(mode):
     model, x = tiny_mlp(1), torch.randn(6, 5, dtype=torch.float64)
-    groups = N.layer_groups(model)
-    p = sum(t.numel() for t in N.trainable_parameters(model).values())
+    groups = param_groups.layer_groups(model)
+    p = sum(t.numel() for t in param_groups.trainable_parameters(model).values())
     ref = N.empirical_ntk(model, x, groups=groups, mode=mode)
     assert ref.jacobian_blocks == 1
     # rows per block: 1 (single gradients), 4 (< N: sample chunks), 12 (N..NC: class chunks of 2)
@@ -135,12 +136,12 @@ def tiny_lora_bert(seed: int = 0):
 
 def test_hugging_face_lora_model_groups_and_kernel():
     model, inputs = tiny_lora_bert()
-    groups = N.layer_groups(model)
+    groups = param_groups.layer_groups(model)
     pre = "base_model.model."
     assert list(groups) == [f"{pre}bert.encoder.layer.{i}.attention.self.{q}" for i in (0, 1) for q in ("query", "value")] + [
         f"{pre}classifier"]
     assert all(len(v) == 2 and "lora_A" in v[0] and "lora_B" in v[1] for v in list(groups.values())[:4])
-    names = list(N.trainable_parameters(model))
+    names = list(param_groups.trainable_parameters(model))
     params = dict(model.named_parameters())
     model.eval()
     out = model(**inputs).logits
@@ -169,11 +170,11 @@ def test_layer_groups_keep_untied_params_and_drop_frozen():
     model = WithBareParameter()
     model.inp.weight.requires_grad_(False)
     # frozen inp.weight is dropped, its bias stays in layer "inp"; the bare parameter is its own group
-    assert N.layer_groups(model) == {"inp": ["inp.bias"], "out": ["out.weight", "out.bias"], "scale": ["scale"]}
+    assert param_groups.layer_groups(model) == {"inp": ["inp.bias"], "out": ["out.weight", "out.bias"], "scale": ["scale"]}
     seq = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2))
     # a norm after a matrix joins its layer (matrix_layers' tie rule), even when the matrix is frozen
     seq[0].requires_grad_(False)
-    assert N.layer_groups(seq) == {"0": ["1.weight", "1.bias"], "2": ["2.weight", "2.bias"]}
+    assert param_groups.layer_groups(seq) == {"0": ["1.weight", "1.bias"], "2": ["2.weight", "2.bias"]}
 
 
 # --------------------------------------------------------------------------- spectra
@@ -187,36 +188,36 @@ def random_psd(m: int, rank: int, seed: int) -> torch.Tensor:
 
 def test_condition_number_and_eta_equal_dense_eigen_computations():
     model, x = tiny_mlp(2), torch.randn(7, 5, dtype=torch.float64)
-    res = N.empirical_ntk(model, x, groups=N.layer_groups(model), mode="full")
+    res = N.empirical_ntk(model, x, groups=param_groups.layer_groups(model), mode="full")
     K = res.K.numpy()
     for sigma in (0.0, 1e-3, 0.5):
-        assert N.condition_number(res.K, sigma) == pytest.approx(np.linalg.cond(K + sigma * np.eye(len(K))), rel=1e-6)
-        etas = N.layer_etas(res.K, res.S, sigma)
+        assert ntk_spectra.condition_number(res.K, sigma) == pytest.approx(np.linalg.cond(K + sigma * np.eye(len(K))), rel=1e-6)
+        etas = ntk_spectra.layer_etas(res.K, res.S, sigma)
         for name, s in res.S.items():
             # generalized symmetric eigenproblem S v = mu (K + sigma I) v: the same spectrum as
             # (K + sigma I)^{-1/2} S (K + sigma I)^{-1/2}, by another algorithm
             mu = scipy.linalg.eigh(s.numpy(), K + sigma * np.eye(len(K)), eigvals_only=True)
             assert etas[name] == pytest.approx(np.abs(mu).max(), rel=1e-7)
-            assert N.eta(res.K, s, sigma) == etas[name]
+            assert ntk_spectra.eta(res.K, s, sigma) == etas[name]
         if sigma == 0:  # sum_l K^{-1/2} S_l K^{-1/2} = I, so every eta_l <= 1
             assert max(etas.values()) <= 1 + 1e-9
 
 
 def test_theorem6_bounds_hold_with_eta():
     k, s = random_psd(6, 8, 0), random_psd(6, 2, 1)
-    e = N.eta(k, s)
+    e = ntk_spectra.eta(k, s)
     lk, lks = torch.linalg.eigvalsh(k), torch.linalg.eigvalsh(k + s)
     assert torch.all(lks >= (1 - e) * lk - 1e-9) and torch.all(lks <= (1 + e) * lk + 1e-9)
 
 
 def test_singular_kernel_needs_sigma():
     k = random_psd(5, 2, 3)  # rank 2 < 5
-    assert N.condition_number(k, 0.0) > 1e10 or math.isinf(N.condition_number(k, 0.0))
+    assert ntk_spectra.condition_number(k, 0.0) > 1e10 or math.isinf(ntk_spectra.condition_number(k, 0.0))
     with pytest.raises(ValueError, match="pass sigma > 0"):
-        N.eta(k, random_psd(5, 1, 4))
-    assert math.isfinite(N.eta(k, random_psd(5, 1, 4), sigma=1e-3))
+        ntk_spectra.eta(k, random_psd(5, 1, 4))
+    assert math.isfinite(ntk_spectra.eta(k, random_psd(5, 1, 4), sigma=1e-3))
     with pytest.raises(ValueError, match="sigma must be"):
-        N.condition_number(k, -1.0)
+        ntk_spectra.condition_number(k, -1.0)
 
 
 def diag(*v):
@@ -226,7 +227,7 @@ def diag(*v):
 def test_greedy_selection_by_eta_under_the_kappa_bound():
     # base (always trained) diag(1, 1), sigma 0.1, so K_sel + sigma I = diag(1.1, 1.1) at first
     S = {"a": diag(2, 2), "b": diag(0, 0.3), "c": diag(1.5, 0)}
-    sel = N.greedy_ntk_selection(S, kappa_max=1.5, sigma=0.1, base=diag(1, 1))
+    sel = ntk_spectra.greedy_ntk_selection(S, kappa_max=1.5, sigma=0.1, base=diag(1, 1))
     # round 1: eta a = 2/1.1, b = 0.3/1.1, c = 1.5/1.1 -> a (kappa of diag(3.1, 3.1) = 1)
     # round 2: eta b = 0.3/3.1, c = 1.5/3.1 -> c (kappa 4.6/3.1); round 3: b (kappa 4.6/3.4)
     assert sel.layers == ["a", "c", "b"] and sel.stopped == "exhausted"
@@ -235,15 +236,15 @@ def test_greedy_selection_by_eta_under_the_kappa_bound():
     assert sel.kappa == pytest.approx([1.0, 1.0, 4.6 / 3.1, 4.6 / 3.4])
     # a tighter bound: c is the best candidate of round 2 but would give kappa 1.484 > 1.4, so
     # selection stops there (b, which would fit, is not tried: the paper adds by eta while kappa allows)
-    stop = N.greedy_ntk_selection(S, kappa_max=1.4, sigma=0.1, base=diag(1, 1))
+    stop = ntk_spectra.greedy_ntk_selection(S, kappa_max=1.4, sigma=0.1, base=diag(1, 1))
     assert stop.layers == ["a"] and stop.stopped == "kappa"
     assert stop.rejected == "c" and stop.rejected_kappa == pytest.approx(4.6 / 3.1)
-    assert N.greedy_ntk_selection(S, kappa_max=10, sigma=0.1, base=diag(1, 1), max_layers=2).layers == ["a", "c"]
+    assert ntk_spectra.greedy_ntk_selection(S, kappa_max=10, sigma=0.1, base=diag(1, 1), max_layers=2).layers == ["a", "c"]
     # without a base the first round compares with sigma I: eta_l = lambda_max(S_l) / sigma
-    first = N.greedy_ntk_selection(S, kappa_max=1e9, sigma=0.1)
+    first = ntk_spectra.greedy_ntk_selection(S, kappa_max=1e9, sigma=0.1)
     assert first.eta_rounds[0] == pytest.approx({"a": 20, "b": 3, "c": 15}) and first.layers[0] == "a"
     with pytest.raises(ValueError, match="sigma > 0"):
-        N.greedy_ntk_selection(S, kappa_max=10, sigma=0.0)
+        ntk_spectra.greedy_ntk_selection(S, kappa_max=10, sigma=0.0)
 
 
 # --------------------------------------------------------------------------- linearization
@@ -260,7 +261,7 @@ def test_linearized_model_agrees_to_first_order():
     anchor = {n: p.detach().clone() for n, p in model.named_parameters()}
     g = torch.Generator().manual_seed(0)
     direction = {n: torch.randn(p.shape, generator=g, dtype=torch.float64) for n, p in anchor.items()}
-    f, f_lin = N.linearize(model, x, anchor)
+    f, f_lin = linearize.linearize(model, x, anchor)
     torch.testing.assert_close(f_lin, f, rtol=0, atol=1e-14)  # theta = theta_0: identical
     with torch.no_grad():
         f0 = model(x)
@@ -270,8 +271,8 @@ def test_linearized_model_agrees_to_first_order():
     for k in range(5):
         scale = 0.04 / 2**k
         perturb(model, direction, scale, anchor)
-        f, f_lin = N.linearize(model, x, anchor)
-        gap = N.linearization_gap(f, f_lin)
+        f, f_lin = linearize.linearize(model, x, anchor)
+        gap = linearize.linearization_gap(f, f_lin)
         gaps.append(gap.gap)
         kls.append(gap.kl)
         # the gap is the plain l2 norm of f - f_0 - J_0 delta over all N x C outputs
@@ -287,7 +288,7 @@ def test_linearized_model_agrees_to_first_order():
 def test_linearization_gap_and_kl_formula():
     f = torch.tensor([[1.0, 2.0, 0.5], [0.0, -1.0, 3.0]], dtype=torch.float64)
     fl = torch.tensor([[1.5, 2.0, 0.0], [0.0, 0.0, 3.0]], dtype=torch.float64)
-    res = N.linearization_gap(f, fl)
+    res = linearize.linearization_gap(f, fl)
     assert res.gap == pytest.approx(math.sqrt(0.25 + 0.25 + 1.0))
     p, q = torch.softmax(f, 1), torch.softmax(fl, 1)
     assert res.kl == pytest.approx(float((p * (p / q).log()).sum(1).mean()))
@@ -295,14 +296,14 @@ def test_linearization_gap_and_kl_formula():
 
 def test_hugging_face_linearization_uses_jvp():
     model, inputs = tiny_lora_bert(1)
-    anchor = {n: t.clone() for n, t in N.trainable_parameters(model).items()}
+    anchor = {n: t.clone() for n, t in param_groups.trainable_parameters(model).items()}
     g = torch.Generator().manual_seed(1)
     direction = {n: torch.randn(t.shape, generator=g, dtype=torch.float64) for n, t in anchor.items()}
     gaps = []
     for scale in (0.02, 0.01):
         params = {n: anchor[n] + scale * direction[n] for n in anchor}
-        f, f_lin = N.linearize(model, inputs, anchor, params)
-        gaps.append(N.linearization_gap(f, f_lin).gap)
+        f, f_lin = linearize.linearize(model, inputs, anchor, params)
+        gaps.append(linearize.linearization_gap(f, f_lin).gap)
     assert 3.5 < gaps[0] / gaps[1] < 4.5
 
 
@@ -311,33 +312,33 @@ def test_hugging_face_linearization_uses_jvp():
 
 def test_lip_power_iteration_equals_largest_singular_value():
     model, x = tiny_mlp(4), torch.randn(6, 5, dtype=torch.float64)
-    names = list(N.trainable_parameters(model))
+    names = list(param_groups.trainable_parameters(model))
     jac = explicit_jacobian(model, x, names).reshape(18, -1)
     top = float(torch.linalg.svdvals(jac)[0])
-    lip = N.jacobian_spectral_norm(model, x, iters=300, tol=1e-14)
+    lip = lambda_o.jacobian_spectral_norm(model, x, iters=300, tol=1e-14)
     assert lip == pytest.approx(top, rel=1e-9)
     full = N.empirical_ntk(model, x, mode="full").K  # ||J||_2^2 = lambda_max(J J^T)
     assert lip**2 == pytest.approx(float(torch.linalg.eigvalsh(full)[-1]), rel=1e-9)
     # seeded start vector: the same estimate on every rank, also when stopped early
-    assert N.jacobian_spectral_norm(model, x, iters=10) == N.jacobian_spectral_norm(model, x, iters=10) < top
+    assert lambda_o.jacobian_spectral_norm(model, x, iters=10) == lambda_o.jacobian_spectral_norm(model, x, iters=10) < top
 
 
 def test_lambda_o_formula_and_estimate():
-    assert N.lambda_o(3.0, 2.0, 0.5) == 24.0  # 2 * 3 * 2 / 0.5
+    assert lambda_o.lambda_o(3.0, 2.0, 0.5) == 24.0  # 2 * 3 * 2 / 0.5
     model, x = tiny_mlp(5), torch.randn(6, 5, dtype=torch.float64)
     y = torch.tensor([0, 1, 2, 0, 1, 2])
     model.eval()
     with torch.no_grad():
         res_norm = float(torch.linalg.vector_norm(model(x) - nn.functional.one_hot(y, 3).double()))
-    est = N.estimate_lambda_o(model, x, y, r=0.25, reduction="sum")
+    est = lambda_o.estimate_lambda_o(model, x, y, r=0.25, reduction="sum")
     assert est["residual_norm"] == pytest.approx(res_norm)
     assert est["lambda_o"] == pytest.approx(2 * res_norm * est["lip"] / 0.25)
-    mean = N.estimate_lambda_o(model, x, y, r=0.25)
+    mean = lambda_o.estimate_lambda_o(model, x, y, r=0.25)
     assert mean["lambda_o"] == pytest.approx(est["lambda_o"] / 6)
     with pytest.raises(ValueError, match="r .*> 0"):
-        N.lambda_o(1.0, 1.0, 0.0)
+        lambda_o.lambda_o(1.0, 1.0, 0.0)
     with pytest.raises(ValueError, match="class targets"):
-        N.estimate_lambda_o(model, x, y + 3, r=1.0)
+        lambda_o.estimate_lambda_o(model, x, y + 3, r=1.0)
 
 
 # --------------------------------------------------------------------------- bad input
@@ -357,19 +358,19 @@ def test_bad_input_errors():
     with pytest.raises(ValueError, match="no trainable parameters"):
         N.empirical_ntk(frozen, x)
     with pytest.raises(ValueError, match="anchor has no value"):
-        N.linearize(model, x, {})
+        linearize.linearize(model, x, {})
 
 
 def test_callback_helpers_groups_head_and_sized_kernel():
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
-    params = N.trainable_parameters(model)
-    groups = N.layer_groups(model, params)
-    assert list(groups) == ["0", "2"] and N.head_group(model, groups) == "2"
-    assert N.matching_groups(groups, None) == groups
-    assert N.matching_groups(groups, ["2*"]) == {"2": ["2.weight", "2.bias"]}
+    params = param_groups.trainable_parameters(model)
+    groups = param_groups.layer_groups(model, params)
+    assert list(groups) == ["0", "2"] and param_groups.head_group(model, groups) == "2"
+    assert param_groups.matching_groups(groups, None) == groups
+    assert param_groups.matching_groups(groups, ["2*"]) == {"2": ["2.weight", "2.bias"]}
     with pytest.raises(ValueError, match=r"include pattern 'fc\*' matches no trainable layer; layers are: \['0', "):
-        N.matching_groups(groups, ["fc*"])
-    layers = N.group_layers(groups, params)
+        param_groups.matching_groups(groups, ["fc*"])
+    layers = param_groups.group_layers(groups, params)
     assert [(la.name, list(la.params)) for la in layers] == [("0", ["0.weight", "0.bias"]),
                                                               ("2", ["2.weight", "2.bias"])]
     x = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
@@ -383,7 +384,7 @@ def test_callback_helpers_groups_head_and_sized_kernel():
     assert chosen == 2 and len(said) == 1 and k2.projected == 2
     assert k.ridge(0.5) == pytest.approx(0.5 * float(torch.trace(k.K)) / 6)
     with pytest.raises(ValueError, match="kernel"):
-        N.check_kernel("diag")
+        model_calls.check_kernel("diag")
 
 
 def test_the_kernel_options_and_the_trainable_groups_of_the_ntk_callbacks():
@@ -395,7 +396,7 @@ def test_the_kernel_options_and_the_trainable_groups_of_the_ntk_callbacks():
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
     model[0].bias.requires_grad_(False)
     params, groups = N.trainable_groups(model, "T")
-    assert list(params) == ["0.weight", "2.weight", "2.bias"] and groups == N.layer_groups(model, params)
+    assert list(params) == ["0.weight", "2.weight", "2.bias"] and groups == param_groups.layer_groups(model, params)
     model.requires_grad_(False)
     with pytest.raises(ValueError, match="^T: Sequential has no trainable parameters"):
         N.trainable_groups(model, "T")
@@ -403,36 +404,36 @@ def test_the_kernel_options_and_the_trainable_groups_of_the_ntk_callbacks():
 
 def test_head_selection_starts_from_the_head_and_says_when_only_it_fits():
     eye, spike = torch.eye(2, dtype=torch.float64), torch.diag(torch.tensor([100.0, 0.0], dtype=torch.float64))
-    sel, note = N.head_selection({"a": eye, "head": eye}, "head", 10.0, 1e-6)
+    sel, note = ntk_spectra.head_selection({"a": eye, "head": eye}, "head", 10.0, 1e-6)
     assert sel.layers == ["a"] and note is None
-    sel, note = N.head_selection({"a": spike, "head": eye}, "head", 10.0, 1e-6)
+    sel, note = ntk_spectra.head_selection({"a": spike, "head": eye}, "head", 10.0, 1e-6)
     assert sel.layers == [] and note.startswith("NTKSelect: only the head 'head' trains")
-    sel, note = N.head_selection({"a": eye, "b": 2 * eye}, None, 10.0, 1e-6)
+    sel, note = ntk_spectra.head_selection({"a": eye, "b": 2 * eye}, None, 10.0, 1e-6)
     assert sel.layers[0] == "b" and note is None  # no head: every layer ranked, the largest eta first
     with pytest.raises(ValueError, match="no layer keeps kappa"):
-        N.head_selection({"a": spike}, None, 10.0, 1e-6)
+        ntk_spectra.head_selection({"a": spike}, None, 10.0, 1e-6)
 
 
 def test_unit_lambda_o_reads_class_targets_or_the_modules_own_loss():
     model = nn.Sequential(nn.Linear(4, 3))
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
     y = torch.tensor([0, 1, 2, 0, 1])
-    theta0 = N.trainable_parameters(model)
-    value, own = N.unit_lambda_o(model, (x, y), theta0)
-    assert not own and value == pytest.approx(N.estimate_lambda_o(model, x, y, 1.0, theta0)["lambda_o"])
+    theta0 = param_groups.trainable_parameters(model)
+    value, own = lambda_o.unit_lambda_o(model, (x, y), theta0)
+    assert not own and value == pytest.approx(lambda_o.estimate_lambda_o(model, x, y, 1.0, theta0)["lambda_o"])
     loss_fn = lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])  # noqa: E731
-    value, own = N.unit_lambda_o(model, (x, y), theta0, loss_fn)
-    want = N.estimate_lambda_o(model, x, None, 1.0, theta0, loss=lambda: loss_fn(model, (x, y)))["lambda_o"]
+    value, own = lambda_o.unit_lambda_o(model, (x, y), theta0, loss_fn)
+    want = lambda_o.estimate_lambda_o(model, x, None, 1.0, theta0, loss=lambda: loss_fn(model, (x, y)))["lambda_o"]
     assert own and value == pytest.approx(want)
 
 
 def test_selectable_head_or_why_there_is_nothing_to_select():
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 3))
-    groups = N.layer_groups(model)
-    assert N.selectable_head(model, groups, False) is None and N.selectable_head(model, groups, True) == "4"
+    groups = param_groups.layer_groups(model)
+    assert param_groups.selectable_head(model, groups, False) is None and param_groups.selectable_head(model, groups, True) == "4"
     with pytest.raises(ValueError, match="one trainable layer besides the head"):
-        N.selectable_head(model, {g: groups[g] for g in ("0", "4")}, True)
+        param_groups.selectable_head(model, {g: groups[g] for g in ("0", "4")}, True)
     with pytest.raises(ValueError, match=r"has one trainable layer \(\['0'\]\); there is nothing to select between"):
-        N.selectable_head(model, {"0": groups["0"]}, False)
+        param_groups.selectable_head(model, {"0": groups["0"]}, False)
     with pytest.raises(ValueError, match=r"NTKSelect\(head=True\): no trainable output layer found in Sequential"):
-        N.selectable_head(model, {g: groups[g] for g in ("0", "2")}, True)
+        param_groups.selectable_head(model, {g: groups[g] for g in ("0", "2")}, True)

@@ -18,7 +18,7 @@ from lalr_lightning.callbacks import (
     SurgicalLayerSelect,
     TempBalanceCallback,
 )
-from lalr_lightning.core.linearization import ntk
+from lalr_lightning.core.linearization import lambda_o, linearize, ntk, ntk_spectra, param_groups
 from lalr_lightning.core.model.probe import probe_inputs
 from lalr_lightning.core.runtime.control import LayerControl, PostStep
 from tests._dist import ddp_spawn
@@ -275,7 +275,7 @@ def test_logged_per_layer_and_lambda_o_follows_theorem_4():
     # Theorem 4 at theta_0 on the probe, with r = the current distance, loss averaged over the probe
     x, y = probe_inputs(model, model.train_dataloader(), 8)
     theta0 = dict(prox._anchor)
-    est = ntk.estimate_lambda_o(model, x, y, prox.history[-1]["total_distance"], theta0)
+    est = lambda_o.estimate_lambda_o(model, x, y, prox.history[-1]["total_distance"], theta0)
     assert prox.lambda_o == pytest.approx(est["lambda_o"], rel=1e-6)
 
 
@@ -328,10 +328,10 @@ def test_ntk_diagnostics_match_the_core_functions():
     assert len(diag.history) == 3  # before the first step, and after each epoch
     first = diag.history[0]
     sigma = 1e-3 * float(torch.trace(k0.K)) / 8
-    assert first["kappa"] == pytest.approx(ntk.condition_number(k0.K, sigma), rel=1e-9)  # Theorem 5 at init
+    assert first["kappa"] == pytest.approx(ntk_spectra.condition_number(k0.K, sigma), rel=1e-9)  # Theorem 5 at init
     assert first["gap"] == 0 and first["kl"] == 0
-    f, f_lin = ntk.linearize(model, x, init)
-    assert diag.gap == pytest.approx(ntk.linearization_gap(f, f_lin).gap, rel=1e-9) and diag.gap > 0
+    f, f_lin = linearize.linearize(model, x, init)
+    assert diag.gap == pytest.approx(linearize.linearization_gap(f, f_lin).gap, rel=1e-9) and diag.gap > 0
     assert set(diag.etas) == {"net.0", "net.2", "net.4", "net.6"} and all(0 < e <= 1 for e in diag.etas.values())
 
 
@@ -341,9 +341,9 @@ def test_ntk_selection_is_the_greedy_rule_and_freezes_the_rest():
     model = ToyMLP()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     x, _ = probe_inputs(model, model.train_dataloader(), 16)
-    params = ntk.trainable_parameters(model)
-    k = ntk.empirical_ntk(model, x, params, ntk.layer_groups(model, params))
-    want = ntk.greedy_ntk_selection(k.S, 100.0, 0.1 * float(torch.trace(k.K)) / 16, max_layers=2)
+    params = param_groups.trainable_parameters(model)
+    k = ntk.empirical_ntk(model, x, params, param_groups.layer_groups(model, params))
+    want = ntk_spectra.greedy_ntk_selection(k.S, 100.0, 0.1 * float(torch.trace(k.K)) / 16, max_layers=2)
     make_trainer([sel], max_epochs=1).fit(model)
     assert sel.selected == [n for n in ("net.0", "net.2", "net.4", "net.6") if n in want.layers]
     assert len(sel.selected) == 2 and sel.chosen_eta == pytest.approx(want.eta)
@@ -360,12 +360,12 @@ def test_ntk_selection_is_the_greedy_rule_and_freezes_the_rest():
 def test_ntk_selection_with_head_starts_from_the_head_kernel_and_always_trains_it():
     model = ToyMLP()
     x, _ = probe_inputs(model, model.train_dataloader(), 16)
-    params = ntk.trainable_parameters(model)
-    k = ntk.empirical_ntk(model, x, params, ntk.layer_groups(model, params))
+    params = param_groups.trainable_parameters(model)
+    k = ntk.empirical_ntk(model, x, params, param_groups.layer_groups(model, params))
     sigma = 0.1 * float(torch.trace(k.K)) / 16
     S = dict(k.S)
     head = S.pop("net.6")
-    want = ntk.greedy_ntk_selection(S, 1e4, sigma, base=head, max_layers=1)
+    want = ntk_spectra.greedy_ntk_selection(S, 1e4, sigma, base=head, max_layers=1)
     sel = NTKSelect(kappa_max=1e4, sigma=0.1, max_layers=1, probe_size=16, head=True)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     make_trainer([sel], max_epochs=1).fit(model)
@@ -395,9 +395,9 @@ def test_ntk_selection_head_of_a_lora_classifier_is_its_trainable_copy():
 
     model = TextClassifier("minilm-l6", lora=True, lora_r=2)
     sel = NTKSelect(head=True)
-    sel._params = ntk.trainable_parameters(model)
-    sel._groups = ntk.layer_groups(model, sel._params)
-    assert ntk.head_group(model, sel._groups) == "model.base_model.model.classifier"  # peft's modules_to_save copy
+    sel._params = param_groups.trainable_parameters(model)
+    sel._groups = param_groups.layer_groups(model, sel._params)
+    assert param_groups.head_group(model, sel._groups) == "model.base_model.model.classifier"  # peft's modules_to_save copy
 
 
 

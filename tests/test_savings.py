@@ -18,7 +18,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lalr_lightning.callbacks import BlockSchedule, LayerSelection, NTKSelect, SpectrumSelect
-from lalr_lightning.core.model.layers import block_layers, matrix_layers
+from lalr_lightning.core.model.blocks import block_layers
+from lalr_lightning.core.model.layers import matrix_layers
 from lalr_lightning.core.selection.surgical import lift_block, lisa_sample
 from tests._dist import ddp, ddp_spawn, pair_record, run_pair_once
 from tests._lm import tiny_lm

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lalr_lightning.core.model.layers import matrix_layers
-from lalr_lightning.core.spectral import htsr
+from lalr_lightning.core.spectral import esd, esd_metrics, htsr
 from lalr_lightning.core.spectral.htsr import FITS, alphas, analyze, compute_esds, fit_power_law, layer_esd
 
 # columns WW reports with the same meaning
@@ -298,13 +298,13 @@ def test_batched_esds_equal_per_layer():
         torch.testing.assert_close(ev, layer_esd(layer.weight, layer.kind, dtype=torch.float64), rtol=1e-12, atol=1e-14)
         assert ev.device == layer.weight.device and ev.dtype == torch.float64
     # the memory cap splits a shape group across several SVD calls without changing anything
-    old = htsr._MAX_STACK
+    old = esd._MAX_STACK
     try:
-        htsr._MAX_STACK = 64 * 3
+        esd._MAX_STACK = 64 * 3
         for a, b in zip(compute_esds(layers, dtype=torch.float64), batched):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
     finally:
-        htsr._MAX_STACK = old
+        esd._MAX_STACK = old
 
 
 # --------------------------------------------------------------------------- metrics by hand
@@ -346,7 +346,7 @@ def test_rand_distance_is_ww_js_distance_and_seeded():
     x, y = np.sort(rng.gamma(2, 1, 50)), np.sort(rng.gamma(2, 1, 50))
     m = (x + y) / 2
     expect = np.sqrt((scipy_stats.entropy(x, m) + scipy_stats.entropy(y, m)) / 2)
-    assert htsr._js_distance(torch.tensor(x), torch.tensor(y)) == pytest.approx(expect, rel=1e-10)
+    assert esd_metrics._js_distance(torch.tensor(x), torch.tensor(y)) == pytest.approx(expect, rel=1e-10)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 48), nn.Conv2d(8, 8, 3))
     a = analyze(model, metrics=["rand_distance"], rand_seed=1)["rand_distance"].to_numpy()

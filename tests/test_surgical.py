@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lalr_lightning import viz
 from lalr_lightning.callbacks import LayerSelection, SurgicalLayerSelect
 from lalr_lightning.callbacks.selection import MODES
-from lalr_lightning.core.model.layers import block_layers
+from lalr_lightning.core.model.blocks import block_layers
 from lalr_lightning.core.runtime.control import LayerControl
 from lalr_lightning.core.selection.surgical import (
     eb_scores,

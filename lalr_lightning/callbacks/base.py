@@ -40,7 +40,8 @@ from lalr_lightning.callbacks import keys
 from lalr_lightning.callbacks.host import Cadence, Host
 from lalr_lightning.callbacks.lightning_host import LightningHooks, SpawnHandoff, check_strategy
 from lalr_lightning.callbacks.planning import Planner, _NoFit
-from lalr_lightning.core.model.layers import Layer, forward_trace
+from lalr_lightning.core.model.blocks import forward_trace
+from lalr_lightning.core.model.layers import Layer
 from lalr_lightning.core.runtime import shards
 from lalr_lightning.core.runtime.checks import (
     DEFAULT_FIGURES,
@@ -309,7 +310,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
 
     def forward_order(self, host: Host, module: nn.Module) -> Callable[[], Any] | None:
         """One forward pass of ``module`` on a probe batch, run when first asked (side-effect free:
-        :func:`~lalr_lightning.core.model.layers.forward_trace`), for finding the output layer of a
+        :func:`~lalr_lightning.core.model.blocks.forward_trace`), for finding the output layer of a
         model with no Hugging Face / timm getter by what runs last; outside a fit (``plan()``) only
         on the module's ``example_input_array`` (None without one: the registration order decides)."""
         if isinstance(host, _NoFit) and getattr(module, "example_input_array", None) is None:

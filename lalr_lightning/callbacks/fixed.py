@@ -12,7 +12,8 @@ from torch import nn
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback
 from lalr_lightning.callbacks.host import Host
 from lalr_lightning.choices import unknown
-from lalr_lightning.core.model.layers import clean_name, find_layers
+from lalr_lightning.core.model.blocks import find_layers
+from lalr_lightning.core.model.layers import clean_name
 
 __all__ = ["LayerLRMultiplier"]
 

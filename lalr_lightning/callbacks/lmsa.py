@@ -24,7 +24,7 @@ from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
 from lalr_lightning.callbacks.host import Host, say, warn
 from lalr_lightning.callbacks.selection import LayerSelection
 from lalr_lightning.core.model.batch_loss import batch_loss
-from lalr_lightning.core.model.layers import describe_blocks
+from lalr_lightning.core.model.blocks import describe_blocks
 from lalr_lightning.core.model.taps import BlockTaps
 from lalr_lightning.core.runtime.control import LayerControl
 from lalr_lightning.core.runtime.errors import DivergenceError
@@ -101,7 +101,7 @@ class LMSAStepper(LayerSelection):
             (the logits when the last block is the head).
         n_batches: batches the metric is averaged over (default 1).
         every_n_epochs: re-select at every epoch divisible by this (None: select once).
-        blocks, join_stem, head: how to find the blocks (:func:`core.model.layers.block_layers`).
+        blocks, join_stem, head: how to find the blocks (:func:`core.model.blocks.block_layers`).
             With ``head=False`` the head's parameters are left to the module's optimizer.
         loss_fn: ``f(module, batch) -> loss``, the training objective, used to run the
             rest of the network on an updated block. Default

@@ -15,7 +15,7 @@ from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, stop_on_sigterm
 from lalr_lightning.callbacks.host import Host, say_or_warn
-from lalr_lightning.core.linearization import ntk
+from lalr_lightning.core.linearization import linearize, ntk, ntk_spectra
 from lalr_lightning.core.linearization.anchor import check_anchor, snapshot
 from lalr_lightning.core.model.probe import probe_inputs
 from lalr_lightning.core.runtime.checks import check_counts, check_number
@@ -166,8 +166,8 @@ class NTKDiagnostics(LayerwiseCallback):
         # theta_0 where the weights are now (Lightning moves the model after the snapshot); under FSDP
         # a placed copy, the kept one stays on rank zero's CPU
         anchor = follow(dict(self._anchor) if self.whole is not None else self._anchor, live)
-        gap = ntk.linearization_gap(*ntk.linearize(module, x, anchor, params, positions=self.positions))
-        return {"etas": ntk.layer_etas(k.K, k.S, sigma), "kappa": ntk.condition_number(k.K, sigma),
+        gap = linearize.linearization_gap(*linearize.linearize(module, x, anchor, params, positions=self.positions))
+        return {"etas": ntk_spectra.layer_etas(k.K, k.S, sigma), "kappa": ntk_spectra.condition_number(k.K, sigma),
                 "gap": gap.gap, "kl": gap.kl, "lambda_max": float(eig[-1]), "lambda_min": float(eig[0]),
                 "sigma": sigma, "outputs": self._chosen}
 

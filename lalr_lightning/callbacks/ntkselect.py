@@ -2,7 +2,7 @@
 choose the layers to fine-tune greedily by their kernel's effect on the NTK spectrum
 (largest ``eta_l`` first) while the condition number of the chosen layers' kernel stays under a
 bound; the others are frozen for the whole fit. The greedy rule is
-:func:`lalr_lightning.core.linearization.ntk.greedy_ntk_selection` (``docs/proximal.md``).
+:func:`lalr_lightning.core.linearization.ntk_spectra.greedy_ntk_selection` (``docs/proximal.md``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
 from lalr_lightning.callbacks.host import Cadence, Host, say, say_or_warn
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
-from lalr_lightning.core.linearization import ntk
+from lalr_lightning.core.linearization import ntk, ntk_spectra, param_groups
 from lalr_lightning.core.model.probe import fixed_batch, probe_inputs
 from lalr_lightning.core.runtime.checks import check_counts, check_number
 from lalr_lightning.core.runtime.shards import sharded
@@ -109,8 +109,8 @@ class NTKSelect(LayerSelection):
 
     def configure(self, host: Host, module: nn.Module) -> None:
         self._params, self._groups = ntk.trainable_groups(module, type(self).__name__)
-        self.head_layer = ntk.selectable_head(module, self._groups, self.head, self.forward_order(host, module))
-        self.layers = ntk.group_layers(self._groups, self._params)
+        self.head_layer = param_groups.selectable_head(module, self._groups, self.head, self.forward_order(host, module))
+        self.layers = param_groups.group_layers(self._groups, self._params)
         self.block_list = self.layers  # the units label the per-step log and own their norm layers
 
     def decide_in_setup(self, host: Host, module: nn.Module) -> Decision | None:
@@ -149,7 +149,7 @@ class NTKSelect(LayerSelection):
         return {"S": {g: s.cpu() for g, s in k.S.items()}, "sigma": k.ridge(self.sigma)}
 
     def decide(self, measured: dict) -> Decision:
-        sel, note = ntk.head_selection(measured["S"], self.head_layer, self.kappa_max, measured["sigma"],
+        sel, note = ntk_spectra.head_selection(measured["S"], self.head_layer, self.kappa_max, measured["sigma"],
                                        self.max_layers)
         if note is not None:
             warnings.warn(note, stacklevel=2)

@@ -3,7 +3,7 @@ fine-tuning"): after every optimizer step, pull the trained parameters toward th
 the start of fine-tuning, ``theta <- theta - lam * lr * (theta - theta_0)``, only where the pull
 cannot raise the training loss, ``<g, theta - theta_0> >= 0`` for the gradient ``g`` of the step
 just taken (Theorem 1). The formulas are :mod:`lalr_lightning.core.linearization.proximal`; Theorem 4's
-``lambda_o`` is :func:`lalr_lightning.core.linearization.ntk.estimate_lambda_o`; this file decides when and
+``lambda_o`` is :func:`lalr_lightning.core.linearization.lambda_o.estimate_lambda_o`; this file decides when and
 on what they run (``docs/proximal.md``).
 
 Where the gradient comes from: the step runs as a post-step transform of
@@ -32,7 +32,8 @@ from lalr_lightning.callbacks.host import Host, say
 from lalr_lightning.choices import unknown
 from lalr_lightning.core.linearization import proximal
 from lalr_lightning.core.linearization.anchor import check_anchor, check_anchor_arg, load_anchor, snapshot, trainable
-from lalr_lightning.core.linearization.ntk import group_layers, layer_groups, matching_groups, unit_lambda_o
+from lalr_lightning.core.linearization.lambda_o import unit_lambda_o
+from lalr_lightning.core.linearization.param_groups import group_layers, layer_groups, matching_groups
 from lalr_lightning.core.model.batch_loss import loss_source
 from lalr_lightning.core.model.probe import fixed_batch
 from lalr_lightning.core.runtime.checks import check_counts, check_loss_fn, check_number
@@ -94,7 +95,7 @@ class ProximalRegularizer(LayerwiseCallback):
     of the outputs' shape) and no ``loss_fn``, the paper's squared loss on one-hot targets; for
     anything else (a language model's token labels, a dict batch without class labels, a given
     ``loss_fn``) the gradient of the module's own loss with respect to its outputs,
-    ``N ||dL/df||`` (:func:`~lalr_lightning.core.linearization.ntk.output_gradient_norm`), which is
+    ``N ||dL/df||`` (:func:`~lalr_lightning.core.linearization.lambda_o.output_gradient_norm`), which is
     ``||f - y||`` again for ``L = ||f - y||^2 / (2N)``. Which one is used is logged once.
 
     Readable: ``distances`` (layer -> ``||theta - theta_0||``, refreshed at every logging step,

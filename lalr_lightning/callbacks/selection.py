@@ -35,7 +35,8 @@ from lalr_lightning.callbacks.host import Host, say
 from lalr_lightning.callbacks.lightning_host import LightningHooks
 from lalr_lightning.callbacks.summary import selection_counts, selection_summary
 from lalr_lightning.choices import unknown
-from lalr_lightning.core.model.layers import Layer, block_layers, forward_trace
+from lalr_lightning.core.model.blocks import block_layers, forward_trace
+from lalr_lightning.core.model.layers import Layer
 from lalr_lightning.core.model.norm_modes import NORM_EVAL, norm_layers, set_norm_modes
 from lalr_lightning.core.model.tied import join_tied
 from lalr_lightning.core.runtime.checks import check_taken, union_signature
@@ -125,7 +126,7 @@ class LayerSelection(LayerwiseCallback):
                     host: Host | None = None) -> list[Layer]:
         """The model's blocks (``blocks`` patterns, or found: timm groups / repeated children / with
         ``host``, the forward pass on a probe batch,
-        :func:`~lalr_lightning.core.model.layers.forward_trace`); a clear error when
+        :func:`~lalr_lightning.core.model.blocks.forward_trace`); a clear error when
         there are fewer than ``min_blocks`` to choose between."""
         trace = None if host is None else (lambda: forward_trace(module, host.batches, getattr(self, "loss_fn", None)))
         self.block_list = block_layers(module, self.blocks, join_stem=self.join_stem, head=head, trace=trace)

@@ -18,7 +18,7 @@ from torch import nn
 from lalr_lightning.callbacks.base import Decision
 from lalr_lightning.callbacks.host import Host, say, warn
 from lalr_lightning.callbacks.selection import LayerSelection, SurgicalLayerSelect, register_mode
-from lalr_lightning.core.model.layers import describe_blocks
+from lalr_lightning.core.model.blocks import describe_blocks
 from lalr_lightning.core.selection.surgical import check_selection, select_blocks
 
 __all__ = ["SurgicalBlocks", "SurgicalLayerSelect"]
@@ -39,7 +39,7 @@ class SurgicalBlocks(LayerSelection):
         select: ``"first"``, ``"last"``, ``"all"``, ``"block:N"`` or an int ``N`` (index into the
             block list, negative from the end), a block name or a glob pattern over block names
             (``"*layer3*"``), or a list of those.
-        blocks: block patterns for :func:`~lalr_lightning.core.model.layers.block_layers` (module-name
+        blocks: block patterns for :func:`~lalr_lightning.core.model.blocks.block_layers` (module-name
             prefixes or ``^``-regexes, one per block); default: the model's own blocks.
         join_stem: join the stem to the first block (surgical fine-tuning's ``conv1+block1``).
         norm_eval: ``frozen`` (default: norm layers of frozen blocks keep their running

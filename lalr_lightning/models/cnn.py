@@ -3,7 +3,7 @@
 Both networks name a BatchNorm after its conv (``conv`` -> ``bn``, ``conv1`` -> ``bn1``) so the
 TempBalance ``bn -> conv`` rule of :func:`lalr_lightning.core.model.layers.matrix_layers` ties them,
 and both have repeated children ``layer1..layerN`` so
-:func:`~lalr_lightning.core.model.layers.block_layers` finds their blocks without configuration.
+:func:`~lalr_lightning.core.model.blocks.block_layers` finds their blocks without configuration.
 """
 
 from __future__ import annotations

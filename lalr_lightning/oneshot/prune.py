@@ -244,17 +244,13 @@ def _ratio_settings(preset, metric, epsilon):
 
 
 def _block_metric(block: nn.Module, qual: str, metric: str, fit: str, filter_zeros: bool) -> dict[str, float]:
-    import warnings
-
     from lalr_lightning.core.model.layers import Layer
-    from lalr_lightning.core.spectral import htsr
+    from lalr_lightning.core.spectral.htsr import layer_fits
 
     layers = [Layer(f"{qual}.{n}", "hf_conv1d" if type(mod).__name__ == "Conv1D" else "linear", mod)
               for n, mod in linear_modules(block).items()]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        df = htsr.analyze(layers, fit=fit, metrics=[metric], min_evals=1, filter_zeros=filter_zeros)
-    values = dict(zip(df["name"], df[metric].astype(float)))
+    fits = layer_fits(layers, fit=fit, metrics=[metric], min_evals=1, filter_zeros=filter_zeros)
+    values = {f.name: f.value(metric) for f in fits}
     bad = {k: v for k, v in values.items() if not math.isfinite(v)}
     if bad:
         raise ValueError(f"metric {metric!r} is not finite for {sorted(bad)[:3]} (all-zero or constant weights?); "

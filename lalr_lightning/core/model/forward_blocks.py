@@ -1,6 +1,6 @@
 """Blocks from what runs: a model's layers in the order one forward pass calls them, grouped into
 blocks -- for models whose blocks no registry (timm ``group_matcher``), repeated children or
-``Sequential`` trunk gives (:func:`lalr_lightning.core.model.layers.block_layers` asks for it last).
+``Sequential`` trunk gives (:func:`lalr_lightning.core.model.blocks.block_layers` asks for it last).
 
 :func:`trace_modules` runs the model once with forward hooks on every module and records which
 modules ran, in which order, and which earlier modules each one's input came from (through the

@@ -3,7 +3,7 @@ from a metric, magnitude and channel masks, the thesis' incremental channel budg
 schedule, and which layers are pruned. Numpy / torch only; ``callbacks/pruning.py`` decides when.
 
 Each prunable layer gets a metric value ``m_l`` (HT-SR alpha by default, or any other column of
-:func:`lalr_lightning.core.spectral.htsr.analyze`); the values are min-max mapped onto
+:func:`lalr_lightning.core.spectral.htsr.layer_fits`); the values are min-max mapped onto
 ``[1 - eps, 1 + eps]``::
 
     r_l = (m_l - min m) / (max m - min m) * 2 eps + (1 - eps)      (more_for_larger)
@@ -20,26 +20,25 @@ and scaled so that the parameter-weighted mean of the ratios is the target spars
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from lalr_lightning.choices import unknown
+from lalr_lightning.core.model.blocks import block_layers
 from lalr_lightning.core.model.forward_blocks import Trace
 from lalr_lightning.core.model.layers import (
     DEFAULT_KINDS,
     MATRIX_KINDS,
     Layer,
-    block_layers,
     check_kinds,
     matrix_layers,
     num_eigenvalues,
-    output_layer,
 )
+from lalr_lightning.core.model.output_layer import output_layer
 from lalr_lightning.core.runtime.checks import lora_zero
-from lalr_lightning.core.spectral import htsr
+from lalr_lightning.core.spectral.htsr import layer_fits
 
 __all__ = [
     "PRUNING_METRICS",
@@ -321,7 +320,7 @@ def prunable_layers(
 ) -> tuple[list[Layer], dict[str, str]]:
     """(layers to prune, {excluded layer: reason}) -- a function of the architecture only, so
     every rank and every resumed run prunes the same layers, whatever the metric (``trace``: a
-    forward pass on a fixed probe batch, :func:`~lalr_lightning.core.model.layers.output_layer`'s).
+    forward pass on a fixed probe batch, :func:`~lalr_lightning.core.model.output_layer.output_layer`'s).
 
     Considered: the matrix layers of ``layer_types`` (Linear and convolutions; embeddings only
     when asked, AlphaPruning leaves them dense). Excluded: the model's output layer when
@@ -440,12 +439,11 @@ def check_known_masks(masks: Mapping[str, object], params: Mapping[str, object])
 
 
 def layer_metric(layers: Sequence[Layer], metric: str, *, fit: str, filter_zeros: bool) -> dict[str, float]:
-    """``metric`` of every layer (:func:`lalr_lightning.core.spectral.htsr.analyze`, which leaves
-    out no layer here: the callers chose them)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # analyze's skip warnings: the layers are chosen
-        df = htsr.analyze(layers, fit=fit, metrics=[metric], min_evals=1, filter_zeros=filter_zeros)
-    return dict(zip(df["name"], df[metric].astype(float)))
+    """``metric`` of every layer (:func:`lalr_lightning.core.spectral.htsr.layer_fits`, which leaves
+    out no layer here: the callers chose them); NaN where it cannot be measured (reported by
+    :func:`finite_metric`)."""
+    fits = layer_fits(layers, fit=fit, metrics=[metric], min_evals=1, filter_zeros=filter_zeros)
+    return {f.name: f.value(metric) for f in fits}
 
 
 def finite_metric(values: Mapping[str, float], names: Sequence[str], metric: str) -> dict[str, float]:

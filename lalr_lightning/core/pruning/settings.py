@@ -13,7 +13,7 @@ from lalr_lightning.core.pruning.alphapruning import DIRECTIONS, OVERFLOW, PRUNI
 from lalr_lightning.core.pruning.criteria import CRITERIA, check_nm, needs_stats
 from lalr_lightning.core.runtime.checks import check_min_evals
 from lalr_lightning.core.runtime.errors import reject_stray
-from lalr_lightning.core.spectral import htsr
+from lalr_lightning.core.spectral.powerlaw import check_fit
 
 __all__ = ["FITTED", "OWL_LAMBDA", "OWL_M", "PRESETS", "check_when", "pruning_settings"]
 
@@ -170,8 +170,8 @@ def _check_choices(metric: str | None, direction: str, overflow: str, fit: str |
         raise unknown("direction", direction, DIRECTIONS)
     if overflow not in OVERFLOW:
         raise unknown("overflow", overflow, OVERFLOW)
-    if fit is not None and fit not in htsr.FITS:
-        raise unknown("fit", fit, htsr.FITS)
+    if fit is not None:
+        check_fit(fit)
 
 
 def _check_ratios(max_ratio: float, target_sparsity: float, epsilon: float) -> None:

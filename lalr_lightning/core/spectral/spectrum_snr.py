@@ -25,7 +25,6 @@ transformer names keep Spectrum's types (their types hold one matrix per block).
 from __future__ import annotations
 
 import math
-import warnings
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -118,12 +117,9 @@ def chosen_count(n: int, top_percent: float) -> int:
 
 
 def snr_of(layers: Sequence[Layer]) -> dict[str, float]:
-    """``{name: SNR}`` of each layer's matrix (:func:`htsr.analyze`'s ``snr``; a matrix with NaN is
-    reported by :func:`top_by_type`, not warned about here)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        df = htsr.analyze(layers, metrics=["snr"], min_evals=1)
-    return dict(zip(df["name"], df["snr"].astype(float)))
+    """``{name: SNR}`` of each layer's matrix (:func:`htsr.layer_fits`' ``snr``; a matrix with NaN is
+    reported by :func:`top_by_type`)."""
+    return {f.name: f.value("snr") for f in htsr.layer_fits(layers, metrics=["snr"], min_evals=1)}
 
 
 def always_trained(layers: Sequence[Layer], output: Layer | None, head: bool, embeddings: bool) -> list[str]:

@@ -5,17 +5,18 @@ decides when.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 from torch import nn
 
 from lalr_lightning.choices import unknown
-from lalr_lightning.core.model.layers import Layer, block_layers, matrix_layers, num_eigenvalues, output_layer
-from lalr_lightning.core.spectral import htsr
+from lalr_lightning.core.model.blocks import block_layers
+from lalr_lightning.core.model.layers import Layer, matrix_layers, num_eigenvalues
+from lalr_lightning.core.model.output_layer import output_layer
+from lalr_lightning.core.spectral.powerlaw import LayerFit, fit_layers
 
-__all__ = ["ASSIGN", "FIRST", "RANGED", "SAMPLING", "assign_multipliers", "eligible_layers", "finite_alphas",
+__all__ = ["ASSIGN", "FIRST", "check_first", "RANGED", "SAMPLING", "assign_multipliers", "eligible_layers", "finite_alphas",
            "fit_alphas"]
 
 
@@ -159,6 +160,14 @@ RANGED = ("linear_map", "step")
 FIRST = (True, False, "block")
 
 
+def check_first(first) -> None:
+    """A ValueError unless ``first`` is one of :data:`FIRST` (the one check, for the settings and
+    for :func:`eligible_layers`' direct callers)."""
+    if first not in FIRST or not isinstance(first, (bool, str)):
+        raise ValueError(f"first must be False (leave the first matrix out, as TempBalance), True (balance it) "
+                         f"or 'block' (leave out every matrix of the first block), got {first!r}")
+
+
 def _first_block(model: nn.Module, considered: list[Layer], who: str) -> tuple[str, list[Layer]]:
     """(name, matrices) of the first of the model's units -- stem, blocks, head, as
     :func:`block_layers` finds them without joining the stem -- that holds a considered matrix."""
@@ -189,7 +198,7 @@ def eligible_layers(
     Considered: the matrix layers of ``kinds``. Left out (TempBalance): the first one in module
     order unless ``first`` (``first="block"``: every considered matrix of the first stem or block
     that holds one -- all of a LLaMA's first decoder layer, where TempBalance's rule leaves out
-    its ``q_proj`` alone; docs/tempbalance.md lists both per model family), the model's output layer (:func:`~lalr_lightning.core.model.layers.output_layer`, found
+    its ``q_proj`` alone; docs/tempbalance.md lists both per model family), the model's output layer (:func:`~lalr_lightning.core.model.output_layer.output_layer`, found
     as the output layer even when its weight is tied to the input embedding -- then it is the
     embedding, and no block matrix takes its place) unless ``head``, and layers whose ESD has
     fewer than ``min_evals`` eigenvalues.
@@ -201,8 +210,7 @@ def eligible_layers(
             f"{who} found no layers of types {tuple(kinds)} in {type(model).__name__}; "
             "add the model's kinds to layer_types"
         )
-    if first not in FIRST or not isinstance(first, (bool, str)):
-        raise ValueError(f"first must be True, False or 'block', got {first!r}")
+    check_first(first)
     excluded: dict[str, str] = {}
     if first == "block":
         unit, inside = _first_block(model, considered, who)
@@ -228,21 +236,18 @@ def eligible_layers(
 # ---------------------------------------------------------------------------- alphas
 
 
-def fit_alphas(layers: Sequence[Layer], fit: str, filter_zeros: bool) -> dict[str, tuple[float, str]]:
-    """``{layer: (alpha, the warnings of its fit)}``: the warnings say why a degenerate layer's
-    fit failed (:func:`finite_alphas` reports them, as an error)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = htsr.alphas(layers, fit=fit, filter_zeros=filter_zeros)
-    return {n: (a, "; ".join(str(w.message) for w in caught)) for n, a in out.items()}
+def fit_alphas(layers: Sequence[Layer], fit: str, filter_zeros: bool) -> dict[str, LayerFit]:
+    """``{layer: its fit}`` (:class:`~lalr_lightning.core.spectral.powerlaw.LayerFit`: a degenerate
+    layer's says why it has no alpha; :func:`finite_alphas` reports that, as an error)."""
+    return {f.name: f for f in fit_layers(layers, fit=fit, filter_zeros=filter_zeros)}
 
 
-def finite_alphas(fitted: Mapping[str, tuple[float, str]], who: str = "TempBalanceCallback") -> dict[str, float]:
+def finite_alphas(fitted: Mapping[str, LayerFit], who: str = "TempBalanceCallback") -> dict[str, float]:
     """The alphas of :func:`fit_alphas`; a ValueError naming the layers with no power-law fit and why."""
-    alphas = {n: a for n, (a, _) in fitted.items()}
+    alphas = {n: f.alpha for n, f in fitted.items()}
     bad = [n for n, a in alphas.items() if not np.isfinite(a)]
     if bad:
-        why = " | ".join(dict.fromkeys(fitted[n][1] for n in bad if fitted[n][1]))
+        why = "; ".join(f"{n}: {fitted[n].reason}" for n in bad if fitted[n].reason)
         raise ValueError(
             f"{who}: no power-law fit for {bad} ({why or 'degenerate spectrum'}). Pruned or low-rank layers have "
             "many zero eigenvalues: filter_zeros=True fits only the non-zero ones; or leave these layers out with "
