@@ -15,16 +15,8 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from lalr_lightning.cli import (
-    COMMANDS,
-    ConfigError,
-    _first_line,
-    _missing_checkpoint_message,
-    _prog,
-    _resolve_config_args,
-    _show_traceback,
-    parse_error_line,
-)
+from lalr_lightning.cli.common import COMMANDS, ConfigError, _first_line, _prog, _show_traceback, parse_error_line
+from lalr_lightning.cli.configs import _missing_checkpoint_message, _resolve_config_args
 from lalr_lightning.models.base import CheckpointFileError, check_checkpoint_file, load_checkpoint_file
 
 __all__ = ["LalrCLI", "SaveRunConfig", "run_dir"]

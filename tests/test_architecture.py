@@ -233,3 +233,74 @@ def test_the_length_check_sees_long_and_deep_functions():
     assert fns["f"].end_lineno - fns["f"].lineno + 1 == 81
     assert _depth(fns["g"]) == 5
     assert _depth(fns["h"]) == 1 and _depth(fns["k"]) == 3
+
+
+# ---------------------------------------------------------------------------- mutual imports and module size
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(tree: ast.AST, here: str, is_package: bool, modules: set[str]) -> dict[str, int]:
+    """``{package module: first line}`` that ``tree`` imports anywhere -- at module level, in a
+    function, under ``TYPE_CHECKING`` -- resolved to the module a statement loads (``from pkg import
+    mod`` names ``pkg.mod`` when that is a module, else ``pkg``)."""
+    out: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = here.split(".") if is_package else here.split(".")[:-1]
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target not in modules and "." in target:  # import a.b.c of a module a.b
+                target = target.rsplit(".", 1)[0]
+            if target in modules and target != here:
+                out.setdefault(target, node.lineno)
+    return out
+
+
+def _mutual_imports(files: dict[str, str]) -> list[str]:
+    """``"a:LINE <-> b:LINE"`` for every two modules of ``{module name: source}`` that import each other."""
+    modules = set(files)
+    edges = {name: _imports(ast.parse(src), name, name.endswith("__init__") or name in _PACKAGES, modules)
+             for name, src in files.items()}
+    return sorted(f"{a}:{edges[a][b]} <-> {b}:{edges[b][a]}" for a in edges for b in edges[a]
+                  if a < b and a in edges.get(b, {}))
+
+
+_PACKAGES = {_module_name(p) for p in (ROOT / "lalr_lightning").rglob("__init__.py")}
+
+
+def test_no_two_modules_import_each_other():
+    """Not at import time and not inside a function either: a module that needs another's names and
+    is needed by it holds one concern split in two, or two concerns tied into one."""
+    files = {_module_name(p): p.read_text() for p in sorted((ROOT / "lalr_lightning").rglob("*.py"))}
+    found = _mutual_imports(files)
+    assert not found, "move what both need into a third module: " + "; ".join(found)
+
+
+def test_the_mutual_import_check_sees_function_level_and_relative_imports():
+    files = {
+        "lalr_lightning.a": "from lalr_lightning import b\n",
+        "lalr_lightning.b": "def f():\n    from .a import x\n",
+        "lalr_lightning.c": "import lalr_lightning.d.e\n",
+        "lalr_lightning.d.e": "if TYPE_CHECKING:\n    from lalr_lightning.c import y\n",
+        "lalr_lightning.f": "from lalr_lightning.a import z\n",
+    }
+    assert _mutual_imports(files) == ["lalr_lightning.a:1 <-> lalr_lightning.b:2",
+                                      "lalr_lightning.c:1 <-> lalr_lightning.d.e:2"]
+
+
+def test_no_module_over_800_lines():
+    sizes = {p.relative_to(ROOT).as_posix(): len(p.read_text().splitlines())
+             for p in (ROOT / "lalr_lightning").rglob("*.py")}
+    big = {k: v for k, v in sizes.items() if v > 800}
+    assert not big, f"split along its seams into modules of one concern each: {big}"

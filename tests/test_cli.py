@@ -105,7 +105,7 @@ def test_analyze_with_an_out_it_cannot_create_is_one_line_before_the_work(tmp_pa
     ckpt = tmp_path / "m.ckpt"
     torch.save({"state_dict": SmallCNN(width=16).state_dict()}, ckpt)
     (tmp_path / "taken").write_text("mine")
-    monkeypatch.setattr(cli, "_analyze_model", lambda args: pytest.fail("analyzed before checking --out"))
+    monkeypatch.setattr(cli.analyze, "_analyze_model", lambda args: pytest.fail("analyzed before checking --out"))
     assert analyze_main([str(ckpt), "--out", str(tmp_path / "taken" / "rep"), "--no-plots"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "--out " in err and "cannot create" in err and "pass a writable" in err
@@ -122,7 +122,7 @@ def test_analyze_arguments_out_of_range_are_one_line_before_the_work(flags, phra
     """--min-evals below 2 was accepted (NaN rows; the callbacks refuse it), --preset alone said 'got None'."""
     import lalr_lightning.cli as cli
 
-    monkeypatch.setattr(cli, "_analyze_model", lambda args: pytest.fail("analyzed before checking the arguments"))
+    monkeypatch.setattr(cli.analyze, "_analyze_model", lambda args: pytest.fail("analyzed before checking the arguments"))
     assert analyze_main(["resnet18", "--out", str(tmp_path / "rep"), "--no-plots", *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and phrase in err
@@ -443,7 +443,7 @@ def test_traceback_flag_and_variable_keep_the_traceback(tmp_path, monkeypatch):
     config = _quickstart_with(tmp_path, LIBRARY_ERRORS["blocks match nothing"][0])
     monkeypatch.chdir(tmp_path)
     for args, env in ((["--traceback"], None), ([], "1")):
-        monkeypatch.setattr(cli, "_TRACEBACK", False)  # restored after the test: --traceback sets it
+        monkeypatch.setattr(cli.common, "_TRACEBACK", False)  # restored after the test: --traceback sets it
         if env:
             monkeypatch.setenv("LALR_TRACEBACK", env)
         with pytest.raises(ValueError, match="block pattern 'nope' matches no parameter"):
@@ -451,7 +451,7 @@ def test_traceback_flag_and_variable_keep_the_traceback(tmp_path, monkeypatch):
 
 
 def test_an_error_that_is_not_the_librarys_keeps_its_traceback():
-    from lalr_lightning.cli import _raised_by_library
+    from lalr_lightning.cli.common import _raised_by_library
 
     def ours():
         raise ValueError("a message for the user")
@@ -560,7 +560,7 @@ def test_report_titles_sections_by_method_and_writes_into_the_run(tmp_path, caps
 def test_parse_error_lines_and_key_suggestions():
     from types import SimpleNamespace
 
-    from lalr_lightning.cli import _suggest_key, parse_error_line
+    from lalr_lightning.cli.common import _suggest_key, parse_error_line
 
     keys = ["trainer", "trainer.max_epochs", "trainer.max_steps", "trainer.logger", "model", "data", "ckpt_path"]
     assert _suggest_key("trainer.max_epoks", keys) == "trainer.max_epochs"

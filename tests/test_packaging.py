@@ -63,7 +63,7 @@ def test_wheel_layout_finds_its_shipped_configs(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], cwd=work, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     module, quickstart, dense, count = done.stdout.strip().splitlines()[-4:]
-    assert Path(module) == site / "lalr_lightning" / "cli.py"
+    assert Path(module) == site / "lalr_lightning" / "cli" / "__init__.py"
     assert Path(quickstart) == site / "lalr_lightning" / "configs" / "quickstart.yaml"
     assert Path(dense) == site / "lalr_lightning" / "configs" / "pruning_digits_dense.yaml"
     assert int(count) == len(list((ROOT / "configs").glob("*.yaml")))

@@ -11,17 +11,29 @@ rank's shard.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from lalr_lightning.callbacks.selection import LayerSelection
 
 __all__ = ["human_count", "selection_counts", "selection_summary"]
 
 
-def selection_counts(cb: LayerSelection) -> dict[str, int | str]:
+class _Selection(Protocol):
+    """What the counts read of a ``LayerSelection`` (callbacks/selection.py, which imports this
+    module: the type is spelled here so that the two do not import each other)."""
+
+    _module: torch.nn.Module | None
+    block_names: Sequence[str]
+    layers: Sequence[Any]
+    selected: Any
+
+    def trains(self, p: torch.nn.Parameter) -> bool: ...
+
+    def selected_blocks(self) -> list[str]: ...
+
+
+def selection_counts(cb: _Selection) -> dict[str, int | str]:
     """``trainable``, ``frozen`` and ``total`` parameters of the callback's module now, and the
     ``selected`` of ``units`` blocks (``kind``; layers where the selection has no blocks)."""
     params = {id(p): p for p in cb._module.parameters()} if cb._module is not None else {}

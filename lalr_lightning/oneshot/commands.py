@@ -1,4 +1,4 @@
-"""The commands ``python -m lalr_lightning prune``, ``perplexity`` and ``zeroshot`` (``cli.py`` hands
+"""The commands ``python -m lalr_lightning prune``, ``perplexity`` and ``zeroshot`` (``cli/__init__.py`` hands
 them their arguments): the argument parsers, every failure as one ``error:`` line (exit 2), Ctrl-C and
 SIGTERM (exit 130, saying what a failed ``prune`` left at ``--out``). The arguments are parsed before
 torch is imported (an argument error takes a fraction of a second), and nothing here imports
