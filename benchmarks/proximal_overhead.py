@@ -2,7 +2,7 @@
 
 NTK part (``--part ntk``). For each workload it times
 :func:`lalr_lightning.core.linearization.ntk.empirical_ntk` on a probe batch of ``--n`` samples, with the
-per-layer kernels ``S_l`` of :func:`~lalr_lightning.core.linearization.param_groups.layer_groups` computed in the same
+per-layer kernels ``S_l`` of :func:`~lalr_lightning.core.linearization.ntk_groups.layer_groups` computed in the same
 pass, and then ``kappa(K + sigma I)`` and every ``eta_l`` (Theorems 5-6) from the result. It
 reports wall-clock and process CPU seconds (on a shared machine CPU time is the steadier
 number), the Jacobian size ``rows x P`` and how many row blocks of it were computed under
@@ -49,7 +49,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from lalr_lightning.core.linearization import model_calls, ntk_spectra, param_groups  # noqa: E402
+from lalr_lightning.core.linearization import model_calls, ntk_groups, ntk_spectra  # noqa: E402
 from lalr_lightning.core.linearization import ntk as N  # noqa: E402
 
 
@@ -90,8 +90,8 @@ def minilm_workload(n: int, max_length: int, seed: int):
 
 
 def report(name: str, model, inputs, n: int, modes, budget: int, sigma_rel: float, vectorize: bool | None) -> None:
-    groups = param_groups.layer_groups(model)
-    params = param_groups.trainable_parameters(model)
+    groups = ntk_groups.layer_groups(model)
+    params = ntk_groups.trainable_parameters(model)
     p = sum(t.numel() for t in params.values())
     print(f"\n{name}: N = {n} samples, P = {p:,} trainable parameters in {len(params)} tensors, {len(groups)} layers")
     print(f"  {'mode':6s} {'K':>9s} {'J rows x P':>18s} {'blocks':>6s} {'vmap':>5s} {'NTK wall s':>10s} {'cpu s':>8s} "

@@ -10,7 +10,7 @@ import scipy.linalg
 import torch
 from torch import nn
 
-from lalr_lightning.core.linearization import lambda_o, linearize, model_calls, ntk_spectra, param_groups
+from lalr_lightning.core.linearization import lambda_o, linearize, model_calls, ntk_groups, ntk_spectra
 from lalr_lightning.core.linearization import ntk as N
 
 
@@ -79,8 +79,8 @@ def test_K_and_S_equal_explicit_per_sample_gradients(which, mode):
     model = tiny_mlp() if which == "mlp" else tiny_cnn()
     x = torch.randn(6, 5, dtype=torch.float64) if which == "mlp" else torch.randn(5, 2, 4, 4, dtype=torch.float64)
     model.train()  # the NTK is taken in eval mode and the mode is restored
-    groups = param_groups.layer_groups(model)
-    names = list(param_groups.trainable_parameters(model))
+    groups = ntk_groups.layer_groups(model)
+    names = list(ntk_groups.trainable_parameters(model))
     jac = explicit_jacobian(model, x, names)
     res = N.empirical_ntk(model, x, groups=groups, mode=mode)
     assert model.training and all(m.training for m in model.modules())
@@ -99,8 +99,8 @@ def test_K_and_S_equal_explicit_per_sample_gradients(which, mode):
 @pytest.mark.parametrize("mode", ["full", "trace"])
 def test_chunked_equals_unchunked(mode):
     model, x = tiny_mlp(1), torch.randn(6, 5, dtype=torch.float64)
-    groups = param_groups.layer_groups(model)
-    p = sum(t.numel() for t in param_groups.trainable_parameters(model).values())
+    groups = ntk_groups.layer_groups(model)
+    p = sum(t.numel() for t in ntk_groups.trainable_parameters(model).values())
     ref = N.empirical_ntk(model, x, groups=groups, mode=mode)
     assert ref.jacobian_blocks == 1
     # rows per block: 1 (single gradients), 4 (< N: sample chunks), 12 (N..NC: class chunks of 2)
@@ -136,12 +136,12 @@ def tiny_lora_bert(seed: int = 0):
 
 def test_hugging_face_lora_model_groups_and_kernel():
     model, inputs = tiny_lora_bert()
-    groups = param_groups.layer_groups(model)
+    groups = ntk_groups.layer_groups(model)
     pre = "base_model.model."
     assert list(groups) == [f"{pre}bert.encoder.layer.{i}.attention.self.{q}" for i in (0, 1) for q in ("query", "value")] + [
         f"{pre}classifier"]
     assert all(len(v) == 2 and "lora_A" in v[0] and "lora_B" in v[1] for v in list(groups.values())[:4])
-    names = list(param_groups.trainable_parameters(model))
+    names = list(ntk_groups.trainable_parameters(model))
     params = dict(model.named_parameters())
     model.eval()
     out = model(**inputs).logits
@@ -170,11 +170,11 @@ def test_layer_groups_keep_untied_params_and_drop_frozen():
     model = WithBareParameter()
     model.inp.weight.requires_grad_(False)
     # frozen inp.weight is dropped, its bias stays in layer "inp"; the bare parameter is its own group
-    assert param_groups.layer_groups(model) == {"inp": ["inp.bias"], "out": ["out.weight", "out.bias"], "scale": ["scale"]}
+    assert ntk_groups.layer_groups(model) == {"inp": ["inp.bias"], "out": ["out.weight", "out.bias"], "scale": ["scale"]}
     seq = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2))
     # a norm after a matrix joins its layer (matrix_layers' tie rule), even when the matrix is frozen
     seq[0].requires_grad_(False)
-    assert param_groups.layer_groups(seq) == {"0": ["1.weight", "1.bias"], "2": ["2.weight", "2.bias"]}
+    assert ntk_groups.layer_groups(seq) == {"0": ["1.weight", "1.bias"], "2": ["2.weight", "2.bias"]}
 
 
 # --------------------------------------------------------------------------- spectra
@@ -188,7 +188,7 @@ def random_psd(m: int, rank: int, seed: int) -> torch.Tensor:
 
 def test_condition_number_and_eta_equal_dense_eigen_computations():
     model, x = tiny_mlp(2), torch.randn(7, 5, dtype=torch.float64)
-    res = N.empirical_ntk(model, x, groups=param_groups.layer_groups(model), mode="full")
+    res = N.empirical_ntk(model, x, groups=ntk_groups.layer_groups(model), mode="full")
     K = res.K.numpy()
     for sigma in (0.0, 1e-3, 0.5):
         assert ntk_spectra.condition_number(res.K, sigma) == pytest.approx(np.linalg.cond(K + sigma * np.eye(len(K))), rel=1e-6)
@@ -296,7 +296,7 @@ def test_linearization_gap_and_kl_formula():
 
 def test_hugging_face_linearization_uses_jvp():
     model, inputs = tiny_lora_bert(1)
-    anchor = {n: t.clone() for n, t in param_groups.trainable_parameters(model).items()}
+    anchor = {n: t.clone() for n, t in ntk_groups.trainable_parameters(model).items()}
     g = torch.Generator().manual_seed(1)
     direction = {n: torch.randn(t.shape, generator=g, dtype=torch.float64) for n, t in anchor.items()}
     gaps = []
@@ -312,7 +312,7 @@ def test_hugging_face_linearization_uses_jvp():
 
 def test_lip_power_iteration_equals_largest_singular_value():
     model, x = tiny_mlp(4), torch.randn(6, 5, dtype=torch.float64)
-    names = list(param_groups.trainable_parameters(model))
+    names = list(ntk_groups.trainable_parameters(model))
     jac = explicit_jacobian(model, x, names).reshape(18, -1)
     top = float(torch.linalg.svdvals(jac)[0])
     lip = lambda_o.jacobian_spectral_norm(model, x, iters=300, tol=1e-14)
@@ -363,14 +363,14 @@ def test_bad_input_errors():
 
 def test_callback_helpers_groups_head_and_sized_kernel():
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
-    params = param_groups.trainable_parameters(model)
-    groups = param_groups.layer_groups(model, params)
-    assert list(groups) == ["0", "2"] and param_groups.head_group(model, groups) == "2"
-    assert param_groups.matching_groups(groups, None) == groups
-    assert param_groups.matching_groups(groups, ["2*"]) == {"2": ["2.weight", "2.bias"]}
+    params = ntk_groups.trainable_parameters(model)
+    groups = ntk_groups.layer_groups(model, params)
+    assert list(groups) == ["0", "2"] and ntk_groups.head_group(model, groups) == "2"
+    assert ntk_groups.matching_groups(groups, None) == groups
+    assert ntk_groups.matching_groups(groups, ["2*"]) == {"2": ["2.weight", "2.bias"]}
     with pytest.raises(ValueError, match=r"include pattern 'fc\*' matches no trainable layer; layers are: \['0', "):
-        param_groups.matching_groups(groups, ["fc*"])
-    layers = param_groups.group_layers(groups, params)
+        ntk_groups.matching_groups(groups, ["fc*"])
+    layers = ntk_groups.group_layers(groups, params)
     assert [(la.name, list(la.params)) for la in layers] == [("0", ["0.weight", "0.bias"]),
                                                               ("2", ["2.weight", "2.bias"])]
     x = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
@@ -396,7 +396,7 @@ def test_the_kernel_options_and_the_trainable_groups_of_the_ntk_callbacks():
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
     model[0].bias.requires_grad_(False)
     params, groups = N.trainable_groups(model, "T")
-    assert list(params) == ["0.weight", "2.weight", "2.bias"] and groups == param_groups.layer_groups(model, params)
+    assert list(params) == ["0.weight", "2.weight", "2.bias"] and groups == ntk_groups.layer_groups(model, params)
     model.requires_grad_(False)
     with pytest.raises(ValueError, match="^T: Sequential has no trainable parameters"):
         N.trainable_groups(model, "T")
@@ -418,7 +418,7 @@ def test_unit_lambda_o_reads_class_targets_or_the_modules_own_loss():
     model = nn.Sequential(nn.Linear(4, 3))
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
     y = torch.tensor([0, 1, 2, 0, 1])
-    theta0 = param_groups.trainable_parameters(model)
+    theta0 = ntk_groups.trainable_parameters(model)
     value, own = lambda_o.unit_lambda_o(model, (x, y), theta0)
     assert not own and value == pytest.approx(lambda_o.estimate_lambda_o(model, x, y, 1.0, theta0)["lambda_o"])
     loss_fn = lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])  # noqa: E731
@@ -429,11 +429,11 @@ def test_unit_lambda_o_reads_class_targets_or_the_modules_own_loss():
 
 def test_selectable_head_or_why_there_is_nothing_to_select():
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 3))
-    groups = param_groups.layer_groups(model)
-    assert param_groups.selectable_head(model, groups, False) is None and param_groups.selectable_head(model, groups, True) == "4"
+    groups = ntk_groups.layer_groups(model)
+    assert ntk_groups.selectable_head(model, groups, False) is None and ntk_groups.selectable_head(model, groups, True) == "4"
     with pytest.raises(ValueError, match="one trainable layer besides the head"):
-        param_groups.selectable_head(model, {g: groups[g] for g in ("0", "4")}, True)
+        ntk_groups.selectable_head(model, {g: groups[g] for g in ("0", "4")}, True)
     with pytest.raises(ValueError, match=r"has one trainable layer \(\['0'\]\); there is nothing to select between"):
-        param_groups.selectable_head(model, {"0": groups["0"]}, False)
+        ntk_groups.selectable_head(model, {"0": groups["0"]}, False)
     with pytest.raises(ValueError, match=r"NTKSelect\(head=True\): no trainable output layer found in Sequential"):
-        param_groups.selectable_head(model, {g: groups[g] for g in ("0", "2")}, True)
+        ntk_groups.selectable_head(model, {g: groups[g] for g in ("0", "2")}, True)

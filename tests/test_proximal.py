@@ -18,7 +18,7 @@ from lalr_lightning.callbacks import (
     SurgicalLayerSelect,
     TempBalanceCallback,
 )
-from lalr_lightning.core.linearization import lambda_o, linearize, ntk, ntk_spectra, param_groups
+from lalr_lightning.core.linearization import lambda_o, linearize, ntk, ntk_groups, ntk_spectra
 from lalr_lightning.core.model.probe import probe_inputs
 from lalr_lightning.core.runtime.control import LayerControl, PostStep
 from tests._dist import ddp_spawn
@@ -341,8 +341,8 @@ def test_ntk_selection_is_the_greedy_rule_and_freezes_the_rest():
     model = ToyMLP()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     x, _ = probe_inputs(model, model.train_dataloader(), 16)
-    params = param_groups.trainable_parameters(model)
-    k = ntk.empirical_ntk(model, x, params, param_groups.layer_groups(model, params))
+    params = ntk_groups.trainable_parameters(model)
+    k = ntk.empirical_ntk(model, x, params, ntk_groups.layer_groups(model, params))
     want = ntk_spectra.greedy_ntk_selection(k.S, 100.0, 0.1 * float(torch.trace(k.K)) / 16, max_layers=2)
     make_trainer([sel], max_epochs=1).fit(model)
     assert sel.selected == [n for n in ("net.0", "net.2", "net.4", "net.6") if n in want.layers]
@@ -360,8 +360,8 @@ def test_ntk_selection_is_the_greedy_rule_and_freezes_the_rest():
 def test_ntk_selection_with_head_starts_from_the_head_kernel_and_always_trains_it():
     model = ToyMLP()
     x, _ = probe_inputs(model, model.train_dataloader(), 16)
-    params = param_groups.trainable_parameters(model)
-    k = ntk.empirical_ntk(model, x, params, param_groups.layer_groups(model, params))
+    params = ntk_groups.trainable_parameters(model)
+    k = ntk.empirical_ntk(model, x, params, ntk_groups.layer_groups(model, params))
     sigma = 0.1 * float(torch.trace(k.K)) / 16
     S = dict(k.S)
     head = S.pop("net.6")
@@ -395,9 +395,9 @@ def test_ntk_selection_head_of_a_lora_classifier_is_its_trainable_copy():
 
     model = TextClassifier("minilm-l6", lora=True, lora_r=2)
     sel = NTKSelect(head=True)
-    sel._params = param_groups.trainable_parameters(model)
-    sel._groups = param_groups.layer_groups(model, sel._params)
-    assert param_groups.head_group(model, sel._groups) == "model.base_model.model.classifier"  # peft's modules_to_save copy
+    sel._params = ntk_groups.trainable_parameters(model)
+    sel._groups = ntk_groups.layer_groups(model, sel._params)
+    assert ntk_groups.head_group(model, sel._groups) == "model.base_model.model.classifier"  # peft's modules_to_save copy
 
 
 

@@ -33,7 +33,7 @@ from lalr_lightning.choices import unknown
 from lalr_lightning.core.linearization import proximal
 from lalr_lightning.core.linearization.anchor import check_anchor, check_anchor_arg, load_anchor, snapshot, trainable
 from lalr_lightning.core.linearization.lambda_o import unit_lambda_o
-from lalr_lightning.core.linearization.param_groups import group_layers, layer_groups, matching_groups
+from lalr_lightning.core.linearization.ntk_groups import group_layers, layer_groups, matching_groups
 from lalr_lightning.core.model.batch_loss import loss_source
 from lalr_lightning.core.model.probe import fixed_batch
 from lalr_lightning.core.runtime.checks import check_counts, check_loss_fn, check_number

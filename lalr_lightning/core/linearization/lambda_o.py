@@ -22,7 +22,7 @@ from lalr_lightning.core.linearization.model_calls import (
     _on,
     check_positions,
 )
-from lalr_lightning.core.linearization.param_groups import _check_params
+from lalr_lightning.core.linearization.ntk_groups import _check_params
 from lalr_lightning.core.model.batch_loss import batch_loss, forward_module, split_batch
 from lalr_lightning.core.model.taps import call_with_params
 

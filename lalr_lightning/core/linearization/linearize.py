@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.func import jvp
 
 from lalr_lightning.core.linearization.model_calls import Inputs, _eval_math, _forward, _on, check_positions
-from lalr_lightning.core.linearization.param_groups import _check_params
+from lalr_lightning.core.linearization.ntk_groups import _check_params
 
 __all__ = [
     "LinearizationGap",

@@ -31,7 +31,7 @@ running statistics). Attention runs on PyTorch's math SDPA kernel, because the f
 kernels have no forward-mode derivative (``jvp``) or batching rule (``vmap``).
 
 This module holds the kernel itself (:func:`empirical_ntk`, its cost and size); the parameter
-groups are :mod:`.param_groups`', the model calls :mod:`.model_calls`', the spectra and the
+groups are :mod:`.ntk_groups`', the model calls :mod:`.model_calls`', the spectra and the
 selection :mod:`.ntk_spectra`', the linearized model :mod:`.linearize`', ``Lip(f)`` and
 ``lambda_o`` :mod:`.lambda_o`'s.
 """
@@ -65,7 +65,7 @@ from lalr_lightning.core.linearization.model_calls import (
     check_kernel,
     check_positions,
 )
-from lalr_lightning.core.linearization.param_groups import _check_groups, _check_params, layer_groups
+from lalr_lightning.core.linearization.ntk_groups import _check_groups, _check_params, layer_groups
 
 __all__ = [
     "DEFAULT_ENTRIES",

@@ -135,7 +135,7 @@ def pull_decisions(
 
     ``tensor``: ``<g_t, d_t> >= 0``. ``layer``: ``sum_{t in l} <g_t, d_t> >= 0`` decides for every
     tensor of layer ``l`` (``groups = {layer: [tensor names]}``, e.g. from
-    :func:`~lalr_lightning.core.linearization.param_groups.layer_groups`; every tensor in exactly one layer). ``global``:
+    :func:`~lalr_lightning.core.linearization.ntk_groups.layer_groups`; every tensor in exactly one layer). ``global``:
     ``sum_t <g_t, d_t> >= 0`` decides for all -- Theorem 1's condition verbatim, on the whole
     parameter vector. Ties (``= 0``, also a zero gradient) pull, as in the theorem.
     ``selective=False`` pulls everything (plain L2-SP) and ignores the gradients. ``reduce``: as
