@@ -7,9 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from lalr_lightning.core.model.blocks import block_layers
+from lalr_lightning.core.model.blocks import block_layers, output_layer
 from lalr_lightning.core.model.layers import matrix_layers
-from lalr_lightning.core.model.output_layer import output_layer
 from lalr_lightning.models.cnn import SmallCNN
 
 pytest.importorskip("transformers")

@@ -19,9 +19,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lalr_lightning.callbacks import BlockSchedule, LMSAStepper, SpectrumSelect, SurgicalBlocks
-from lalr_lightning.core.model.blocks import block_layers, suggest_blocks
+from lalr_lightning.core.model.blocks import block_layers, output_layer, suggest_blocks
 from lalr_lightning.core.model.layers import matrix_layers
-from lalr_lightning.core.model.output_layer import output_layer
 from lalr_lightning.core.spectral.spectrum_snr import module_type
 from tests._toys import make_data, make_trainer
 

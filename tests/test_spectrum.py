@@ -127,8 +127,8 @@ def test_analyze_spectrum_ranks_the_matrices_min_evals_leaves_out_of_the_table(t
 
 
 def test_grouping_report_and_always_trained_matrices():
+    from lalr_lightning.core.model.blocks import output_layer
     from lalr_lightning.core.model.layers import matrix_layers
-    from lalr_lightning.core.model.output_layer import output_layer
     from lalr_lightning.core.spectral import htsr
     from lalr_lightning.core.spectral.spectrum_snr import always_trained, grouping_report, snr_of
 

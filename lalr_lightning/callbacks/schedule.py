@@ -25,8 +25,7 @@ from lalr_lightning.callbacks.base import Decision
 from lalr_lightning.callbacks.host import Cadence, Host, say, warn
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.choices import unknown
-from lalr_lightning.core.model.blocks import describe_blocks, suggest_blocks
-from lalr_lightning.core.model.output_layer import output_layer
+from lalr_lightning.core.model.blocks import describe_blocks, output_layer, suggest_blocks
 from lalr_lightning.core.runtime.checks import check_counts
 from lalr_lightning.core.selection.surgical import LIFT_ORDERS, lisa_warnings, scheduled_blocks
 

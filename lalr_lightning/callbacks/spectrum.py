@@ -15,8 +15,8 @@ from lalr_lightning.callbacks.base import Decision
 from lalr_lightning.callbacks.host import Host, say, warn
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.choices import unknown
+from lalr_lightning.core.model.blocks import output_layer
 from lalr_lightning.core.model.layers import MATRIX_KINDS, check_kinds, matrix_layers
-from lalr_lightning.core.model.output_layer import output_layer
 from lalr_lightning.core.spectral import spectrum_snr
 
 __all__ = ["SpectrumSelect"]

@@ -277,7 +277,7 @@ def _analyze_model(args: argparse.Namespace):
     else:
         model = load_for_analysis(args.model, pretrained=args.pretrained, weights_only=not args.unsafe_load)
         df, esds = htsr._analyze(model, device=args.device, progress=False if args.quiet else None, **kw)
-        from lalr_lightning.core.model.output_layer import output_layer
+        from lalr_lightning.core.model.blocks import output_layer
 
         kinds = dict(zip(df["name"], df["kind"]))
         out_layer = output_layer(model)

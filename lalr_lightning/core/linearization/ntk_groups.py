@@ -11,8 +11,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from lalr_lightning.core.model.blocks import output_layer
 from lalr_lightning.core.model.layers import Layer, clean_name, matrix_layers
-from lalr_lightning.core.model.output_layer import output_layer
 
 __all__ = [
     "trainable_parameters",

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lalr_lightning.core.model.matrices import is_matrix_module
+from lalr_lightning.core.model.layers import is_matrix_module
 
 __all__ = ["Trace", "trace_modules", "forward_units", "forward_blocks"]
 

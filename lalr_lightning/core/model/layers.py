@@ -15,7 +15,7 @@ Names are the modules' qualified names with wrapper prefixes removed (``_orig_mo
 rank, under ``torch.compile`` and across runs.
 
 This module holds :class:`Layer` and the matrix layers; the blocks are :mod:`.blocks`', the
-model's output layer :mod:`.output_layer`'s.
+model's output layer too.
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
-
-from lalr_lightning.core.model.matrices import is_matrix_module
 
 __all__ = [
     "MATRIX_KINDS",
@@ -52,6 +50,16 @@ MATRIX_KINDS = ("linear", "conv1d", "conv2d", "hf_conv1d", "embedding")
 #: The kinds the spectral callbacks use unless told otherwise (TempBalance and AlphaPruning
 #: leave embeddings alone).
 DEFAULT_KINDS = ("linear", "conv1d", "conv2d", "hf_conv1d")
+
+
+def is_matrix_module(module: nn.Module) -> bool:
+    """A module whose ``weight`` is a layer weight matrix in the HT-SR sense."""
+    if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding)):
+        return isinstance(getattr(module, "weight", None), torch.Tensor)
+    # Hugging Face GPT-2 style Conv1D (a transposed Linear); matched by name so that
+    # transformers stays an optional dependency.
+    return type(module).__name__ == "Conv1D" and isinstance(getattr(module, "weight", None), torch.Tensor) \
+        and module.weight.ndim == 2
 
 
 def check_kinds(kinds, who: str = "layer_types") -> tuple[str, ...]:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from lalr_lightning.choices import unknown
-from lalr_lightning.core.model.blocks import block_layers
+from lalr_lightning.core.model.blocks import block_layers, output_layer
 from lalr_lightning.core.model.forward_blocks import Trace
 from lalr_lightning.core.model.layers import (
     DEFAULT_KINDS,
@@ -36,7 +36,6 @@ from lalr_lightning.core.model.layers import (
     matrix_layers,
     num_eigenvalues,
 )
-from lalr_lightning.core.model.output_layer import output_layer
 from lalr_lightning.core.runtime.checks import lora_zero
 from lalr_lightning.core.spectral.htsr import layer_fits
 
@@ -320,7 +319,7 @@ def prunable_layers(
 ) -> tuple[list[Layer], dict[str, str]]:
     """(layers to prune, {excluded layer: reason}) -- a function of the architecture only, so
     every rank and every resumed run prunes the same layers, whatever the metric (``trace``: a
-    forward pass on a fixed probe batch, :func:`~lalr_lightning.core.model.output_layer.output_layer`'s).
+    forward pass on a fixed probe batch, :func:`~lalr_lightning.core.model.blocks.output_layer`'s).
 
     Considered: the matrix layers of ``layer_types`` (Linear and convolutions; embeddings only
     when asked, AlphaPruning leaves them dense). Excluded: the model's output layer when

@@ -11,9 +11,8 @@ import numpy as np
 from torch import nn
 
 from lalr_lightning.choices import unknown
-from lalr_lightning.core.model.blocks import block_layers
+from lalr_lightning.core.model.blocks import block_layers, output_layer
 from lalr_lightning.core.model.layers import Layer, matrix_layers, num_eigenvalues
-from lalr_lightning.core.model.output_layer import output_layer
 from lalr_lightning.core.spectral.powerlaw import LayerFit, fit_layers
 
 __all__ = ["ASSIGN", "FIRST", "check_first", "RANGED", "SAMPLING", "assign_multipliers", "eligible_layers", "finite_alphas",
@@ -198,7 +197,7 @@ def eligible_layers(
     Considered: the matrix layers of ``kinds``. Left out (TempBalance): the first one in module
     order unless ``first`` (``first="block"``: every considered matrix of the first stem or block
     that holds one -- all of a LLaMA's first decoder layer, where TempBalance's rule leaves out
-    its ``q_proj`` alone; docs/tempbalance.md lists both per model family), the model's output layer (:func:`~lalr_lightning.core.model.output_layer.output_layer`, found
+    its ``q_proj`` alone; docs/tempbalance.md lists both per model family), the model's output layer (:func:`~lalr_lightning.core.model.blocks.output_layer`, found
     as the output layer even when its weight is tied to the input embedding -- then it is the
     embedding, and no block matrix takes its place) unless ``head``, and layers whose ESD has
     fewer than ``min_evals`` eigenvalues.
