@@ -16,6 +16,7 @@ from torch import nn
 from lalr_lightning.core.model.layers import matrix_layers
 from lalr_lightning.core.spectral import esd, esd_metrics, htsr
 from lalr_lightning.core.spectral.htsr import FITS, alphas, analyze, compute_esds, fit_power_law, layer_esd
+from lalr_lightning.core.spectral.powerlaw import fit_layers
 
 # columns WW reports with the same meaning
 WW_FLOAT_COLS = ("alpha", "xmin", "xmax", "D", "sigma", "spectral_norm", "log_spectral_norm", "norm", "log_norm",
@@ -698,3 +699,27 @@ def test_snr_is_finite_for_orthogonal_and_fresh_matrices():
     vit = timm.create_model("vit_tiny_patch16_224", pretrained=False)
     df = analyze(vit, metrics=["snr"])
     assert np.isfinite(df["snr"]).all() and (df["snr"] > 0).all()
+
+
+def test_layer_fits_is_the_table_per_layer_typed_with_why_and_no_warning():
+    """One typed result per layer (LayerFit) for the programs that read a fit -- the table's numbers,
+    and why a layer has none as data: failed (all-zero weights) or skipped (min_evals), no warning."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 48), nn.Linear(48, 4), nn.Linear(4, 4))
+    with torch.no_grad():
+        model[1].weight.zero_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fits = htsr.layer_fits(model, fit="ks", metrics=["alpha", "D", "num_evals", "stable_rank"], min_evals=10)
+    with pytest.warns(UserWarning):
+        df = analyze(model, fit="ks", metrics=["alpha", "D", "num_evals", "stable_rank"], min_evals=10)
+    assert [f.name for f in fits] == ["0", "1", "2", "3"]
+    assert [f.status for f in fits] == ["fitted", "failed", "skipped", "skipped"]
+    assert fits[1].reason == "all-zero weights" and math.isnan(fits[1].alpha) and math.isnan(fits[1].value("alpha"))
+    assert fits[2].reason == "fewer than min_evals=10 eigenvalues" and fits[2].num_evals == 4
+    row = df.set_index("name").loc["0"]
+    assert (fits[0].alpha, fits[0].D, fits[0].num_evals) == (row["alpha"], row["D"], row["num_evals"])
+    assert fits[0].value("stable_rank") == row["stable_rank"] and set(fits[0].metrics) == {"stable_rank"}
+    assert list(df["name"]) == ["0", "1"]  # the table leaves the skipped out
+    fast = fit_layers(matrix_layers(model)[:2], fit="ks", filter_zeros=True)
+    assert fast[0].alpha == fits[0].alpha and fast[1].status == "failed"
