@@ -47,7 +47,7 @@ import lightning.pytorch as pl  # noqa: E402
 from scipy.stats import spearmanr  # noqa: E402
 
 from lalr_lightning.callbacks.lmsa import LMSAStepper  # noqa: E402
-from lalr_lightning.core.model.layers import block_layers  # noqa: E402
+from lalr_lightning.core.model.blocks import block_layers  # noqa: E402
 from lalr_lightning.data.digits import DigitsDataModule  # noqa: E402
 from lalr_lightning.models.cnn import SmallResNet  # noqa: E402
 
