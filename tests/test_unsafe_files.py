@@ -89,3 +89,96 @@ def test_fit_with_a_config_checkpoint_payload_is_one_line_naming_the_flag(payloa
     # opted in on the command line: the fit runs from the file's weights
     main(["fit", "--config", str(config), "--model.init_args.unsafe_load", "true"])
     assert marker.exists()
+
+
+def test_fsdp2_resume_reads_the_checkpoint_no_less_safely_than_lightning(tmp_path):
+    """``OptimizerResume`` reads ``Trainer.fit(ckpt_path=...)``'s file before the strategy's own
+    load under ModelParallelStrategy: the payload must not run there either."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lalr_lightning.callbacks.lightning_host import OptimizerResume
+
+    marker = tmp_path / "payload_ran"
+    path = tmp_path / "fsdp2.ckpt"
+    torch.save({"optimizer_states": [{"state": {0: {"step": torch.tensor(1.0)}}}], "extra": _Payload(marker)}, path)
+    model = SmallCNN(width=8)
+    strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+    strategy._lightning_module = model
+    loaded = []
+    type(strategy).load_checkpoint, real = (lambda self, p, weights_only=None: loaded.append(weights_only),
+                                            ModelParallelStrategy.load_checkpoint)
+    try:
+        OptimizerResume.prepare(SimpleNamespace(strategy=strategy))
+        with pytest.raises(UnsafeCheckpointError, match=r"weights_only=False to Trainer.fit"):
+            strategy.load_checkpoint(str(path))  # Trainer.fit(ckpt_path=path): torch's default, weights_only
+        assert not marker.exists() and loaded == []
+        # Trainer.fit(ckpt_path=path, weights_only=False): the user's opt-in reaches both reads
+        OptimizerResume.prepare(SimpleNamespace(strategy=strategy))
+        strategy.load_checkpoint(str(path), weights_only=False)
+        assert marker.exists() and loaded == [False]
+    finally:
+        ModelParallelStrategy.load_checkpoint = real
+
+
+def _spawn_fit(callbacks: list) -> None:
+    """One ddp_spawn step of a SmallCNN (here, not in the test: Lightning's hyper-parameter
+    collection snapshots the calling frame's locals, which would keep the callbacks alive)."""
+    from tests._dist import ddp_spawn
+    from tests._toys import make_trainer
+
+    x = torch.randn(32, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.arange(32) % 10), batch_size=8)
+    make_trainer(callbacks, devices=2, strategy=ddp_spawn(), max_steps=1).fit(SmallCNN(width=8), loader)
+
+
+def test_ddp_spawn_hand_back_files_are_read_safely_and_removed(tmp_path, monkeypatch):
+    import gc
+    import multiprocessing
+    import tempfile
+
+    from lalr_lightning.callbacks import HTSRPruning, TempBalanceCallback
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))  # where the hand-back files go
+    read = TempBalanceCallback()
+    callbacks = [read, HTSRPruning(target_sparsity=0.5, epsilon=0, min_numel=1, min_evals=2)]
+    _spawn_fit(callbacks)
+    assert len(list(tmp.glob("lalr_lightning_*.pt"))) == 2  # one per callback, left by rank zero
+    assert read.multipliers and len(read.history) == 1  # handed back (read with weights_only=True) ...
+    left = list(tmp.glob("lalr_lightning_*.pt"))
+    assert len(left) == 1  # ... and its file removed
+    assert torch.load(left[0], weights_only=True)["masks"]  # the other holds tensors and plain containers only
+    # never read: the file goes with the callback (at the latest when the process exits)
+    callbacks.pop()
+    multiprocessing.active_children()  # reaps the finished workers, which hold the Trainer they were given
+    gc.collect()
+    assert list(tmp.glob("lalr_lightning_*.pt")) == []
+
+
+def test_cifar_batch_file_with_a_payload_is_refused_without_running_it(tmp_path):
+    """``verify=False`` reads batch files whose md5 was not checked: they are unpickled with numpy
+    arrays and lists allowed, nothing else."""
+    import pickle
+
+    import numpy as np
+
+    from lalr_lightning.data import CIFARDataModule
+
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    marker = tmp_path / "payload_ran"
+    for i, f in enumerate([*(f"data_batch_{i}" for i in range(1, 6)), "test_batch"]):
+        entry = {"data": np.full((20, 3072), i, dtype=np.uint8), "labels": [j % 10 for j in range(20)]}
+        with open(folder / f, "wb") as fh:
+            pickle.dump(entry, fh)
+    dm = CIFARDataModule(data_dir=str(tmp_path), verify=False, val_n=20, train_n=60)
+    dm.setup()  # plain batch files: read as before
+    assert len(dm.train_set) == 60
+    with open(folder / "data_batch_1", "wb") as fh:
+        pickle.dump({"data": np.zeros((20, 3072), dtype=np.uint8), "labels": [0] * 20, "x": _Payload(marker)}, fh)
+    with pytest.raises(RuntimeError, match=r"data_batch_1.*names posix.mkdir.*download=True"):
+        CIFARDataModule(data_dir=str(tmp_path), verify=False, val_n=20, train_n=60).setup()
+    assert not marker.exists()
