@@ -182,3 +182,19 @@ def test_cifar_batch_file_with_a_payload_is_refused_without_running_it(tmp_path)
     with pytest.raises(RuntimeError, match=r"data_batch_1.*names posix.mkdir.*download=True"):
         CIFARDataModule(data_dir=str(tmp_path), verify=False, val_n=20, train_n=60).setup()
     assert not marker.exists()
+
+
+def test_analyze_on_a_hf_directory_whose_bin_carries_a_payload_is_one_line(tmp_path, capsys):
+    from lalr_lightning.cli import analyze_main
+    from tests._lm import tiny_lm
+
+    model = tiny_lm("llama", False)
+    folder = tmp_path / "hf"
+    model.config.save_pretrained(folder)
+    marker = tmp_path / "payload_ran"
+    torch.save({**model.state_dict(), "extra": _Payload(marker)}, folder / "pytorch_model.bin")
+    assert analyze_main([str(folder), "--out", str(tmp_path / "report"), "--no-plots"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    assert str(folder / "pytorch_model.bin") in err and "mkdir" in err and "safetensors" in err
+    assert not marker.exists() and not (tmp_path / "report").exists()

@@ -56,6 +56,7 @@ __all__ = [
     "load_checkpoint_file",
     "load_pretrained",
     "read_state_dict",
+    "unsafe_weights_in",
 ]
 
 log = logging.getLogger(__name__)
@@ -351,6 +352,26 @@ def load_checkpoint_file(
         if "PytorchStreamReader" in msg or "magic number" in msg or "zip archive" in msg:
             raise CheckpointFileError(f"{path} is truncated or corrupt ({_first_line(e)})") from None
         raise
+
+
+def unsafe_weights_in(directory: str | Path, err: BaseException) -> CheckpointFileError:
+    """The one-line error for a Hugging Face ``directory`` that transformers refused to read
+    (``err``, its ``UnpicklingError``): names the torch weights file holding Python objects and
+    those objects. transformers reads ``.bin`` files with ``weights_only=True`` only, so no flag
+    of ours opts in there."""
+    for f in sorted(Path(directory).expanduser().iterdir()):
+        if f.suffix not in (".bin", ".pt", ".pth") or not f.is_file():
+            continue
+        try:
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(str(f))
+        except Exception:  # noqa: BLE001 -- not a zip checkpoint: transformers' own line below
+            continue
+        if names:
+            what = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
+            return UnsafeCheckpointError(
+                f"{f} holds Python objects besides tensors ({what}); loading it runs code named in the file, so "
+                "transformers refuses it. Only if you trust the file, convert it to safetensors first")
+    return CheckpointFileError(f"{directory}: transformers cannot read its weights safely ({_first_line(err)})")
 
 
 def _first_line(e: BaseException) -> str:
