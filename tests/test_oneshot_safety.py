@@ -4,7 +4,6 @@ and 6): the work lands in the link's target, and a full disk is one line, as on 
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 

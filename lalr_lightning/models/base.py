@@ -147,13 +147,10 @@ class ClassifierModule(pl.LightningModule):
             stores.append(self._hparams_initial)  # what loggers record
         for key in list(self.hparams):
             value = self.hparams[key]
-            if key == "unsafe_load":
-                for store in stores:
-                    store.pop(key, None)
-            elif isinstance(value, PurePath):
+            if isinstance(value, PurePath):
                 for store in stores:
                     store[key] = str(value)
-            elif not _weights_only_safe(value):
+            elif key == "unsafe_load" or not _weights_only_safe(value):
                 for store in stores:
                     store.pop(key, None)
 
