@@ -304,3 +304,103 @@ def test_no_module_over_800_lines():
              for p in (ROOT / "lalr_lightning").rglob("*.py")}
     big = {k: v for k, v in sizes.items() if v > 800}
     assert not big, f"split along its seams into modules of one concern each: {big}"
+
+
+# ---------------------------------------------------------------------- no file runs code
+
+#: the arguments by which a caller opts in to reading a file that can run code, with their safe value
+_OPT_INS = {"weights_only": True, "unsafe_load": False, "trust_remote_code": False, "allow_pickle": False}
+#: the calls that unpickle with no restriction
+_UNPICKLERS = {("pickle", "load"), ("pickle", "loads"), ("pickle", "Unpickler"), ("dill", "load"),
+               ("dill", "loads"), ("cloudpickle", "load"), ("cloudpickle", "loads"), ("joblib", "load")}
+#: (file, function) where a risky argument takes the caller's opt-in instead of its safe constant;
+#: each function takes that opt-in as a parameter whose default is safe (checked below)
+_GUARDED = {
+    ("lalr_lightning/cli/analyze.py", "analyze_main"),
+    ("lalr_lightning/cli/analyze.py", "_analyze_model"),
+    ("lalr_lightning/cli/analyze.py", "load_for_analysis"),
+    ("lalr_lightning/models/base.py", "load_checkpoint_file"),
+    ("lalr_lightning/models/base.py", "_read_weights"),
+    ("lalr_lightning/models/base.py", "read_state_dict"),
+    ("lalr_lightning/models/base.py", "load_pretrained"),
+    ("lalr_lightning/models/image.py", "__init__"),
+    ("lalr_lightning/models/cnn.py", "__init__"),
+    ("lalr_lightning/callbacks/lightning_host.py", "saved"),
+    ("lalr_lightning/callbacks/lightning_host.py", "load_checkpoint"),
+}
+
+
+def _unsafe_loads(tree: ast.AST, file: str) -> tuple[list[str], set[tuple[str, str]]]:
+    """(the violations, the (file, function) places that pass an opt-in on) in one module."""
+    bad, guarded = [], set()
+
+    def visit(node: ast.AST, func: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            func = node.name
+            a = node.args
+            params = [*a.posonlyargs, *a.args, *a.kwonlyargs]
+            defaults = [None] * (len(a.posonlyargs) + len(a.args) - len(a.defaults)) + [*a.defaults, *a.kw_defaults]
+            for p, d in zip(params, defaults):
+                if p.arg in _OPT_INS and not (isinstance(d, ast.Constant) and d.value is _OPT_INS[p.arg]):
+                    bad.append(f"{file}:{node.lineno} {func}({p.arg}=...) must default to {_OPT_INS[p.arg]}")
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
+            for t in node.targets:
+                if isinstance(t, ast.Name) and t.id in _OPT_INS and node.value.value is not _OPT_INS[t.id]:
+                    bad.append(f"{file}:{node.lineno} {t.id} = {node.value.value!r}")
+        if isinstance(node, ast.Call):
+            f = node.func
+            owner = f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else None
+            if isinstance(f, ast.Attribute) and (owner, f.attr) in _UNPICKLERS:
+                bad.append(f"{file}:{node.lineno} {owner}.{f.attr}(...) unpickles anything (restrict find_class)")
+            kw = {k.arg: k.value for k in node.keywords if k.arg}
+            if isinstance(f, ast.Attribute) and (owner, f.attr) == ("torch", "load") and "weights_only" not in kw:
+                bad.append(f"{file}:{node.lineno} torch.load(...) without weights_only=True")
+            for arg, value in kw.items():
+                if arg not in _OPT_INS or (isinstance(value, ast.Constant) and value.value is _OPT_INS[arg]):
+                    continue
+                names = {n.id for n in ast.walk(value) if isinstance(n, ast.Name)} | {
+                    n.attr for n in ast.walk(value) if isinstance(n, ast.Attribute)}
+                if isinstance(value, ast.Constant) or not names & set(_OPT_INS) or any(
+                        isinstance(n, ast.Call) for n in ast.walk(value)):
+                    bad.append(f"{file}:{node.lineno} {arg}={ast.unparse(value)} (only its safe value "
+                               f"{_OPT_INS[arg]}, or the caller's opt-in)")
+                else:
+                    guarded.add((file, func))
+        for child in ast.iter_child_nodes(node):
+            visit(child, func)
+
+    visit(tree, "<module>")
+    return bad, guarded
+
+
+def test_no_file_runs_code_unless_the_caller_opts_in():
+    """``weights_only=False``, ``trust_remote_code=True``, ``allow_pickle=True`` and unrestricted
+    unpicklers (``pickle.load``) run code named in a file. In the package they appear only as a
+    caller's opt-in: a parameter of that name (``unsafe_load`` too) defaulting to the safe value,
+    passed on where the file is read, in the places listed in ``_GUARDED``."""
+    bad, guarded = [], set()
+    for path in sorted((ROOT / "lalr_lightning").rglob("*.py")):
+        b, g = _unsafe_loads(ast.parse(path.read_text()), path.relative_to(ROOT).as_posix())
+        bad += b
+        guarded |= g
+    assert not bad, "; ".join(bad)
+    assert guarded == _GUARDED, f"opt-in places not listed: {sorted(guarded - _GUARDED)}; listed but gone: " \
+                                f"{sorted(_GUARDED - guarded)}"
+
+
+def test_the_unsafe_load_check_sees_each_way_a_file_runs_code():
+    snippets = {
+        "torch.load(p, weights_only=False)": "weights_only=False",
+        "torch.load(p)": "without weights_only",
+        "pickle.load(f)": "pickle.load",
+        "AutoModel.from_pretrained(p, trust_remote_code=True)": "trust_remote_code=True",
+        "np.load(p, allow_pickle=flag)": "allow_pickle=flag",
+        "def f(p, weights_only=False):\n    return torch.load(p, weights_only=weights_only)": "must default to True",
+        "weights_only = False\ntorch.load(p, weights_only=weights_only)": "weights_only = False",
+        "torch.load(p, weights_only=bool(x))": "weights_only=bool(x)",
+    }
+    for src, phrase in snippets.items():
+        bad, _ = _unsafe_loads(ast.parse(src), "x.py")
+        assert len(bad) == 1 and phrase in bad[0], (src, bad)
+    ok = "def f(p, *, unsafe_load=False):\n    return torch.load(p, weights_only=not unsafe_load)"
+    assert _unsafe_loads(ast.parse(ok), "x.py") == ([], {("x.py", "f")})

@@ -16,6 +16,7 @@ import contextlib
 import os
 import tempfile
 import uuid
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -191,9 +192,14 @@ class OptimizerResume:
         return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
     @classmethod
-    def saved(cls, path: str, pl_module: pl.LightningModule, n_optimizers: int) -> set[int]:
+    def saved(cls, path: str, pl_module: pl.LightningModule, n_optimizers: int, *,
+              weights_only: bool = True) -> set[int]:
         """``id`` of every parameter of ``pl_module`` with optimizer state in the checkpoint at
-        ``path`` (one file, or a distributed checkpoint's folder)."""
+        ``path`` (one file, or a distributed checkpoint's folder).
+
+        Read before the strategy's own load, so with the same safety: a file holding Python
+        objects besides tensors is refused in one line unless the fit opted in
+        (``Trainer.fit(..., weights_only=False)``, which is then passed here)."""
         named = [(cls._bare(n), p) for n, p in pl_module.named_parameters()]
         if Path(path).is_dir():  # a distributed checkpoint: its metadata lists every flattened key
             from torch.distributed.checkpoint import FileSystemReader
@@ -201,7 +207,10 @@ class OptimizerResume:
             keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
             states = [k.split(".state.", 1)[1] for k in keys if k.startswith("optimizer_") and ".state." in k]
             return {id(p) for n, p in named if any(k.startswith(n + ".") for k in states)}
-        ckpt = torch.load(path, mmap=True, map_location="cpu", weights_only=False)
+        from lalr_lightning.models.base import load_checkpoint_file
+
+        ckpt = load_checkpoint_file(path, mmap=True, weights_only=weights_only, unsafe_hint=(
+            "pass weights_only=False to Trainer.fit"))
         keys = [k for state in ckpt.get("optimizer_states", [])[:n_optimizers] for k in state.get("state", {})]
         # a full checkpoint names the state by parameter, or numbers it in ``parameters()`` order
         by_index = [p for _, p in named]
@@ -218,7 +227,10 @@ class OptimizerResume:
 
         def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
             cls.forget(trainer)
-            saved = cls.saved(checkpoint_path, strategy.lightning_module, len(strategy.optimizers))
+            # Trainer.fit(weights_only=...): None is torch's default (True), False the user's opt-in
+            weights_only = kwargs.get("weights_only", args[0] if args else None)
+            saved = cls.saved(checkpoint_path, strategy.lightning_module, len(strategy.optimizers),
+                              weights_only=weights_only is not False)
             if not saved and not Path(checkpoint_path).is_dir():
                 # no state saved yet (nothing had stepped): a one-file load stops without a template,
                 # so every parameter gets one, and that made-up state is dropped after
@@ -325,6 +337,11 @@ class LightningHooks(Callback):
         self.__dict__.pop("_lightning_host", None)
 
 
+def _remove_quietly(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
+
+
 class SpawnHandoff:
     """A callback whose ``readable`` attributes come back from a ``ddp_spawn`` worker: pickling it
     for the worker gives it a file to leave its final state in (:meth:`_hand_over`, rank zero, at
@@ -342,8 +359,13 @@ class SpawnHandoff:
         # leave its final state in, and remember here to read it back on first access.
         if self._handoff is None:
             self._handoff = os.path.join(tempfile.gettempdir(), f"lalr_lightning_{uuid.uuid4().hex}.pt")
+        if "_handoff_pid" not in self.__dict__ and "_handoff_cleanup" not in self.__dict__:
+            # the main process's object (a worker's copy has a _handoff_pid): the file goes when
+            # it is read, else when this object goes or the process exits, read or not
+            self._handoff_cleanup = weakref.finalize(self, _remove_quietly, self._handoff)
         self._handoff_pending = True
         state = dict(self.__dict__)
+        state.pop("_handoff_cleanup", None)  # the main process's own: a worker must not remove the file
         state["_handoff_pending"] = False
         state["_handoff_pid"] = os.getpid()
         return state
@@ -361,7 +383,9 @@ class SpawnHandoff:
             path = d.get("_handoff")
             if path and os.path.exists(path):
                 d["_handoff_pending"] = False
-                state = torch.load(path, weights_only=False)  # written by this callback's own worker
-                os.remove(path)
+                try:  # tensors and plain containers only (the readable attributes): nothing runs
+                    state = torch.load(path, weights_only=True)
+                finally:
+                    _remove_quietly(path)
                 d.update(state)
         return object.__getattribute__(self, attr)

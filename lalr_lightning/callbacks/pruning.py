@@ -243,6 +243,7 @@ class HTSRPruning(LayerwiseCallback):
         layers, self.excluded = ap.prunable_layers(module, layer_types=self.layer_types, head=self.head,
                                                    min_numel=self.min_numel, min_evals=self.min_evals,
                                                    trace=self.forward_order(host, module))
+        ap.refuse_lora_parts(module, layers, type(self).__name__, self.n, self.m)
         self.layers, packed = bc.readable_layers(layers, self.criterion, self.n, self.m)
         self.excluded.update(packed)
         note = ap.dense_note(self.excluded)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import pickle
 import socket
 import sys
 from pathlib import Path
@@ -91,10 +92,15 @@ def load_for_analysis(spec: str, *, pretrained: bool = False, weights_only: bool
         from lalr_lightning.oneshot.checkpoint import _load_config
 
         config = _load_config(path)  # a config.json that does not read: one line, as prune says it
-        try:  # a causal LM keeps its lm_head; other architectures load as their base model
-            return AutoModelForCausalLM.from_pretrained(str(path), config=config, local_files_only=True)
-        except ValueError:
-            return AutoModel.from_pretrained(str(path), config=config, local_files_only=True)
+        try:
+            try:  # a causal LM keeps its lm_head; other architectures load as their base model
+                return AutoModelForCausalLM.from_pretrained(str(path), config=config, local_files_only=True)
+            except ValueError:
+                return AutoModel.from_pretrained(str(path), config=config, local_files_only=True)
+        except pickle.UnpicklingError as e:  # a .bin holding Python objects: transformers' weights_only refusal
+            from lalr_lightning.models.base import unsafe_weights_in
+
+            raise unsafe_weights_in(path, e) from None
     if path.is_file():
         state = load_checkpoint_file(path, weights_only=weights_only, unsafe_hint=(
             "pass --unsafe-load to analyze (Python: load_for_analysis(..., weights_only=False))"))

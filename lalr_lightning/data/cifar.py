@@ -103,11 +103,35 @@ def load_cifar(data_dir: str, name: str, train: bool, verify: bool = True) -> tu
                 f"download=True, or pass verify=False to use it anyway."
             )
         with open(path, "rb") as f:
-            entry = pickle.load(f, encoding="latin1")
+            try:
+                entry = _ArraysOnly(f, encoding="latin1").load()
+            except pickle.UnpicklingError as e:
+                raise RuntimeError(f"{path!r}: {e}") from None
         images.append(np.asarray(entry["data"], dtype=np.uint8))
         labels.extend(entry["labels"] if "labels" in entry else entry["fine_labels"])
     x = torch.from_numpy(np.concatenate(images).reshape(-1, 3, 32, 32))
     return x, torch.tensor(labels, dtype=torch.long)
+
+
+class _ArraysOnly(pickle.Unpickler):
+    """Unpickles a CIFAR batch file (a dict of numpy arrays, lists, strings) and nothing else: a
+    file naming any other function or class is refused, so no file runs code here (``verify=False``
+    reads files whose md5 was not checked)."""
+
+    _ALLOWED = frozenset({("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
+                          ("numpy._core.multiarray", "_reconstruct")})
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self._ALLOWED:
+            raise pickle.UnpicklingError(f"it names {module}.{name}, but a CIFAR batch file holds only numpy arrays "
+                                         "and lists; refusing to load it (delete it and use download=True)")
+        if name == "_reconstruct":
+            try:
+                from numpy._core.multiarray import _reconstruct
+            except ImportError:  # numpy < 2
+                from numpy.core.multiarray import _reconstruct
+            return _reconstruct
+        return getattr(np, name)
 
 
 class CIFARDataModule(ImageDataModule):

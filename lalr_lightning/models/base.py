@@ -56,6 +56,7 @@ __all__ = [
     "load_checkpoint_file",
     "load_pretrained",
     "read_state_dict",
+    "unsafe_weights_in",
 ]
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,9 @@ class ClassifierModule(pl.LightningModule):
         partials, lambdas) would make every checkpoint of the module unreadable with torch's
         default ``weights_only=True``, and break resuming with ``Trainer.fit(ckpt_path=...)``:
         those are left out of ``hparams`` (the module still uses them; pass them again to
-        ``load_from_checkpoint`` if needed). Paths are stored as strings.
+        ``load_from_checkpoint`` if needed). Paths are stored as strings. ``unsafe_load`` is not
+        stored: it opted in for this run's ``checkpoint`` file, and a checkpoint must not carry
+        that opt-in to whoever loads it next.
         """
         stores = [self.hparams]
         if isinstance(getattr(self, "_hparams_initial", None), dict):
@@ -147,7 +150,7 @@ class ClassifierModule(pl.LightningModule):
             if isinstance(value, PurePath):
                 for store in stores:
                     store[key] = str(value)
-            elif not _weights_only_safe(value):
+            elif key == "unsafe_load" or not _weights_only_safe(value):
                 for store in stores:
                     store.pop(key, None)
 
@@ -348,31 +351,53 @@ def load_checkpoint_file(
         raise
 
 
+def unsafe_weights_in(directory: str | Path, err: BaseException) -> CheckpointFileError:
+    """The one-line error for a Hugging Face ``directory`` that transformers refused to read
+    (``err``, its ``UnpicklingError``): names the torch weights file holding Python objects and
+    those objects. transformers reads ``.bin`` files with ``weights_only=True`` only, so no flag
+    of ours opts in there."""
+    for f in sorted(Path(directory).expanduser().iterdir()):
+        if f.suffix not in (".bin", ".pt", ".pth") or not f.is_file():
+            continue
+        try:
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(str(f))
+        except Exception:  # noqa: BLE001 -- not a zip checkpoint: transformers' own line below
+            continue
+        if names:
+            what = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
+            return UnsafeCheckpointError(
+                f"{f} holds Python objects besides tensors ({what}); loading it runs code named in the file, so "
+                "transformers refuses it. Only if you trust the file, convert it to safetensors first")
+    return CheckpointFileError(f"{directory}: transformers cannot read its weights safely ({_first_line(err)})")
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0][:200] if text else type(e).__name__
 
 
-def _torch_load(path: Path) -> Any:
-    try:
-        return load_checkpoint_file(path)
-    except UnsafeCheckpointError:
-        # Lightning checkpoints of modules outside the CLI can carry hyper-parameters (class
-        # objects, partials) besides tensors.
-        log.warning("%s holds Python objects besides tensors; loading it with weights_only=False "
-                    "(only load checkpoints you trust)", path)
-        return load_checkpoint_file(path, weights_only=False)
+def unsafe_hint_for(owner: str) -> str:
+    """How a model's ``checkpoint=`` opts in to a file holding Python objects: ``unsafe_load``
+    (``fit``: ``--model.init_args.unsafe_load true``), the model's own argument."""
+    return (f"pass unsafe_load=True to {owner} (fit: --model.init_args.unsafe_load true; "
+            "analyze: --unsafe-load)")
 
 
-def _read_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], bool]:
-    """(tensors of the file with clean names, whether it is a Lightning checkpoint/module state dict)."""
+def _read_weights(path: str | Path, *, weights_only: bool = True,
+                  unsafe_hint: str = "pass weights_only=False to read_state_dict"
+                  ) -> tuple[dict[str, torch.Tensor], bool]:
+    """(tensors of the file with clean names, whether it is a Lightning checkpoint/module state dict).
+
+    A file holding Python objects besides tensors is refused (:class:`UnsafeCheckpointError`,
+    ending with ``unsafe_hint``) unless ``weights_only=False``: unpickling it runs code the file
+    names, so it is read only where the caller opted in."""
     p = Path(path).expanduser()
     if not p.is_file():
         raise FileNotFoundError(
             f"checkpoint file {str(path)!r} does not exist; pass the path of a local Lightning .ckpt or a "
             "state-dict file (.pth, .pt, .bin, .safetensors)"
         )
-    obj: Any = _torch_load(p)
+    obj: Any = load_checkpoint_file(p, weights_only=weights_only, unsafe_hint=unsafe_hint)
     lightning = isinstance(obj, Mapping) and "pytorch-lightning_version" in obj
     if isinstance(obj, Mapping):
         for key in ("state_dict", "model"):
@@ -391,15 +416,17 @@ def _read_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], bool]:
     return sd, lightning
 
 
-def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+def read_state_dict(path: str | Path, *, weights_only: bool = True) -> dict[str, torch.Tensor]:
     """The network weights stored in ``path``, keyed like ``module.model.state_dict()``.
 
     Accepts a Lightning ``.ckpt`` (its ``state_dict``; keys ``model.*`` of our modules, the
     prefix removed, other entries ignored), a torch file holding a state dict (bare, or under
     ``state_dict`` / ``model``) or a ``.safetensors`` file. Wrapper prefixes (``module.``,
-    ``_orig_mod.``) are removed.
+    ``_orig_mod.``) are removed. A file holding Python objects besides tensors (custom classes,
+    a pickled module) is refused in one :class:`UnsafeCheckpointError` line, since reading it
+    runs code named in the file; ``weights_only=False`` reads it (only files you trust).
     """
-    return _read_weights(path)[0]
+    return _read_weights(path, weights_only=weights_only)[0]
 
 
 def head_name(net: nn.Module) -> str | None:
@@ -420,7 +447,8 @@ def _under(key: str, prefix: str | None) -> bool:
 
 
 def load_pretrained(
-    module: nn.Module, path: str | Path | Mapping[str, torch.Tensor], *, droppable: Sequence[str] = ()
+    module: nn.Module, path: str | Path | Mapping[str, torch.Tensor], *, droppable: Sequence[str] = (),
+    unsafe_load: bool = False,
 ) -> dict[str, list[str]]:
     """Load the weights of a checkpoint of the same architecture into ``module.model``.
 
@@ -430,10 +458,12 @@ def load_pretrained(
     for a replaced stem) likewise. Any other mismatch is an error, since it means a checkpoint
     of another architecture. ``path`` may also be a state dict already read by
     :func:`read_state_dict`. Returns ``{"loaded": [...], "dropped": [...]}`` and logs what was
-    dropped.
+    dropped. A file holding Python objects besides tensors is refused unless ``unsafe_load``
+    (the models' argument of the same name).
     """
     net = module.model if isinstance(getattr(module, "model", None), nn.Module) else module
-    sd = dict(path) if isinstance(path, Mapping) else read_state_dict(path)
+    sd = dict(path) if isinstance(path, Mapping) else _read_weights(
+        path, weights_only=not unsafe_load, unsafe_hint=unsafe_hint_for(type(module).__name__))[0]
     if isinstance(path, Mapping):
         path = "the given state dict"
     target = net.state_dict()

@@ -109,30 +109,32 @@ class SmallCNN(ClassifierModule):
     layers: ``model.layerN.conv`` (with ``model.layerN.bn``) and ``model.fc``.
     ``checkpoint``: a Lightning ``.ckpt`` (or a state-dict file) of a model with the same
     architecture to start from; a head of a different size is dropped (see
-    :func:`~lalr_lightning.models.base.load_pretrained`). Other arguments:
+    :func:`~lalr_lightning.models.base.load_pretrained`). A file holding Python objects besides
+    tensors is refused, since reading it runs code named in the file; ``unsafe_load=True``
+    (``fit --model.init_args.unsafe_load true``) reads it, for files you trust. Other arguments:
     :class:`~lalr_lightning.models.base.ClassifierModule`.
     """
 
     def __init__(self, num_classes: int = 10, in_channels: int = 1, width: int = 32,
-                 checkpoint: str | None = None, **kwargs) -> None:
+                 checkpoint: str | None = None, unsafe_load: bool = False, **kwargs) -> None:
         super().__init__(num_classes=num_classes, **kwargs)
         if width < 1 or in_channels < 1:
             raise ValueError(f"width and in_channels must be positive, got width={width}, in_channels={in_channels}")
         self.model = SmallCNNNet(num_classes, in_channels, width)
         if checkpoint is not None:
-            load_pretrained(self, checkpoint)
+            load_pretrained(self, checkpoint, unsafe_load=unsafe_load)
 
 
 class SmallResNet(ClassifierModule):
     """A small ResNet (widths w, 2w, 4w) for surgical fine-tuning on digits or CIFAR.
 
     Blocks: ``model.conv1+model.bn1+model.layer1 | model.layer2 | model.layer3 | model.fc``.
-    ``blocks_per_group`` BasicBlocks per group (1 or 2 keep it fast on CPU). ``checkpoint`` as
-    in :class:`SmallCNN`.
+    ``blocks_per_group`` BasicBlocks per group (1 or 2 keep it fast on CPU). ``checkpoint`` and
+    ``unsafe_load`` as in :class:`SmallCNN`.
     """
 
     def __init__(self, num_classes: int = 10, in_channels: int = 1, width: int = 16, blocks_per_group: int = 2,
-                 checkpoint: str | None = None, **kwargs) -> None:
+                 checkpoint: str | None = None, unsafe_load: bool = False, **kwargs) -> None:
         super().__init__(num_classes=num_classes, **kwargs)
         if width < 1 or in_channels < 1 or blocks_per_group < 1:
             raise ValueError(
@@ -140,4 +142,4 @@ class SmallResNet(ClassifierModule):
             )
         self.model = SmallResNetNet(num_classes, in_channels, width, blocks_per_group)
         if checkpoint is not None:
-            load_pretrained(self, checkpoint)
+            load_pretrained(self, checkpoint, unsafe_load=unsafe_load)

@@ -22,7 +22,7 @@ from pathlib import Path
 import timm
 from torch import nn
 
-from .base import ClassifierModule, _read_weights, head_name, load_pretrained
+from .base import ClassifierModule, _read_weights, head_name, load_pretrained, unsafe_hint_for
 
 __all__ = ["ImageClassifier", "apply_cifar_stem", "load_pretrained"]
 
@@ -54,7 +54,10 @@ class ImageClassifier(ClassifierModule):
         in_chans: input channels (1 for digits; timm adapts pretrained RGB stems).
         pretrained: download timm's weights from the hub (needs a network) when no
             ``checkpoint`` is given.
-        checkpoint: a local weights file (see the module docstring).
+        checkpoint: a local weights file (see the module docstring). A file holding Python
+            objects besides tensors is refused (reading it runs code named in the file).
+        unsafe_load: read such a ``checkpoint`` anyway (``fit --model.init_args.unsafe_load
+            true``), for files you trust. Not stored in the module's hyper-parameters.
         cifar_stem: 3x3 stride-1 ``conv1`` and no max-pool, for 32x32 ResNets.
         drop_rate: dropout before the classifier (timm's ``drop_rate``).
         **kwargs: :class:`~lalr_lightning.models.base.ClassifierModule` arguments.
@@ -62,7 +65,7 @@ class ImageClassifier(ClassifierModule):
 
     def __init__(self, model_name: str = "resnet18", num_classes: int = 10, in_chans: int = 3,
                  pretrained: bool = False, checkpoint: str | None = None, cifar_stem: bool = False,
-                 drop_rate: float = 0.0, **kwargs) -> None:
+                 drop_rate: float = 0.0, unsafe_load: bool = False, **kwargs) -> None:
         super().__init__(num_classes=num_classes, **kwargs)
         if not timm.is_model(model_name):
             close = timm.list_models(f"*{model_name.split('.')[0][:8]}*")[:10]
@@ -82,7 +85,8 @@ class ImageClassifier(ClassifierModule):
             return
         file_classes = None
         if path is not None:
-            sd, lightning = _read_weights(path)
+            sd, lightning = _read_weights(path, weights_only=not unsafe_load,
+                                         unsafe_hint=unsafe_hint_for(type(self).__name__))
             cfg = timm.models.get_pretrained_cfg(model_name)
             clf = getattr(cfg, "classifier", None) if cfg is not None else None
             head = sd.get(f"{clf}.weight") if isinstance(clf, str) else None

@@ -12,6 +12,9 @@ command line); one that comes after the first finished finds ``OUT`` full and is
 The rename is the commit point. ``rename(2)`` is atomic within one filesystem and replaces only
 an *empty* directory, so even two runs that both got past the lock (a lock file removed by
 hand) cannot both land: the second rename fails and that run says so.
+
+``OUT`` may be a symbolic link to an empty directory, or a dangling one: the run writes into the
+link's target (the rename could not replace the link itself).
 """
 
 from __future__ import annotations
@@ -62,6 +65,9 @@ class OutputClaim:
 
     def __init__(self, out: str | os.PathLike, command: str = "", log=None):
         self.out = Path(out).absolute()
+        if self.out.is_symlink():  # a link (to an empty directory, or dangling): the output goes where it points,
+            # the temporary sibling and the lock next to the target, so that the rename lands there
+            self.out = Path(os.path.realpath(self.out))
         self.command = command or " ".join(sys.argv)
         self.log = log or (lambda s: None)
         self.lock_path = self.out.parent / f".{self.out.name}.lock"

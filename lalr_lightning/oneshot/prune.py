@@ -589,7 +589,12 @@ def _prune_in_memory(model_dir: Path, tmp: Path, samples, cdtype, dev, stored, *
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype=cdtype).to(dev)
     report = prune_model(model, samples, **kw)
-    model.to(stored or torch.float32).save_pretrained(str(tmp))
+    from safetensors import SafetensorError
+
+    try:
+        model.to(stored or torch.float32).save_pretrained(str(tmp))
+    except (OSError, SafetensorError) as e:  # a full disk: safetensors raises its own error, naming the OS's
+        raise OSError(f"cannot write the pruned model into {tmp}: {_first_line(e)}") from None
     return report
 
 

@@ -33,11 +33,13 @@ from lalr_lightning.core.model.layers import (
     MATRIX_KINDS,
     Layer,
     check_kinds,
+    clean_name,
     matrix_layers,
     num_eigenvalues,
 )
 from lalr_lightning.core.runtime.checks import lora_zero
 from lalr_lightning.core.spectral.htsr import layer_fits
+from lalr_lightning.core.spectral.lalr_metrics import _is_lora  # the one test of what a peft LoRA layer is
 
 __all__ = [
     "PRUNING_METRICS",
@@ -52,6 +54,7 @@ __all__ = [
     "channel_mask",
     "channel_masks_of",
     "cubic_sparsity",
+    "refuse_lora_parts",
     "prunable_layers",
     "out_dim",
     "layer_masks",
@@ -443,6 +446,28 @@ def layer_metric(layers: Sequence[Layer], metric: str, *, fit: str, filter_zeros
     :func:`finite_metric`)."""
     fits = layer_fits(layers, fit=fit, metrics=[metric], min_evals=1, filter_zeros=filter_zeros)
     return {f.name: f.value(metric) for f in fits}
+
+
+def refuse_lora_parts(model: torch.nn.Module, layers: Sequence[Layer], who: str, n: int = 0, m: int = 0) -> None:
+    """A one-line ValueError when a layer to prune is part of a peft LoRA layer (its ``base_layer``,
+    ``lora_A`` or ``lora_B``).
+
+    Such a layer computes with its merged weight ``W + s * B @ A``. Masks on ``W``, ``A`` and ``B``
+    apart do not make that sum sparse (the issue-42 run: base and factors 0.500 each, the merged
+    ``q_proj`` 16% zeros, and 0.0 after ``merge_and_unload``), and no mask on the factors can
+    express one on the sum: ``B @ A`` is a dense rank-r product. So the only honest answers are
+    to prune where the weight is one matrix (before the adapters, or after merging them) -- said
+    here, as the alpha path says it for a zero ``lora_B``."""
+    wrappers = {clean_name(raw) for raw, mod in model.named_modules() if _is_lora(mod)}
+    parts = [la.name for la in layers if any(la.name.startswith(w + ".") for w in wrappers)]
+    if not parts:
+        return
+    shape = f"not {n}:{m}" if m else "not sparse"
+    raise ValueError(
+        f"{who}: {len(parts)} of its layers are parts of peft LoRA layers ({', '.join(parts[:3])}"
+        f"{' ...' if len(parts) > 3 else ''}): the model computes with each merged weight W + B*A, and pruning W, "
+        f"lora_A and lora_B apart leaves that weight dense, {shape} (peft's lora_B matrices start at zero and "
+        "train away from it); prune the model without LoRA, or after merging the adapters (model.merge_and_unload())")
 
 
 def finite_metric(values: Mapping[str, float], names: Sequence[str], metric: str) -> dict[str, float]:
