@@ -377,9 +377,9 @@ class SpawnHandoff:
         # leave its final state in, and remember here to read it back on first access.
         if self._handoff is None:
             self._handoff = os.path.join(tempfile.gettempdir(), f"lalr_lightning_{uuid.uuid4().hex}.pt")
-        if "_handoff_pid" not in self.__dict__ and "_handoff_cleanup" not in self.__dict__:
-            # the main process's object (a worker's copy has a _handoff_pid): the file goes when
-            # it is read, else when this object goes or the process exits, read or not
+        if self.__dict__.get("_handoff_pid") in (None, os.getpid()) and "_handoff_cleanup" not in self.__dict__:
+            # the main process's object (a worker's copy has the main process's pid): the file goes
+            # when it is read, else when this object goes or the process exits, read or not
             self._handoff_cleanup = weakref.finalize(self, _remove_quietly, self._handoff)
         self._handoff_pending = True
         state = dict(self.__dict__)
