@@ -337,6 +337,24 @@ class LightningHooks(Callback):
         self.__dict__.pop("_lightning_host", None)
 
 
+def _loadable(value: Any) -> Any:
+    """``value`` as ``torch.load(weights_only=True)`` reads it back: numpy scalars as Python
+    numbers, numpy arrays as tensors, containers rebuilt (the main process reads the hand-back
+    file that way, so a worker's numpy value must not make it unreadable)."""
+    import numpy as np
+
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value)
+    if isinstance(value, Mapping):
+        return {k: _loadable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        out = [_loadable(v) for v in value]
+        return tuple(out) if isinstance(value, tuple) else out
+    return value
+
+
 def _remove_quietly(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.remove(path)
@@ -359,9 +377,9 @@ class SpawnHandoff:
         # leave its final state in, and remember here to read it back on first access.
         if self._handoff is None:
             self._handoff = os.path.join(tempfile.gettempdir(), f"lalr_lightning_{uuid.uuid4().hex}.pt")
-        if "_handoff_pid" not in self.__dict__ and "_handoff_cleanup" not in self.__dict__:
-            # the main process's object (a worker's copy has a _handoff_pid): the file goes when
-            # it is read, else when this object goes or the process exits, read or not
+        if self.__dict__.get("_handoff_pid") in (None, os.getpid()) and "_handoff_cleanup" not in self.__dict__:
+            # the main process's object (a worker's copy has the main process's pid): the file goes
+            # when it is read, else when this object goes or the process exits, read or not
             self._handoff_cleanup = weakref.finalize(self, _remove_quietly, self._handoff)
         self._handoff_pending = True
         state = dict(self.__dict__)
@@ -375,7 +393,7 @@ class SpawnHandoff:
         pid = self.__dict__.get("_handoff_pid")
         if self._handoff is None or pid is None or pid == os.getpid() or not host.is_global_zero:
             return
-        torch.save({k: getattr(self, k) for k in self.readable if hasattr(self, k)}, self._handoff)
+        torch.save({k: _loadable(getattr(self, k)) for k in self.readable if hasattr(self, k)}, self._handoff)
 
     def __getattribute__(self, attr: str):
         d = object.__getattribute__(self, "__dict__")
