@@ -74,7 +74,7 @@ def _prune_parser(prog: str) -> _Parser:
         description="Prune a Hugging Face causal LM one shot, block by block (Wanda, SparseGPT or magnitude; "
                     "uniform, OWL, HT-SR (AlphaPruning) or explicit per-layer ratios; unstructured or N:M), "
                     "streaming one block at a time, "
-                    "and write the pruned model directory (docs/criteria.md).",
+                    "and write the pruned model directory (docs/llm_pruning.md).",
         epilog=_EPILOG,
     )
     p.add_argument("model", help="Hugging Face model directory (config.json, safetensors, tokenizer)")
