@@ -548,7 +548,7 @@ def trainer_callback(callback: LayerwiseCallback | Iterable[LayerwiseCallback]) 
     constructed exactly as for Lightning) on the Trainer it is passed to; a list gives a list.
     Pass it in ``Trainer(..., callbacks=[...])`` (module docstring: where each event happens)."""
     if isinstance(callback, LayerwiseCallback):
-        return LayerwiseTrainerCallback(callback)
+        return _adapter_class(callback)(callback)
     if isinstance(callback, (list, tuple)):
         return [trainer_callback(c) for c in callback]
     if isinstance(callback, type) and issubclass(callback, LayerwiseCallback):
@@ -556,3 +556,12 @@ def trainer_callback(callback: LayerwiseCallback | Iterable[LayerwiseCallback]) 
                         f"trainer_callback({callback.__name__}(...))")
     raise TypeError(f"trainer_callback takes a callback of lalr_lightning (or a list of them), got "
                     f"{type(callback).__name__}")
+
+
+def _adapter_class(method: LayerwiseCallback) -> type:
+    """A class of its own for each adapter: ``Trainer.add_callback`` warns "You are adding a ...
+    but there is already one" for a second callback of one class, which two wrapped methods are
+    not (``callbacks=trainer_callback([a, b])``). Named after the method, as the Trainer's list of
+    callbacks shows it; pickled as the call that made it."""
+    return type(f"LayerwiseTrainerCallback[{type(method).__name__}]", (LayerwiseTrainerCallback,),
+                {"__module__": __name__, "__reduce__": lambda self: (trainer_callback, (self.method,))})
