@@ -254,7 +254,30 @@ def _read_csv(folder: Path) -> RunData:
 
 def read_run(path: str | Path) -> RunData:
     """Read a run directory (kind found from its files); :class:`ReportError` naming what was
-    expected when it is none of the three."""
+    expected when it is none of the three. A Hugging Face Trainer's run reads as a Lightning one
+    (:func:`_without_hf_prefix`)."""
+    return _without_hf_prefix(_read_any(path))
+
+
+#: the prefix the Hugging Face Trainer's integrations (TensorBoard, W&B) put before each training log key
+_HF_PREFIX = "train/"
+
+
+def _without_hf_prefix(run: RunData) -> RunData:
+    """The Trainer's ``report_to`` integrations log ``tempbalance/alpha/<layer>`` as
+    ``train/tempbalance/alpha/<layer>`` (``lr_eff/<layer>`` as ``train/lr_eff/<layer>``): those keys
+    under the callbacks' own names. Only per-layer keys (prefix/quantity/layer, or ``lr_eff/layer``)
+    move; ``train/loss`` stays, and a key logged both ways keeps the unprefixed series."""
+    for store in (run.scalars, run.images, run.tables):
+        for key in [k for k in store if k.startswith(_HF_PREFIX)]:
+            rest = key[len(_HF_PREFIX):]
+            if rest.count("/") >= 2 or (rest.startswith("lr_eff/") and rest.count("/") == 1):
+                if rest not in store:
+                    store[rest] = store.pop(key)
+    return run
+
+
+def _read_any(path: str | Path) -> RunData:
     folder = Path(path)
     if not folder.is_dir():
         raise ReportError(f"{path}: no such directory; pass the run's directory (printed at the end of fit)")

@@ -662,3 +662,23 @@ def test_two_wrapped_callbacks_draw_no_already_one_warning(tmp_path):
     assert all(c in trainer.callback_handler.callbacks for c in wrapped)
     again = pickle.loads(pickle.dumps(wrapped[0]))
     assert type(again).__name__ == "LayerwiseTrainerCallback[TempBalanceCallback]" and again.method.min_evals == 4
+
+
+def test_report_reads_a_trainer_runs_tensorboard_directory(tmp_path, capsys):
+    """Issue 42 row 10: the Trainer's TensorBoard integration logs ``train/tempbalance/alpha/...``,
+    and ``report`` (where docs/hf.md points) said the run "holds no per-layer metrics"."""
+    pytest.importorskip("tensorboard")
+    from lalr_lightning.report import methods, read_run, report_main
+
+    tb = C.TempBalanceCallback(min_evals=4, every_n_steps=1)
+    trainer, _ = _trainer(tmp_path, [trainer_callback(tb)], steps=2, report_to="tensorboard")
+    trainer.train()  # the writer is closed at the end: every event is on disk
+    (run_dir,) = {p.parent for p in (tmp_path / "out").rglob("events.out.tfevents.*")}  # output_dir/runs/<date>
+    run = read_run(run_dir)
+    assert "tempbalance" in methods(run)
+    assert {k.split("/", 2)[2] for k in run.scalars if k.startswith("tempbalance/alpha/")} == set(tb.scores)
+    assert any(k.startswith("lr_eff/") for k in run.scalars) and "train/loss" in run.scalars
+    capsys.readouterr()
+    assert report_main([str(run_dir), "--out", str(tmp_path / "r.html")]) == 0
+    assert "no per-layer metrics" not in capsys.readouterr().err
+    assert '<section id="tempbalance">' in (tmp_path / "r.html").read_text()
