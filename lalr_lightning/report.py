@@ -5,9 +5,10 @@ Reads any run directory this package's callbacks logged to -- a CSVLogger versio
 (``offline-run-*``, read from its transaction log ``run-*.wandb`` and its ``files/media``) -- and
 writes one page with a section per method (log prefix): the final decision table, the heatmaps,
 per-layer curves and the ESD plots of the first and last set; a section is titled after its
-method (``lisa``, not the shared ``surgical`` prefix). Every image is inlined as a base64
-``data:`` URI, so the page opens anywhere without network. By default the page is written into
-the run's directory.
+method (``lisa``, not the shared ``surgical`` prefix), with a line under the title naming the keys
+it was logged as (``surgical/<quantity>/<layer>``). Every image is inlined as a base64 ``data:``
+URI, so the page opens anywhere without network. By default the page is written into the run's
+directory.
 """
 
 from __future__ import annotations
@@ -447,6 +448,10 @@ def _method_section(run: RunData, prefix: str, title: str | None = None) -> str:
     method = title or prefix
     quantities = _per_layer(run, prefix)
     parts = [f'<section id="{html.escape(prefix)}"><h2>{html.escape(method)}</h2>']
+    if method != prefix:  # the keys to look for in TensorBoard / W&B are the prefix's, not the title's
+        who = callbacks_of(run).get(prefix, ("",))[0]
+        parts.append(f"<p class=keys>logged as <code>{html.escape(prefix)}/&lt;quantity&gt;/&lt;layer&gt;</code>"
+                     + (f" ({html.escape(who)}'s log prefix)" if who else "") + "</p>")
     final = _final_table(run, prefix, quantities)
     if final:
         what, columns, rows = final
