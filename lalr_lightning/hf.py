@@ -392,6 +392,7 @@ class _Session:
             keys.adopt(cb, owners, {"callbacks": states})  # an entry written under an earlier key
             if cb.state_key in states:
                 cb._restore(states[cb.state_key])
+        _say_unclaimed(states, self.methods)
 
     def _wrapped(self) -> None:
         for cb in self.methods:
@@ -433,6 +434,20 @@ class _Session:
     def save(self, folder: str) -> None:
         if self.host.is_global_zero and os.path.isdir(folder):
             torch.save({cb.state_key: cb.state_dict() for cb in self.methods}, os.path.join(folder, STATE_FILE))
+
+
+def _say_unclaimed(states: dict, methods: list[LayerwiseCallback]) -> None:
+    """A warning for the states in the checkpoint that no callback of this fit takes (as under
+    Lightning: HTSRPruning's masks no longer enforced, another method's state left unused)."""
+    from lalr_lightning.callbacks.host import warn
+    from lalr_lightning.core.runtime.checks import orphaned_masks, unclaimed_states
+
+    claimed = {cb.state_key for cb in methods}
+    checkpoint = {"callbacks": states}
+    for msg in (orphaned_masks(checkpoint, claimed),
+                unclaimed_states(checkpoint, claimed, [cb.state_key for cb in methods if cb.state_key not in states])):
+        if msg is not None:
+            warn(msg, category=UserWarning)
 
 
 def _event(fn: Callable) -> Callable:
