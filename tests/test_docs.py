@@ -141,3 +141,25 @@ def test_the_docs_home_page_says_how_to_install_and_git_ignores_the_built_site()
     assert re.search(r"^pip install -e \.", home, re.M) and "configs/quickstart.yaml" in home
     ignored = subprocess.run(["git", "check-ignore", "-q", "site/index.html"], cwd=root)
     assert ignored.returncode == 0
+
+
+def test_the_site_hook_turns_roles_into_references_and_keeps_the_steps_off_the_callbacks_page():
+    """Issue 42 row 12, without a build: scripts/mkdocs_hooks.py (mkdocs.yml's ``hooks:``)."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("mkdocs_hooks", root / "scripts" / "mkdocs_hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    out = hooks.on_page_content('<p>see :func:<code>~lalr_lightning.core.model.layers.block_layers</code> and '
+                                ':mod:<code>.base</code>; Example::</p>', None)
+    assert out == ('<p>see <autoref identifier="lalr_lightning.core.model.layers.block_layers" optional><code>'
+                   'block_layers</code></autoref> and <code>base</code>; Example:</p>')
+    directive = hooks.callbacks_directive()
+    members = re.findall(r"^        - (\w+)$", directive, re.M)
+    assert set(members) == set(cbs.__all__) - {"LayerwiseCallback", "LayerSelection", "Decision"}
+    hidden = set(re.findall(r'"!\^(\w+)\$"', directive))
+    assert {"measure", "decide", "after_wrap", "apply", "configure", "decide_in_setup"} <= hidden
+    assert not hidden & {"plan", "selected_blocks", "prune", "overall_sparsity"}
+    assert "mkdocs_hooks.py" in (root / "mkdocs.yml").read_text() and hooks.MARKER in (
+        root / "docs/api/callbacks.md").read_text()
