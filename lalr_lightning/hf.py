@@ -392,6 +392,7 @@ class _Session:
             keys.adopt(cb, owners, {"callbacks": states})  # an entry written under an earlier key
             if cb.state_key in states:
                 cb._restore(states[cb.state_key])
+        _say_unclaimed(states, self.methods)
 
     def _wrapped(self) -> None:
         for cb in self.methods:
@@ -433,6 +434,20 @@ class _Session:
     def save(self, folder: str) -> None:
         if self.host.is_global_zero and os.path.isdir(folder):
             torch.save({cb.state_key: cb.state_dict() for cb in self.methods}, os.path.join(folder, STATE_FILE))
+
+
+def _say_unclaimed(states: dict, methods: list[LayerwiseCallback]) -> None:
+    """A warning for the states in the checkpoint that no callback of this fit takes (as under
+    Lightning: HTSRPruning's masks no longer enforced, another method's state left unused)."""
+    from lalr_lightning.callbacks.host import warn
+    from lalr_lightning.core.runtime.checks import orphaned_masks, unclaimed_states
+
+    claimed = {cb.state_key for cb in methods}
+    checkpoint = {"callbacks": states}
+    for msg in (orphaned_masks(checkpoint, claimed),
+                unclaimed_states(checkpoint, claimed, [cb.state_key for cb in methods if cb.state_key not in states])):
+        if msg is not None:
+            warn(msg, category=UserWarning)
 
 
 def _event(fn: Callable) -> Callable:
@@ -548,7 +563,7 @@ def trainer_callback(callback: LayerwiseCallback | Iterable[LayerwiseCallback]) 
     constructed exactly as for Lightning) on the Trainer it is passed to; a list gives a list.
     Pass it in ``Trainer(..., callbacks=[...])`` (module docstring: where each event happens)."""
     if isinstance(callback, LayerwiseCallback):
-        return LayerwiseTrainerCallback(callback)
+        return _adapter_class(callback)(callback)
     if isinstance(callback, (list, tuple)):
         return [trainer_callback(c) for c in callback]
     if isinstance(callback, type) and issubclass(callback, LayerwiseCallback):
@@ -556,3 +571,12 @@ def trainer_callback(callback: LayerwiseCallback | Iterable[LayerwiseCallback]) 
                         f"trainer_callback({callback.__name__}(...))")
     raise TypeError(f"trainer_callback takes a callback of lalr_lightning (or a list of them), got "
                     f"{type(callback).__name__}")
+
+
+def _adapter_class(method: LayerwiseCallback) -> type:
+    """A class of its own for each adapter: ``Trainer.add_callback`` warns "You are adding a ...
+    but there is already one" for a second callback of one class, which two wrapped methods are
+    not (``callbacks=trainer_callback([a, b])``). Named after the method, as the Trainer's list of
+    callbacks shows it; pickled as the call that made it."""
+    return type(f"LayerwiseTrainerCallback[{type(method).__name__}]", (LayerwiseTrainerCallback,),
+                {"__module__": __name__, "__reduce__": lambda self: (trainer_callback, (self.method,))})

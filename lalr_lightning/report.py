@@ -5,9 +5,10 @@ Reads any run directory this package's callbacks logged to -- a CSVLogger versio
 (``offline-run-*``, read from its transaction log ``run-*.wandb`` and its ``files/media``) -- and
 writes one page with a section per method (log prefix): the final decision table, the heatmaps,
 per-layer curves and the ESD plots of the first and last set; a section is titled after its
-method (``lisa``, not the shared ``surgical`` prefix). Every image is inlined as a base64
-``data:`` URI, so the page opens anywhere without network. By default the page is written into
-the run's directory.
+method (``lisa``, not the shared ``surgical`` prefix), with a line under the title naming the keys
+it was logged as (``surgical/<quantity>/<layer>``). Every image is inlined as a base64 ``data:``
+URI, so the page opens anywhere without network. By default the page is written into the run's
+directory.
 """
 
 from __future__ import annotations
@@ -254,7 +255,30 @@ def _read_csv(folder: Path) -> RunData:
 
 def read_run(path: str | Path) -> RunData:
     """Read a run directory (kind found from its files); :class:`ReportError` naming what was
-    expected when it is none of the three."""
+    expected when it is none of the three. A Hugging Face Trainer's run reads as a Lightning one
+    (:func:`_without_hf_prefix`)."""
+    return _without_hf_prefix(_read_any(path))
+
+
+#: the prefix the Hugging Face Trainer's integrations (TensorBoard, W&B) put before each training log key
+_HF_PREFIX = "train/"
+
+
+def _without_hf_prefix(run: RunData) -> RunData:
+    """The Trainer's ``report_to`` integrations log ``tempbalance/alpha/<layer>`` as
+    ``train/tempbalance/alpha/<layer>`` (``lr_eff/<layer>`` as ``train/lr_eff/<layer>``): those keys
+    under the callbacks' own names. Only per-layer keys (prefix/quantity/layer, or ``lr_eff/layer``)
+    move; ``train/loss`` stays, and a key logged both ways keeps the unprefixed series."""
+    for store in (run.scalars, run.images, run.tables):
+        for key in [k for k in store if k.startswith(_HF_PREFIX)]:
+            rest = key[len(_HF_PREFIX):]
+            if rest.count("/") >= 2 or (rest.startswith("lr_eff/") and rest.count("/") == 1):
+                if rest not in store:
+                    store[rest] = store.pop(key)
+    return run
+
+
+def _read_any(path: str | Path) -> RunData:
     folder = Path(path)
     if not folder.is_dir():
         raise ReportError(f"{path}: no such directory; pass the run's directory (printed at the end of fit)")
@@ -424,6 +448,10 @@ def _method_section(run: RunData, prefix: str, title: str | None = None) -> str:
     method = title or prefix
     quantities = _per_layer(run, prefix)
     parts = [f'<section id="{html.escape(prefix)}"><h2>{html.escape(method)}</h2>']
+    if method != prefix:  # the keys to look for in TensorBoard / W&B are the prefix's, not the title's
+        who = callbacks_of(run).get(prefix, ("",))[0]
+        parts.append(f"<p class=keys>logged as <code>{html.escape(prefix)}/&lt;quantity&gt;/&lt;layer&gt;</code>"
+                     + (f" ({html.escape(who)}'s log prefix)" if who else "") + "</p>")
     final = _final_table(run, prefix, quantities)
     if final:
         what, columns, rows = final

@@ -605,3 +605,19 @@ def test_a_broken_pipe_that_is_not_stdout_keeps_its_error(monkeypatch):
     monkeypatch.setattr(cli, "_main", broken)
     with pytest.raises(BrokenPipeError):
         main(["configs"])
+
+
+def test_a_report_section_titled_by_method_names_the_keys_it_was_logged_as(tmp_path):
+    """Issue 42 row 13: LISA logs as ``surgical/selected/...`` while the report calls its section
+    "lisa": the line under the title gives the logged keys, so the two agree."""
+    from lalr_lightning.report import RunData, render_html
+
+    run = RunData("csv", tmp_path)
+    run.scalars["surgical/selected/model.layer2"] = [(0, 1.0), (10, 0.0)]
+    run.scalars["tempbalance/alpha/model.layer2"] = [(0, 3.0)]
+    run.config = {"callbacks/BlockSchedule": {"schedule": "lisa", "gamma": 1}}
+    page = render_html(run)
+    section = page.split('<section id="surgical"><h2>lisa</h2>')[1].lstrip()
+    assert section.startswith("<p class=keys>logged as <code>surgical/&lt;quantity&gt;/&lt;layer&gt;</code> "
+                              "(BlockSchedule's log prefix)</p>"), section[:200]
+    assert "<p class=keys>" not in page.split('<section id="tempbalance">')[1]  # titled as logged: no line

@@ -634,3 +634,51 @@ def test_a_batch_loss_is_the_models_own_outputs_loss_from_a_batch_with_labels():
     assert float(batch_loss(model, batch)) == pytest.approx(float(model(**batch).loss))
     with pytest.raises(TypeError, match="pass loss_fn=f"):
         batch_loss(model, {"input_ids": batch["input_ids"]})  # no labels: no loss of its own
+
+
+def test_two_wrapped_callbacks_draw_no_already_one_warning(tmp_path):
+    """Issue 42 row 9: ``callbacks=trainer_callback([a, b])``, as docs/hf.md shows it, drew
+    transformers' "You are adding a LayerwiseTrainerCallback ... but there is already one"."""
+    import logging
+    import pickle
+
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    handler = Keep(logging.WARNING)
+    logging.getLogger("transformers.trainer_callback").addHandler(handler)
+    try:
+        a, b = C.TempBalanceCallback(min_evals=4), C.SpectrumSelect(top_percent=25)
+        wrapped = trainer_callback([a, b])
+        trainer, _ = _trainer(tmp_path, wrapped, steps=1)
+    finally:
+        logging.getLogger("transformers.trainer_callback").removeHandler(handler)
+    assert not [m for m in said if "already one" in m], said
+    assert [type(c).__name__ for c in wrapped] == ["LayerwiseTrainerCallback[TempBalanceCallback]",
+                                              "LayerwiseTrainerCallback[SpectrumSelect]"]
+    assert all(c in trainer.callback_handler.callbacks for c in wrapped)
+    again = pickle.loads(pickle.dumps(wrapped[0]))
+    assert type(again).__name__ == "LayerwiseTrainerCallback[TempBalanceCallback]" and again.method.min_evals == 4
+
+
+def test_report_reads_a_trainer_runs_tensorboard_directory(tmp_path, capsys):
+    """Issue 42 row 10: the Trainer's TensorBoard integration logs ``train/tempbalance/alpha/...``,
+    and ``report`` (where docs/hf.md points) said the run "holds no per-layer metrics"."""
+    pytest.importorskip("tensorboard")
+    from lalr_lightning.report import methods, read_run, report_main
+
+    tb = C.TempBalanceCallback(min_evals=4, every_n_steps=1)
+    trainer, _ = _trainer(tmp_path, [trainer_callback(tb)], steps=2, report_to="tensorboard")
+    trainer.train()  # the writer is closed at the end: every event is on disk
+    (run_dir,) = {p.parent for p in (tmp_path / "out").rglob("events.out.tfevents.*")}  # output_dir/runs/<date>
+    run = read_run(run_dir)
+    assert "tempbalance" in methods(run)
+    assert {k.split("/", 2)[2] for k in run.scalars if k.startswith("tempbalance/alpha/")} == set(tb.scores)
+    assert any(k.startswith("lr_eff/") for k in run.scalars) and "train/loss" in run.scalars
+    capsys.readouterr()
+    assert report_main([str(run_dir), "--out", str(tmp_path / "r.html")]) == 0
+    assert "no per-layer metrics" not in capsys.readouterr().err
+    assert '<section id="tempbalance">' in (tmp_path / "r.html").read_text()

@@ -78,3 +78,14 @@ def test_pyproject_ships_the_configs_in_the_wheel_and_builds_with_hatchling():
     wheel = project["tool"]["hatch"]["build"]["targets"]["wheel"]
     assert set(wheel["only-include"]) == {"lalr_lightning", "configs"}
     assert wheel["sources"] == {"configs": "lalr_lightning/configs"}
+
+
+def test_every_callback_name_is_a_top_level_name():
+    """Issue 42 row 13: ``lalr_lightning.SpectrumSelect`` raised AttributeError, the hand-written
+    top-level map had missed it; the map now follows ``lalr_lightning.callbacks.__all__``."""
+    import lalr_lightning
+    from lalr_lightning import callbacks
+
+    for name in callbacks.__all__:
+        assert getattr(lalr_lightning, name) is getattr(callbacks, name), name
+        assert name in lalr_lightning.__all__ and name in dir(lalr_lightning)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -155,3 +156,18 @@ def test_an_out_that_cannot_be_written_is_one_line_before_the_evaluation(files, 
     code, _, err = _run(["zeroshot", str(model), "--task", str(task), "--quiet", "--out", str(tmp_path / where)],
                         capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1 and phrase in err and "--out" in err
+
+
+def test_a_choice_longer_than_the_models_positions_is_one_line(files, tmp_path, capsys):
+    """Issue 42 row 4: a choice of more tokens than the model's 64 positions was torch's "Size does
+    not match at dimension 0"; now one line names the file, the line and the length."""
+    _, model, _, _ = files
+    long = " ".join(_WORDS[i % len(_WORDS)] for i in range(200))
+    bad = tmp_path / "long.jsonl"
+    bad.write_text(json.dumps({"context": "the cat", "choices": ["a dog", "b"], "label": 0}) + "\n\n"
+                   + json.dumps({"context": "the cat", "choices": ["a", long], "label": 1}) + "\n")
+    code, _, err = _run(["zeroshot", str(model), "--task", str(bad), "--quiet", "--out", str(tmp_path / "r.json")],
+                        capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    n = int(re.search(r"choice 1 is (\d+) tokens", err).group(1))
+    assert n > 64 and "long.jsonl line 3" in err and "64 positions" in err

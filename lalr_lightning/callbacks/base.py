@@ -207,7 +207,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
     def measure_shards(self, host: Host, module: nn.Module, units: list[list[Layer]],
                        fn) -> dict:
         """``fn(layers) -> {name: value}`` over every unit of layers, shared out among the ranks
-        (:func:`~lalr_lightning.callbacks.shards.measure_shards`): the same dict on every rank."""
+        (:func:`~lalr_lightning.core.runtime.shards.measure_shards`): the same dict on every rank."""
         return shards.measure_shards(host, module, units, fn, self._sizes, self.weight_of)
 
     def conclude(self, host: Host, measured: Any) -> Decision:

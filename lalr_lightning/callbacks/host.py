@@ -169,3 +169,8 @@ class Host(ABC):
     @abstractmethod
     def stop_check(self) -> Callable[[], None]:
         """A check a long measurement calls between chunks: raises once the loop was asked to stop."""
+
+    def info(self, message: str) -> None:
+        """A line the user should see, shown as the loop shows its own (Lightning: its rank-zero info,
+        as its model summary); here the package's logger, rank zero only (:func:`say`)."""
+        say(message)

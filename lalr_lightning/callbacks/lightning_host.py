@@ -130,6 +130,13 @@ class LightningHost(Host):
 
             dashboards.publish(self.trainer, method, event, decision)
 
+    def info(self, message: str) -> None:
+        """Through Lightning's rank-zero info, the way its own callbacks show their lines (the model
+        summary, "GPU available"): seen on a plain Trainer, where the package's logger is not."""
+        from lightning.pytorch.utilities import rank_zero_info
+
+        rank_zero_info(message)
+
     def stop_check(self) -> Callable[[], None]:
         """Raises Lightning's ``SIGTERMException`` once the trainer received SIGTERM (its handler only
         sets a flag, read between batches); Ctrl-C needs nothing."""
@@ -292,11 +299,17 @@ class LightningHooks(Callback):
         keys.adopt(self, trainer, checkpoint)  # an entry written under an earlier key
         from lightning.pytorch.utilities import rank_zero_warn
 
-        from lalr_lightning.core.runtime.checks import orphaned_masks
+        from lalr_lightning.core.runtime.checks import orphaned_masks, unclaimed_states
 
-        msg = orphaned_masks(checkpoint, {c.state_key for c in trainer.callbacks})  # masks no callback enforces
-        if msg is not None:
-            rank_zero_warn(msg, category=UserWarning)
+        ours = [c for c in trainer.callbacks if isinstance(c, LightningHooks)]
+        for cb in ours:  # every entry an instance will take, before saying which none takes
+            keys.adopt(cb, trainer, checkpoint)
+        claimed = {c.state_key for c in trainer.callbacks}
+        states = checkpoint.get("callbacks") or {}
+        for msg in (orphaned_masks(checkpoint, claimed),  # masks no callback enforces
+                    unclaimed_states(checkpoint, claimed, [c.state_key for c in ours if c.state_key not in states])):
+            if msg is not None:
+                rank_zero_warn(msg, category=UserWarning)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._train_start(self._host(trainer, pl_module))

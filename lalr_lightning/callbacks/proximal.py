@@ -224,7 +224,7 @@ class ProximalRegularizer(LayerwiseCallback):
 
     def _step(self, step: PostStep) -> None:
         """The proximal step after one optimizer step (LayerControl calls it): grouped tensor
-        operations and no device-to-host transfer (:class:`~lalr_lightning.core.proximal.GroupedStep`),
+        operations and no device-to-host transfer (:class:`~lalr_lightning.core.linearization.proximal.GroupedStep`),
         and no Python loop over the parameters while the set that steps, the LRs and the anchor stay
         the same; under FSDP the ranks' sums go through collectives (:meth:`_sharded_step`)."""
         if self._sharded:

@@ -234,18 +234,19 @@ class LayerSelection(LayerwiseCallback):
             self.follow_requires_grad()
         self.release_state(host, off)
         self.apply_norm_modes()
-        self._summarize()
+        self._summarize(host)
 
-    def _summarize(self) -> None:
+    def _summarize(self, host: Host) -> None:
         """After each decision, what trains as :func:`selection_summary` says it (``summary``);
-        shown once per fit, at the first, since Lightning's model summary came before it."""
+        shown once per fit, at the first, since Lightning's model summary came before it, and as
+        the host shows its own lines (``Host.info``: on Lightning, its rank-zero info)."""
         if self._module is None:
             return
         self.summary_counts = selection_counts(self)
         self.summary = selection_summary(type(self).__name__, self.summary_counts)
         if not self._summarized:
             self._summarized = True
-            say(self.summary)
+            (host.info if isinstance(host, Host) else say)(self.summary)  # plan(): no loop to show it
 
     def release_state(self, host: Host, units: Sequence[Layer]) -> None:
         """With ``optimizer_state="release"``: free the optimizer state of these (frozen) units."""

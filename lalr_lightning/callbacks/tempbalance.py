@@ -15,7 +15,7 @@ import numpy as np
 from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
-from lalr_lightning.callbacks.host import Cadence, Host
+from lalr_lightning.callbacks.host import Cadence, Host, warn
 from lalr_lightning.core.model.layers import DEFAULT_KINDS
 from lalr_lightning.core.spectral import tempbalance as core
 from lalr_lightning.core.spectral.settings import tempbalance_settings
@@ -131,6 +131,9 @@ class TempBalanceCallback(LayerwiseCallback):
     def configure(self, host: Host, module: nn.Module) -> None:
         self.layers, self.excluded = core.eligible_layers(module, self.layer_types, first=self.first, head=self.head,
                                                           min_evals=self.min_evals)
+        note = core.few_evals_note(self.excluded, type(self).__name__)
+        if note:  # as HTSRPruning names the layers it leaves dense
+            warn(note, category=UserWarning)
 
     def prepare(self, host: Host) -> None:
         # in a fit only (plan() measures frozen weights as they are): multipliers on frozen layers change nothing

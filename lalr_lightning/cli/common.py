@@ -158,6 +158,9 @@ def parse_error_line(message: str, parser) -> str:
         if not m:
             continue
         class_path, detail = m.group(1), " ".join(_block(lines, i)) or "invalid"
+        value = _callable_value(where, detail)
+        if value is not None:
+            return value
         hint = None
         bad = re.search(r"Option '([^']+)' is not accepted", detail)
         if bad:
@@ -169,6 +172,30 @@ def parse_error_line(message: str, parser) -> str:
             hint = f"{missing.group(1)}.{found}" if found else None
         return f"{where}: {class_path}: {detail}" + (f"; did you mean '{hint}'?" if hint else "")
     return " ".join([first] + _clean(lines[1:]))
+
+
+def _callable_value(where: str, detail: str) -> str | None:
+    """An optimizer or scheduler given as a name jsonargparse cannot import (``--model.init_args.
+    optimizer sgdd``): one line naming the key, the value and the nearest torch class."""
+    m = re.search(r'Parser key "(\w*(?:optimizer|scheduler)\w*)":.*Expected a dot import path string: (\S+)', detail)
+    if not m:
+        return None
+    import torch
+
+    from lalr_lightning.choices import suggestion
+
+    key, value = m.groups()
+    if "scheduler" in key:
+        module, base = torch.optim.lr_scheduler, (torch.optim.lr_scheduler.LRScheduler,
+                                                  torch.optim.lr_scheduler.ReduceLROnPlateau)
+    else:
+        module, base = torch.optim, (torch.optim.Optimizer,)
+    names = sorted(n for n, c in vars(module).items() if isinstance(c, type) and issubclass(c, base)
+                   and c not in base and not n.startswith("_"))
+    hint = suggestion(value.rpartition(".")[2], names).replace("'", f"'{module.__name__}.", 1)
+    example = "lr_scheduler.CosineAnnealingLR" if "scheduler" in key else "AdamW"
+    return (f"--{where}.init_args.{key} {value}: not an importable class; give a class path (e.g. "
+            f"torch.optim.{example}){hint}")
 
 
 def _first_line(e: BaseException) -> str:

@@ -62,10 +62,27 @@ _EPILOG = ("Wanda and SparseGPT need --calibration; magnitude reads no data. N:M
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one line (no usage block), as every other error of the CLI."""
+    """argparse whose errors are one line (no usage block), as every other error of the CLI, with
+    the nearest flag or choice for a mistyped one (as ``fit`` gives)."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(2, f"{self.prog}: error: {message}{self._nearest(message)} (see --help)\n")
+
+    def _nearest(self, message: str) -> str:
+        import difflib
+        import re
+
+        unknown = re.match(r"unrecognized arguments: (.*)", message)
+        if unknown:
+            flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+            hints = [close[0] for a in unknown.group(1).split() if a.startswith("--")
+                     for close in [difflib.get_close_matches(a.split("=")[0], flags, n=1, cutoff=0.6)] if close]
+            return f"; did you mean {', '.join(hints)}?" if hints else ""
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if choice:
+            close = difflib.get_close_matches(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)), n=1)
+            return f"; did you mean '{close[0]}'?" if close else ""
+        return ""
 
 
 def _prune_parser(prog: str) -> _Parser:
@@ -74,7 +91,7 @@ def _prune_parser(prog: str) -> _Parser:
         description="Prune a Hugging Face causal LM one shot, block by block (Wanda, SparseGPT or magnitude; "
                     "uniform, OWL, HT-SR (AlphaPruning) or explicit per-layer ratios; unstructured or N:M), "
                     "streaming one block at a time, "
-                    "and write the pruned model directory (docs/criteria.md).",
+                    "and write the pruned model directory (docs/llm_pruning.md).",
         epilog=_EPILOG,
     )
     p.add_argument("model", help="Hugging Face model directory (config.json, safetensors, tokenizer)")
@@ -195,6 +212,8 @@ def perplexity_main(argv: Sequence[str] | None = None, prog: str = "python -m la
         if args.batch_size < 1 or args.seq_len < 2 or (args.max_windows is not None and args.max_windows < 1):
             raise ValueError(f"--batch-size and --max-windows must be >= 1 and --seq-len >= 2, got {args.batch_size}, "
                              f"{args.max_windows} and {args.seq_len}")
+        if not Path(args.data).is_file():  # before the model's checks: the file is the first thing to fix
+            raise FileNotFoundError(f"no such --data file: {args.data}")
         model_dir = Path(args.model)
         config = _load_config(model_dir)
         dev = _resolve_device(args.device)

@@ -36,13 +36,29 @@ from torch import nn
 from lalr_lightning.choices import PAPER_TASKS  # noqa: F401 -- re-exported
 
 
-def read_task(path: str | os.PathLike) -> list[dict]:
+class TaskDocs(list):
+    """:func:`read_task`'s examples (a list of dicts) that remember where each came from, so an
+    example found too long only once tokenized is named by its file and line."""
+
+    def __init__(self, docs: Sequence[dict] = (), source: str = "", lines: Sequence[int] = ()):
+        super().__init__(docs)
+        self.source, self.lines = source, list(lines)
+
+    def where(self, i: int) -> str:
+        """``FILE line N`` of example ``i`` (``example i`` for docs read from no file)."""
+        if self.source and i < len(self.lines):
+            return f"{self.source} line {self.lines[i]}"
+        return f"example {i}"
+
+
+def read_task(path: str | os.PathLike) -> TaskDocs:
     """The examples of a ``--task`` file, each checked: a ``context`` string, a non-empty list of
-    ``choices`` strings and an integer ``label`` indexing them (one line naming the first bad one)."""
+    ``choices`` strings and an integer ``label`` indexing them (one line naming the first bad one).
+    A list of dicts that knows each one's line (:class:`TaskDocs`)."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"no such --task file: {path}")
-    docs = []
+    docs, lines = [], []
     for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
@@ -53,9 +69,10 @@ def read_task(path: str | os.PathLike) -> list[dict]:
                              '{"context": str, "choices": [str, ...], "label": int}') from None
         _check_doc(doc, f"{p.name} line {i}")
         docs.append(doc)
+        lines.append(i)
     if not docs:
         raise ValueError(f"{path} holds no examples; one a line: " + '{"context": str, "choices": [...], "label": int}')
-    return docs
+    return TaskDocs(docs, p.name, lines)
 
 
 def _check_doc(doc, where: str) -> None:
@@ -145,10 +162,16 @@ def zeroshot(model: nn.Module, tokenizer, docs: Sequence[dict], batch_size: int 
     """``{"acc", "acc_norm", "acc_stderr", "acc_norm_stderr", "n"}`` of ``model`` on ``docs``
     (:func:`read_task`'s examples), computed as lm-evaluation-harness does (module docstring)."""
     requests, owner = [], []
+    max_len = _max_length(model)
     for d, doc in enumerate(docs):
-        for choice in doc["choices"]:
+        for k, choice in enumerate(doc["choices"]):
             requests.append(encode_pair(tokenizer, doc["context"], " " + choice))
             owner.append(d)
+            n = len(requests[-1][1])
+            if n > max_len:  # no window holds it whole: lm-evaluation-harness refuses it too (an assert)
+                where = docs.where(d) if isinstance(docs, TaskDocs) else f"example {d}"
+                raise ValueError(f"{where}: choice {k} is {n} tokens, longer than the model's {max_len} positions; "
+                                 "shorten it, or evaluate a model with more positions")
     was_training = model.training
     model.eval()
     try:

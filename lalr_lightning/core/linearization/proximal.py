@@ -18,8 +18,9 @@ decoupled from the optimizer, as AdamW decouples weight decay: it is not folded 
 gradient, so Adam's normalization does not rescale it.
 
 Which ``theta`` goes into the inner product is the caller's choice; the one this module is
-written for (DESIGN "Selective projection") is the weights *after* the optimizer step, the
-point where the pull is applied, with the gradient of the step just taken.
+written for (the authors' selective projection; docs/proximal.md, "Choices where the paper is
+silent") is the weights *after* the optimizer step, the point where the pull is applied, with the
+gradient of the step just taken.
 """
 
 from __future__ import annotations

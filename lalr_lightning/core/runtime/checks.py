@@ -236,6 +236,28 @@ def orphaned_masks(checkpoint: dict, claimed: set) -> str | None:
             "there drops them on purpose)")
 
 
+def unclaimed_states(checkpoint: dict, claimed: set, fresh: list[str]) -> str | None:
+    """The one-line warning for a checkpoint holding the state of a callback of the package that no
+    callback of the resuming fit takes (``claimed``: their state keys; ``fresh``: the fit's
+    callbacks that found no state of their own): resuming LISA + TempBalance with Spectrum +
+    TempBalance drops LISA's draws and history. HTSRPruning's masks are :func:`orphaned_masks`'.
+    Once per loaded checkpoint."""
+    if checkpoint.get("_lalr_unclaimed_checked"):
+        return None
+    checkpoint["_lalr_unclaimed_checked"] = True
+    states = checkpoint.get("callbacks") or {}
+    left = {k: v for k, v in states.items()
+            if isinstance(k, str) and k not in claimed and isinstance(v, dict)
+            and {"version", "settings", "history"} <= set(v)  # LayerwiseCallback.state_dict's entries
+            and not (k.split("{")[0].split("[")[0] == "HTSRPruning" and v.get("masks"))}
+    if not left:
+        return None
+    shown = ", ".join(f"{k} ({len(v.get('history') or [])} decisions)" for k, v in left.items())
+    starts = f"; {', '.join(fresh)} of this fit found no state of its own and starts afresh" if fresh else ""
+    return (f"the checkpoint holds the state of {shown}, which no callback of this fit takes: it is left unused"
+            f"{starts}; to resume it, add that callback with the settings of the run that saved it")
+
+
 #: when a callback draws its figures (ESD plots, heatmaps) for the loggers that take images;
 #: an integer N is every N epochs, with the first and the last decision
 FIGURES = ("every", "first_last", "never")

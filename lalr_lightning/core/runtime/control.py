@@ -42,7 +42,7 @@ How the multipliers reach the update -- two ways to the same update, chosen per 
   those, the scaled parameters are float32 or float64 plain tensors (a low-precision weight
   rounds its update before the stretch), the copy stays under :data:`RESCALE_MAX_BYTES`, and on
   a CPU the split would add enough groups to cost more (:data:`SPLIT_GROUP_TENSORS`).
-* **a transient split** (otherwise; DESIGN.md, option a): a step pre-hook replaces the
+* **a transient split** (otherwise; docs/design.md, "Control"): a step pre-hook replaces the
   optimizer's ``param_groups`` by per-multiplier sub-groups whose ``lr`` is ``scheduled lr x
   multiplier``, and a step post-hook puts the original groups back.
 

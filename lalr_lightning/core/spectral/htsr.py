@@ -1,7 +1,7 @@
 """Heavy-tailed self-regularization (HT-SR) spectral analysis, batched and on the weights' device.
 
-The numbers follow the two reference implementations (see DESIGN "Facts about the reference
-implementations"):
+The numbers follow the two reference implementations (docs/internals.md, "Conventions (matching
+the reference implementations)"):
 
 * ESD: eigenvalues of ``W^T W`` (squared singular values), ascending, no ``1/N``, float64 in the
   true scale (computed on a power-of-two rescaled copy; routes and error model: comment "ESDs"

@@ -5,6 +5,7 @@ decides when.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -253,3 +254,20 @@ def finite_alphas(fitted: Mapping[str, LayerFit], who: str = "TempBalanceCallbac
             "layer_types / min_evals"
         )
     return alphas
+
+
+def few_evals_note(excluded: Mapping[str, str], who: str = "TempBalanceCallback") -> str | None:
+    """The warning naming the layers :func:`eligible_layers` leaves at the scheduled LR for too few
+    eigenvalues (the first and output layers, TempBalance's own rule, go unsaid), or None. Layers
+    that differ only in their block number are one entry (``model.layers.*.self_attn.k_proj``, 22
+    layers: a LLaMA's grouped-query ``k_proj`` / ``v_proj``)."""
+    few = {k: v for k, v in excluded.items() if "< min_evals" in v}
+    if not few:
+        return None
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name, why in few.items():
+        groups.setdefault((re.sub(r"(?<=\.)\d+(?=\.)", "*", name), why), []).append(name)
+    shown = "; ".join(f"{names[0]} ({why})" if len(names) == 1 else f"{pattern} ({len(names)} layers: {why})"
+                      for (pattern, why), names in groups.items())
+    return (f"{who} leaves {len(few)} layers at the scheduled learning rate, too few eigenvalues for a "
+            f"power-law fit: {shown}. Lower min_evals to balance them")
