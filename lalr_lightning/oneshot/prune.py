@@ -542,8 +542,7 @@ def prune_checkpoint(
     preset: str | None = None,
     metric: str | None = None,
     epsilon: float | None = None,
-    remove_blocks: int | None = None,
-    block_criterion: str | None = None,
+    remove_blocks: int | None = None, block_criterion: str | None = None,
     calibration: str | os.PathLike | None = None,
     n_samples: int = 128,
     seq_len: int = 2048,
@@ -562,14 +561,8 @@ def prune_checkpoint(
 ) -> PruneReport:
     """Prune the causal LM in ``model_dir`` and write the pruned model to ``out_dir`` (module
     docstring). Returns the :class:`PruneReport`; ``log`` receives progress lines. Per-layer ratios
-    as :func:`prune_model`'s; ``criterion`` default ``"wanda"``.
-
-    ``remove_blocks=K, block_criterion=...`` removes ``K`` whole decoder blocks
-    (``core/pruning/depth.py``): the blocks are scored on the dense model (streamed, one block at a
-    time), the cut model is written with ``num_hidden_layers`` reduced by ``K``, its blocks renumbered
-    and the config's per-block lists cut. The kept blocks are copied as they are, unless
-    ``sparsity`` or ``n``/``m`` (or ``ratios``) is given too: then they are pruned as without
-    ``remove_blocks``, calibrated on the cut model (the removed blocks are skipped).
+    as :func:`prune_model`'s; ``criterion`` default ``"wanda"``. ``remove_blocks=K, block_criterion=...``
+    removes ``K`` whole decoder blocks (:func:`_remove_blocks_streamed`).
 
     Everything that can be checked is checked before the first block: the arguments, the
     architecture, every tensor the config implies (present, with its shape) and every value
@@ -582,18 +575,47 @@ def prune_checkpoint(
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     # 1. arguments, the architecture and every tensor: nothing is written, nothing calibrated yet
     recipe = Recipe(preset, metric, epsilon, owl_m, owl_lambda, ratios)
-    depth = _check_depth_args(remove_blocks, block_criterion, in_memory, sparsity, criterion, n, m, recipe, blocksize,
-                              percdamp)
-    unstructured = not depth or sparsity is not None or bool(m) or bool(n) or ratios is not None
-    criterion = (criterion or "wanda") if unstructured else None
-    if unstructured:
-        sparsity = _check_prune_args(sparsity, criterion, n, m, preset, metric, epsilon, blocksize, percdamp, recipe)
+    depth, unstructured, criterion, sparsity = _check_what(remove_blocks, block_criterion, in_memory, sparsity,
+                                                           criterion, n, m, recipe, blocksize, percdamp)
     _check_run_args(n_samples, seq_len, batch_size, ratios)
     settings = _ratio_settings(preset, metric, epsilon)
     dev = _resolve_device(device)
     config = _load_config(model_dir)
     _check_out(model_dir, out_dir)
     needs = _check_calibration(criterion, recipe, calibration, config, seq_len, say, block_criterion if depth else None)
+    ckpt, cdtype, sm, remove_blocks = _open_checked(model_dir, config, dev, dtype, needs, depth, remove_blocks,
+                                                    n_samples, seq_len, say)
+    written = _settings_record(criterion, sparsity, n, m, settings, recipe) if unstructured else {"criterion": None}
+    # 2. claim --out (or learn who holds it), then work in a temporary sibling
+    what = (f"--criterion {criterion} --sparsity {sparsity:g}" if unstructured else f"--remove-blocks {remove_blocks}")
+    claim = OutputClaim(out_dir, command=f"prune {model_dir} --out {out_dir} {what}", log=say)
+    with claim as tmp:
+        samples = _samples(model_dir, calibration, n_samples, seq_len, seed, text_field, say) if needs else None
+        t0 = time.perf_counter()
+        if depth:
+            report = _remove_blocks_streamed(sm, tmp, samples, remove_blocks, block_criterion, unstructured, settings,
+                                             recipe, sparsity, criterion, n, m, batch_size, blocksize, percdamp, say)
+        elif in_memory:
+            report = _prune_in_memory(model_dir, tmp, samples, cdtype, dev, ckpt.stored_dtype(), sparsity=sparsity,
+                                      criterion=criterion, n=n, m=m, batch_size=batch_size, blocksize=blocksize,
+                                      percdamp=percdamp, **_recipe_kwargs(recipe))
+        else:
+            report = _prune_streamed(sm, tmp, samples, settings, recipe, sparsity, criterion, n, m, batch_size,
+                                     *_knobs(blocksize, percdamp), say)
+        _copy_side_files(model_dir, tmp, overwrite=not in_memory)  # save_pretrained wrote its own config
+        written, rename, config = _finish_cut(model_dir, tmp, sm, report, written, remove_blocks) if depth else (
+            written, None, config)  # a cut model's config, and its tensors' names for the check
+        report.seconds = time.perf_counter() - t0
+        _write_report(tmp, report, written)
+        _verify_output(tmp, None if in_memory else ckpt, config, rename=rename, uniform=needs or not depth)
+        claim.commit()
+    return report
+
+
+def _open_checked(model_dir: Path, config, dev, dtype, needs: bool, depth: bool, remove_blocks, n_samples: int,
+                  seq_len: int, say):
+    """The checkpoint, the compute dtype and the streamed model, every tensor checked (present, with
+    its shape, finite), ``--remove-blocks`` against the block count and the calibration's memory."""
     ckpt = _Checkpoint(model_dir)
     cdtype = _resolve_dtype(dtype, dev, ckpt.stored_dtype())
     sm = _Streamed(model_dir, config, dev, cdtype, ckpt=ckpt, uniform=needs or not depth)
@@ -606,40 +628,34 @@ def prune_checkpoint(
     if needs:
         hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 0
         _check_calibration_memory(int(n_samples), int(seq_len), int(hidden), cdtype, dev)
-    written = _settings_record(criterion, sparsity, n, m, settings, recipe) if unstructured else \
-        {"criterion": None, "sparsity": None, "n": 0, "m": 0}
-    # 2. claim --out (or learn who holds it), then work in a temporary sibling
-    what = (f"--criterion {criterion} --sparsity {sparsity:g}" if unstructured else "") + (
-        f" --remove-blocks {remove_blocks} --block-criterion {block_criterion}" if depth else "")
-    claim = OutputClaim(out_dir, command=f"prune {model_dir} --out {out_dir} {what.strip()}", log=say)
-    with claim as tmp:
-        samples = _samples(model_dir, calibration, n_samples, seq_len, seed, text_field, say) if needs else None
-        t0 = time.perf_counter()
-        if depth:
-            report = _remove_blocks_streamed(sm, tmp, samples, remove_blocks, block_criterion, unstructured, settings,
-                                             recipe, sparsity, criterion, n, m, batch_size, blocksize, percdamp, say)
-            kept = [i for i in range(len(sm.blocks)) if i not in report.removed_blocks]
-            _copy_side_files(model_dir, tmp)
-            _write_cut_config(model_dir, tmp, kept, len(sm.blocks))
-            report.seconds = time.perf_counter() - t0
-            _write_report(tmp, report, {**written, **_depth_record(report, kept, remove_blocks)})
-            _verify_output(tmp, ckpt, _load_config(tmp), rename=_renamer(sm, kept), uniform=needs)
-            claim.commit()
-            return report
-        if in_memory:
-            report = _prune_in_memory(model_dir, tmp, samples, cdtype, dev, ckpt.stored_dtype(), sparsity=sparsity,
-                                      criterion=criterion, n=n, m=m, batch_size=batch_size, blocksize=blocksize,
-                                      percdamp=percdamp, **_recipe_kwargs(recipe))
-        else:
-            knobs = (128 if blocksize is None else int(blocksize), 0.01 if percdamp is None else float(percdamp))
-            report = _prune_streamed(sm, tmp, samples, settings, recipe, sparsity, criterion, n, m, batch_size,
-                                     *knobs, say)
-        _copy_side_files(model_dir, tmp, overwrite=not in_memory)  # save_pretrained wrote its own config
-        report.seconds = time.perf_counter() - t0
-        _write_report(tmp, report, written)
-        _verify_output(tmp, None if in_memory else ckpt, config)
-        claim.commit()
-    return report
+    return ckpt, cdtype, sm, remove_blocks
+
+
+def _knobs(blocksize, percdamp) -> tuple[int, float]:
+    """SparseGPT's blocksize and percdamp, their defaults filled in."""
+    return 128 if blocksize is None else int(blocksize), 0.01 if percdamp is None else float(percdamp)
+
+
+def _check_what(remove_blocks, block_criterion, in_memory, sparsity, criterion, n, m, recipe: Recipe, blocksize,
+                percdamp):
+    """``(depth, unstructured, criterion, sparsity)``: whether blocks are removed, whether the
+    (kept) blocks' weights are pruned, and by which criterion to which target (checked)."""
+    depth = _check_depth_args(remove_blocks, block_criterion, in_memory, sparsity, criterion, n, m, recipe, blocksize,
+                              percdamp)
+    unstructured = not depth or sparsity is not None or bool(m) or bool(n) or recipe.ratios is not None
+    criterion = (criterion or "wanda") if unstructured else None
+    if unstructured:
+        sparsity = _check_prune_args(sparsity, criterion, n, m, recipe.preset, recipe.metric, recipe.epsilon,
+                                     blocksize, percdamp, recipe)
+    return depth, unstructured, criterion, sparsity
+
+
+def _finish_cut(model_dir: Path, tmp: Path, sm: _Streamed, report: PruneReport, written: dict, k: int):
+    """A depth prune's config.json (blocks cut), its pruning.json record, the renaming of the source's
+    tensors and the cut config for the output check."""
+    kept = [i for i in range(len(sm.blocks)) if i not in report.removed_blocks]
+    _write_cut_config(model_dir, tmp, kept, len(sm.blocks))
+    return {**written, **_depth_record(report, kept, k)}, _renamer(sm, kept), _load_config(tmp)
 
 
 def _recipe_kwargs(recipe: Recipe) -> dict:
@@ -859,8 +875,11 @@ def _block_scores(sm: _Streamed, samples, k: int, block_criterion: str, batch_si
 def _remove_blocks_streamed(sm: _Streamed, tmp: Path, samples, k: int, block_criterion: str, unstructured: bool,
                             settings, recipe, sparsity, criterion, n, m, batch_size, blocksize, percdamp,
                             say) -> PruneReport:
-    """Score the dense blocks, choose the ``k`` to remove, then write the kept ones renumbered
-    (pruned first when ``unstructured``) and everything outside the blocks."""
+    """``--remove-blocks K`` (``core/pruning/depth.py``): score the dense blocks (streamed, one block at
+    a time), choose the ``k`` to remove, then write the kept ones renumbered and everything outside
+    the blocks. The kept blocks are copied as stored, or, when ``unstructured``, pruned as without
+    ``--remove-blocks`` and calibrated on the cut model (the removed blocks skipped); the caller
+    writes the config with ``num_hidden_layers`` reduced by ``k`` and its per-block lists cut."""
     from lalr_lightning.core.pruning.depth import choose_removed
 
     nb = len(sm.blocks)
@@ -868,9 +887,8 @@ def _remove_blocks_streamed(sm: _Streamed, tmp: Path, samples, k: int, block_cri
     removed = choose_removed(block_criterion, scores, k, nb)
     kept = [i for i in range(nb) if i not in removed]
     say(f"removing blocks {removed} of {nb} ({block_criterion}); {len(kept)} stay")
-    knobs = (128 if blocksize is None else int(blocksize), 0.01 if percdamp is None else float(percdamp))
     report = _prune_streamed(_Kept(sm, kept), tmp, samples, settings, recipe, sparsity, criterion, n, m, batch_size,
-                             *knobs, say, prune=unstructured)
+                             *_knobs(blocksize, percdamp), say, prune=unstructured)
     report.removed_blocks, report.block_scores, report.block_criterion = removed, scores, block_criterion
     return report
 
