@@ -22,11 +22,13 @@ Usage::
 
     python benchmarks/depth_pruning.py --threads 1                   # ~15 min on 2 busy cores
     python benchmarks/depth_pruning.py --quick                       # seconds: the test's mode
+    python benchmarks/depth_pruning.py --shape 1024,2816,8 --threads 1   # speed alone, a larger LLaMA shape
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import statistics
@@ -80,15 +82,17 @@ def _live_bytes_peak(fn) -> int:
     return tracker.peak
 
 
-def speed(model_dir: Path, device: str, args) -> dict:
-    """Prefill tokens/s, decode tokens/s and peak memory of the model in ``model_dir`` on ``device``."""
+def speeds(dirs: dict[int, Path], device: str, args) -> list[dict]:
+    """Prefill tokens/s, decode tokens/s and peak memory of each model (``{K: directory}``) on
+    ``device``. The models' timings are interleaved, repeat by repeat (the median kept), so a change
+    of the machine's load during the run falls on all of them alike."""
     import torch
     from transformers import AutoModelForCausalLM
 
     dtype = torch.float32 if device == "cpu" else torch.float16
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    models = {k: AutoModelForCausalLM.from_pretrained(d, dtype=dtype).to(device).eval() for k, d in dirs.items()}
     g = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size
+    vocab = next(iter(models.values())).config.vocab_size
     prefill = torch.randint(4, vocab, (args.prefill_batch, args.prefill_len), generator=g).to(device)
     prompt = torch.randint(4, vocab, (1, 16), generator=g).to(device)
 
@@ -96,37 +100,43 @@ def speed(model_dir: Path, device: str, args) -> dict:
         if device != "cpu":
             torch.cuda.synchronize()
 
-    def run_prefill():
+    def run_prefill(model):
         with torch.no_grad():
             model(input_ids=prefill, use_cache=False)
 
-    def run_decode():
+    def run_decode(model):
         with torch.no_grad():
             model.generate(prompt, max_new_tokens=args.decode_tokens, min_new_tokens=args.decode_tokens,
                            do_sample=False, pad_token_id=0)
 
-    run_prefill()
-    run_decode()  # warm-up
-    times = {"prefill": [], "decode": []}
+    for model in models.values():  # warm-up
+        run_prefill(model)
+        run_decode(model)
+    times = {(k, what): [] for k in models for what in ("prefill", "decode")}
     for _ in range(args.repeats):
-        for name, fn in (("prefill", run_prefill), ("decode", run_decode)):
-            sync()
-            t = time.perf_counter()
-            fn()
-            sync()
-            times[name].append(time.perf_counter() - t)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    if device == "cpu":
-        peak = weights + max(_live_bytes_peak(run_prefill), _live_bytes_peak(run_decode))
-    else:
-        torch.cuda.reset_peak_memory_stats()
-        run_prefill()
-        run_decode()
-        peak = torch.cuda.max_memory_allocated()
-    out = {"prefill_tok_s": prefill.numel() / statistics.median(times["prefill"]),
-           "decode_tok_s": args.decode_tokens / statistics.median(times["decode"]),
-           "peak_mib": peak / 2**20, "weights_mib": weights / 2**20, "blocks": model.config.num_hidden_layers}
-    return out
+        for k, model in models.items():
+            for what, fn in (("prefill", run_prefill), ("decode", run_decode)):
+                sync()
+                t = time.perf_counter()
+                fn(model)
+                sync()
+                times[k, what].append(time.perf_counter() - t)
+    rows = []
+    for k, model in models.items():
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        if device == "cpu":
+            peak = weights + max(_live_bytes_peak(functools.partial(run_prefill, model)),
+                                 _live_bytes_peak(functools.partial(run_decode, model)))
+        else:
+            torch.cuda.reset_peak_memory_stats()
+            run_prefill(model)
+            run_decode(model)
+            peak = torch.cuda.max_memory_allocated()
+        rows.append({"device": device, "k": k, "prefill_tok_s": prefill.numel() / statistics.median(times[k, "prefill"]),
+                     "decode_tok_s": args.decode_tokens / statistics.median(times[k, "decode"]),
+                     "peak_mib": peak / 2**20, "weights_mib": weights / 2**20,
+                     "blocks": model.config.num_hidden_layers})
+    return rows
 
 
 # ----------------------------------------------------------------------------- quality
@@ -231,6 +241,34 @@ def heal_lightning_seam(cut: Path, out: Path, windows, removed: list[int], n_blo
 # ----------------------------------------------------------------------------- the run
 
 
+def shape_speed(root: Path, args, devices: list[str]) -> dict:
+    """``--shape H,I,L``: speed alone, dense against cut, on a randomly initialised LLaMA of that shape
+    (the block removal's speed does not depend on the weights; a larger shape than the trained model's
+    shows it where the matrix products, not the per-block overhead, take the time)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lalr_lightning.data.causal_lm import word_tokenizer
+    from lalr_lightning.oneshot import prune_checkpoint
+
+    hidden, inter, layers = (int(x) for x in args.shape.split(","))
+    tok = word_tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 64),
+                      max_position_embeddings=max(256, args.prefill_len + 32))
+    torch.manual_seed(0)
+    dense = root / "shape_dense"
+    LlamaForCausalLM(cfg).save_pretrained(dense)
+    tok.save_pretrained(dense)
+    ks = sorted({max(1, min(layers - 1, round(float(f) * layers))) for f in args.fractions.split(",")})
+    dirs = {0: dense}
+    for k in ks:
+        dirs[k] = root / f"shape_cut_{k}"
+        shutil.rmtree(dirs[k], ignore_errors=True)
+        prune_checkpoint(dense, dirs[k], remove_blocks=k, block_criterion="last")
+    return {"blocks": layers, "ks": ks, "speed": [r for d in devices for r in speeds(dirs, d, args)]}
+
+
 def _train_args(args) -> argparse.Namespace:
     return argparse.Namespace(hidden=args.hidden, intermediate=args.intermediate, layers=args.layers,
                               train_steps=args.train_steps)
@@ -262,6 +300,8 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--quick", action="store_true", help="a tiny model and few steps: that the script runs")
+    p.add_argument("--shape", default=None, metavar="H,I,L",
+                   help="instead: speed alone of a random LLaMA of hidden H, MLP I, L blocks, dense against cut")
     p.add_argument("--dir", default=None)
     p.add_argument("--keep", action="store_true")
     args = p.parse_args(argv)
@@ -282,6 +322,14 @@ def main(argv=None) -> dict:
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="depth_pruning_"))
     devices = [d for d in args.devices.split(",") if d == "cpu" or (d == "cuda" and torch.cuda.is_available())]
     t0 = time.perf_counter()
+    if args.shape:
+        try:
+            result = shape_speed(root, args, devices)
+            print_speed(result)
+            return result
+        finally:
+            if not args.keep and not args.dir:
+                shutil.rmtree(root, ignore_errors=True)
     try:
         dense = Path(args.model) if args.model else root / "dense"
         if not args.model and not (dense / "config.json").exists():
@@ -294,8 +342,6 @@ def main(argv=None) -> dict:
         result = {"blocks": n_blocks, "ks": ks, "quality": [], "speed": [], "heal": []}
         base = evaluate(dense)
         result["quality"].append({"criterion": "dense", "k": 0, "removed": [], **base})
-        for dev in devices:
-            result["speed"].append({"device": dev, "k": 0, **speed(dense, dev, args)})
         cuts = {}
         for k in ks:
             for crit in args.criteria.split(","):
@@ -306,9 +352,9 @@ def main(argv=None) -> dict:
                 cuts[crit, k] = (out, report.removed_blocks)
                 result["quality"].append({"criterion": crit, "k": k, "removed": report.removed_blocks, **evaluate(out)})
                 print(f"K={k} {crit}: removed {report.removed_blocks} {result['quality'][-1]}", flush=True)
-            for dev in devices:  # the cut architecture is the same whichever blocks went
-                result["speed"].append({"device": dev, "k": k, **speed(cuts[args.criteria.split(',')[0], k][0], dev,
-                                                                          args)})
+        # the cut architecture is the same whichever blocks went: one cut model per K
+        dirs = {0: dense, **{k: cuts[args.criteria.split(",")[0], k][0] for k in ks}}
+        result["speed"] = [r for dev in devices for r in speeds(dirs, dev, args)]
         windows = _heal_windows(dense, args)
         for crit in [c for c in args.heal.split(",") if c]:
             cut, removed = cuts[crit, ks[0]]
@@ -335,13 +381,7 @@ def print_tables(result: dict) -> None:
     for r in result["quality"]:
         print(f"| {r['criterion']} | {r['k']} | {r['removed'] or '-'} | {r['ppl']:.3f} | {r['acc']:.3f} | "
               f"{r['acc_norm']:.3f} |")
-    print("\n| device | K | blocks | prefill tok/s | decode tok/s | peak MiB | prefill x | decode x |\n"
-          "|---|---|---|---|---|---|---|---|")
-    for r in result["speed"]:
-        d = next(x for x in result["speed"] if x["device"] == r["device"] and x["k"] == 0)
-        print(f"| {r['device']} | {r['k']} | {r['blocks']} | {r['prefill_tok_s']:,.0f} | {r['decode_tok_s']:,.1f} | "
-              f"{r['peak_mib']:.1f} | {r['prefill_tok_s'] / d['prefill_tok_s']:.2f} | "
-              f"{r['decode_tok_s'] / d['decode_tok_s']:.2f} |")
+    print_speed(result)
     if result["heal"]:
         print("\n| criterion | K | model | perplexity | acc | acc_norm |\n|---|---|---|---|---|---|")
         for h in result["heal"]:
@@ -351,6 +391,16 @@ def print_tables(result: dict) -> None:
                 print(f"| {h['criterion']} | {h['k']} | {label} | {r['ppl']:.3f} | {r['acc']:.3f} | "
                       f"{r['acc_norm']:.3f} |")
     print(f"\ntotal {result['seconds']:.0f} s")
+
+
+def print_speed(result: dict) -> None:
+    print("\n| device | K | blocks | prefill tok/s | decode tok/s | peak MiB | prefill x | decode x | peak x |\n"
+          "|---|---|---|---|---|---|---|---|---|")
+    for r in result["speed"]:
+        d = next(x for x in result["speed"] if x["device"] == r["device"] and x["k"] == 0)
+        print(f"| {r['device']} | {r['k']} | {r['blocks']} | {r['prefill_tok_s']:,.0f} | {r['decode_tok_s']:,.1f} | "
+              f"{r['peak_mib']:.1f} | {r['prefill_tok_s'] / d['prefill_tok_s']:.2f} | "
+              f"{r['decode_tok_s'] / d['decode_tok_s']:.2f} | {r['peak_mib'] / d['peak_mib']:.2f} |")
 
 
 if __name__ == "__main__":
