@@ -113,14 +113,16 @@ def speeds(dirs: dict[int, Path], device: str, args) -> list[dict]:
         run_prefill(model)
         run_decode(model)
     times = {(k, what): [] for k in models for what in ("prefill", "decode")}
+    cpu = {key: [] for key in times}  # this process's CPU seconds: on a shared machine, the work alone
     for _ in range(args.repeats):
         for k, model in models.items():
             for what, fn in (("prefill", run_prefill), ("decode", run_decode)):
                 sync()
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 fn(model)
                 sync()
                 times[k, what].append(time.perf_counter() - t)
+                cpu[k, what].append(time.process_time() - c)
     rows = []
     for k, model in models.items():
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -134,6 +136,8 @@ def speeds(dirs: dict[int, Path], device: str, args) -> list[dict]:
             peak = torch.cuda.max_memory_allocated()
         rows.append({"device": device, "k": k, "prefill_tok_s": prefill.numel() / statistics.median(times[k, "prefill"]),
                      "decode_tok_s": args.decode_tokens / statistics.median(times[k, "decode"]),
+                     "prefill_cpu_s": statistics.median(cpu[k, "prefill"]),
+                     "decode_cpu_s": statistics.median(cpu[k, "decode"]),
                      "peak_mib": peak / 2**20, "weights_mib": weights / 2**20,
                      "blocks": model.config.num_hidden_layers})
     return rows
@@ -393,14 +397,20 @@ def print_tables(result: dict) -> None:
     print(f"\ntotal {result['seconds']:.0f} s")
 
 
+def _by_cpu(dense: dict, row: dict, what: str) -> str:
+    return f" / {dense[what + '_cpu_s'] / row[what + '_cpu_s']:.2f}" if row["device"] == "cpu" else ""
+
+
 def print_speed(result: dict) -> None:
-    print("\n| device | K | blocks | prefill tok/s | decode tok/s | peak MiB | prefill x | decode x | peak x |\n"
-          "|---|---|---|---|---|---|---|---|---|")
+    """Tokens/s by the wall clock; the speed-ups by the wall clock and (CPU) by this process's CPU
+    seconds, which a machine shared with other work leaves far less noisy (one thread: the work)."""
+    print("\n| device | K | blocks | prefill tok/s | decode tok/s | peak MiB | prefill x (wall / CPU s) | "
+          "decode x (wall / CPU s) | peak x |\n|---|---|---|---|---|---|---|---|---|")
     for r in result["speed"]:
         d = next(x for x in result["speed"] if x["device"] == r["device"] and x["k"] == 0)
         print(f"| {r['device']} | {r['k']} | {r['blocks']} | {r['prefill_tok_s']:,.0f} | {r['decode_tok_s']:,.1f} | "
-              f"{r['peak_mib']:.1f} | {r['prefill_tok_s'] / d['prefill_tok_s']:.2f} | "
-              f"{r['decode_tok_s'] / d['decode_tok_s']:.2f} | {r['peak_mib'] / d['peak_mib']:.2f} |")
+              f"{r['peak_mib']:.1f} | {r['prefill_tok_s'] / d['prefill_tok_s']:.2f}{_by_cpu(d, r, 'prefill')} | "
+              f"{r['decode_tok_s'] / d['decode_tok_s']:.2f}{_by_cpu(d, r, 'decode')} | {r['peak_mib'] / d['peak_mib']:.2f} |")
 
 
 if __name__ == "__main__":
