@@ -267,6 +267,7 @@ def test_remove_blocks_with_sparsity_equals_the_two_commands_in_turn(files, tmp_
     (["--remove-blocks", "0", "--block-criterion", "last"], "--remove-blocks must be an integer >= 1"),
     (["--remove-blocks", "1.5", "--block-criterion", "last"], "--remove-blocks must be an integer >= 1"),
     (["--remove-blocks", "two", "--block-criterion", "last"], "--remove-blocks must be an integer >= 1"),
+    (["--remove-blocks", "inf", "--block-criterion", "last"], "--remove-blocks must be an integer >= 1"),
     (["--remove-blocks", "5", "--block-criterion", "last"], "the model has 5 decoder blocks; remove at most 4"),
     (["--remove-blocks", "2"], "--remove-blocks needs --block-criterion"),
     (["--block-criterion", "alpha"], "add --remove-blocks K"),

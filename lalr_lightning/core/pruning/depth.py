@@ -70,7 +70,7 @@ def check_remove_blocks(k, n_blocks: int) -> int:
     """``--remove-blocks K``: an integer in ``[1, n_blocks - 1]`` (one block at least must stay)."""
     try:
         ok = not isinstance(k, bool) and float(k) == int(float(k))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # "two", None, "nan", "inf"
         ok = False
     if not ok or int(float(k)) < 1:
         raise ValueError(f"--remove-blocks must be an integer >= 1 (the number of decoder blocks to remove), got {k}")
