@@ -15,7 +15,7 @@ import difflib
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["CRITERIA", "DTYPES", "FITS", "PAPER_TASKS", "PRESETS", "PRUNING_METRICS", "closest", "suggestion", "unknown"]
+__all__ = ["BLOCK_CRITERIA", "CRITERIA", "DTYPES", "FITS", "PAPER_TASKS", "PRESETS", "PRUNING_METRICS", "closest", "suggestion", "unknown"]
 
 
 FITS = ("median", "ks", "peak")
@@ -25,6 +25,8 @@ PRUNING_METRICS = ("alpha", "alpha_weighted", "log_alpha_norm", "stable_rank", "
 DTYPES = ("float32", "float16", "bfloat16")
 #: the per-layer ratio recipes of ``prune --preset`` and ``HTSRPruning(preset=...)``
 PRESETS = ("alphapruning", "owl")
+#: how ``prune --remove-blocks K`` picks the blocks (``core/pruning/depth.py``)
+BLOCK_CRITERIA = ("angular", "influence", "alpha", "last")
 #: the zero-shot tasks of the Wanda, SparseGPT and AlphaPruning papers (lm-evaluation-harness names)
 PAPER_TASKS = ("boolq", "rte", "hellaswag", "winogrande", "arc_easy", "arc_challenge", "openbookqa")
 

@@ -144,3 +144,33 @@ def test_step_overhead_quick_prints_every_row(capsys):
     assert rows["TempBalance every 2 steps"]["n_decide"] == 5 and rows["TempBalance every 2 steps"]["outside"] == 1
     lmsa = rows['LMSAStepper (update="msa")']
     assert lmsa["n_decide"] == 2 and lmsa["msa_ms"] > 0 and "other_without_msa" in lmsa  # its update apart
+
+
+def test_depth_pruning_quick_cuts_times_and_heals(tmp_path):
+    """benchmarks/depth_pruning.py's quick mode: every block criterion cuts K = 1/4 of the blocks, the
+    cut model holds fewer bytes at its peak, the surgical heal trains the seam blocks alone and LISA's
+    heal (the HF Trainer) lowers the cut model's held-out perplexity."""
+    import torch
+    from safetensors.torch import load_file
+
+    bench = _load("depth_pruning")
+    res = bench.main(["--quick", "--dir", str(tmp_path), "--heal", "angular", "--devices", "cpu"])
+    n = res["blocks"]
+    assert res["ks"] == [1] and n == 4
+    rows = {(r["criterion"], r["k"]): r for r in res["quality"]}
+    assert set(rows) == {("dense", 0)} | {(c, 1) for c in bench.CRITERIA}
+    for (_, k), r in rows.items():
+        assert len(r["removed"]) == k and math.isfinite(r["ppl"]) and 0 <= r["acc"] <= 1
+    assert rows["last", 1]["removed"] == [n - 2]
+    speed = {r["k"]: r for r in res["speed"]}
+    assert (speed[0]["blocks"], speed[1]["blocks"]) == (n, n - 1)
+    assert speed[1]["weights_mib"] < speed[0]["weights_mib"] and speed[1]["peak_mib"] < speed[0]["peak_mib"]
+    (heal,) = res["heal"]
+    cut, seam, lisa = ({k: v for f in sorted(Path(heal["dirs"][d]).glob("*.safetensors")) for k, v in load_file(f).items()}
+                       for d in ("cut", "seam_lightning", "lisa_hf"))
+    assert cut.keys() == seam.keys() == lisa.keys()
+    changed = {k for k in cut if not torch.equal(cut[k], seam[k])}
+    assert changed and {k.split(".")[2] for k in changed} == {str(j) for j in heal["seam"]}
+    assert all(k.startswith("model.layers.") for k in changed)
+    assert not torch.equal(cut["model.embed_tokens.weight"], lisa["model.embed_tokens.weight"])  # LISA: stem trains
+    assert heal["lisa_hf"]["ppl"] < heal["cut"]["ppl"]

@@ -164,7 +164,7 @@ class _Streamed:
     """A causal LM built on the meta device whose tensors are loaded from the checkpoint on demand."""
 
     def __init__(self, model_dir: Path, config, device: torch.device, dtype: torch.dtype,
-                 ckpt: _Checkpoint | None = None, blocks: bool = True):
+                 ckpt: _Checkpoint | None = None, blocks: bool = True, uniform: bool = True):
         from lalr_lightning.core.pruning.calibration import _check_uniform_attention
 
         self.ckpt = ckpt or _Checkpoint(model_dir)
@@ -175,7 +175,8 @@ class _Streamed:
         self.path, self.blocks = None, nn.ModuleList()
         if blocks:  # streaming needs the block layout; checking what a directory holds does not (perplexity)
             self.path, self.blocks = decoder_blocks(self.model)
-            _check_uniform_attention(self.model)
+            if uniform:  # calibrated from the first block's inputs; a data-free block removal reads none
+                _check_uniform_attention(self.model)
         names = set(self.model.state_dict(keep_vars=True))
         prefix = getattr(self.model, "base_model_prefix", "") or ""
         # checkpoints written by a base model (GPT-2 on the Hub: "h.0...") lack the head's prefix

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lalr_lightning import progress
-from lalr_lightning.choices import CRITERIA, DTYPES, PRESETS, PRUNING_METRICS
+from lalr_lightning.choices import BLOCK_CRITERIA, CRITERIA, DTYPES, PRESETS, PRUNING_METRICS
 
 
 def _quiet_transformers() -> None:
@@ -99,7 +99,7 @@ def _prune_parser(prog: str) -> _Parser:
     p.add_argument("--sparsity", type=float, default=None,
                    help="target fraction of the blocks' linear weights set to zero, in [0, 1) (default 0.5); "
                         "not with --n/--m (N:M fixes it at n/m)")
-    p.add_argument("--criterion", default="wanda", choices=CRITERIA,
+    p.add_argument("--criterion", default=None, choices=CRITERIA,
                    help="wanda: |W| x input-feature norm, needs --calibration; sparsegpt: OBS reconstruction from the "
                         "calibration Hessian, needs --calibration; magnitude: |W| alone, reads no data "
                         "(default: wanda)")
@@ -119,6 +119,15 @@ def _prune_parser(prog: str) -> _Parser:
     p.add_argument("--epsilon", type=float, default=None,
                    help="spread of the per-layer ratios, [1-eps, 1+eps] x target, eps in [0, 1] (default 0.3); "
                         "only with --preset or --metric")
+    p.add_argument("--remove-blocks", default=None, metavar="K",
+                   help="remove K whole decoder blocks (1 <= K < the number of blocks): the written model has K "
+                        "fewer, renumbered, and runs faster on every device; with --sparsity or --n/--m the kept "
+                        "blocks are pruned too, in the same run")
+    p.add_argument("--block-criterion", default=None, choices=BLOCK_CRITERIA,
+                   help="which blocks --remove-blocks removes: angular (the run of K whose input and output differ "
+                        "least, Gromov et al.; needs --calibration), influence (ShortGPT's Block Influence, lowest "
+                        "first; needs --calibration), alpha (highest mean HT-SR alpha first: the least trained; no "
+                        "data) or last (the K blocks before the final one; no data)")
     p.add_argument("--n", type=int, default=0,
                    help="N:M sparsity: prune n of every m consecutive input weights of each row (with --m)")
     p.add_argument("--m", type=int, default=0, help="N:M sparsity: the group size m")
@@ -160,7 +169,8 @@ def prune_main(argv: Sequence[str] | None = None, prog: str = "python -m lalr_li
     try:
         report = prune_checkpoint(
             args.model, args.out, sparsity=args.sparsity, criterion=args.criterion, n=args.n, m=args.m,
-            preset=args.preset, metric=args.metric, epsilon=args.epsilon, calibration=args.calibration,
+            preset=args.preset, metric=args.metric, epsilon=args.epsilon, remove_blocks=args.remove_blocks,
+            block_criterion=args.block_criterion, calibration=args.calibration,
             n_samples=args.n_samples, seq_len=args.seq_len, seed=args.seed, text_field=args.text_field,
             device=args.device, dtype=args.dtype, batch_size=args.batch_size, blocksize=args.blocksize,
             percdamp=args.percdamp, in_memory=args.in_memory, owl_m=args.owl_m, owl_lambda=args.owl_lambda,
@@ -175,7 +185,10 @@ def prune_main(argv: Sequence[str] | None = None, prog: str = "python -m lalr_li
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    print(report.table())
+    if report.removed_blocks:
+        print(report.blocks_table())
+    if report.sparsity or not report.removed_blocks:
+        print(report.table())
     print(f"\npruned model -> {out.resolve()} ({report.seconds:.1f} s)")
     return 0
 

@@ -64,6 +64,10 @@ class PruneReport:
     numels: dict[str, int] = field(default_factory=dict)
     metric: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
+    #: ``--remove-blocks``: the removed blocks (dense indices), every dense block's score, the criterion
+    removed_blocks: list[int] = field(default_factory=list)
+    block_scores: list = field(default_factory=list)
+    block_criterion: str | None = None
 
     @property
     def overall(self) -> float:
@@ -75,6 +79,17 @@ class PruneReport:
         lines = [f"{'layer':<{width}}  {'target':>7}  {'sparsity':>8}"]
         lines += [f"{k:<{width}}  {self.ratios[k]:7.4f}  {v:8.4f}" for k, v in self.sparsity.items()]
         lines.append(f"{'overall':<{width}}  {self._target():7.4f}  {self.overall:8.4f}")
+        return "\n".join(lines)
+
+    def blocks_table(self) -> str:
+        """One line per dense block: its score and whether it was removed (``--remove-blocks``)."""
+        what = {"angular": "d(l, l+K)", "influence": "influence", "alpha": "mean alpha", "last": "score"}
+        lines = [f"{'block':>5}  {what.get(self.block_criterion, 'score'):>10}  kept"]
+        for i, v in enumerate(self.block_scores):
+            score = "-" if v is None else f"{v:10.4f}"
+            lines.append(f"{i:5d}  {score:>10}  {'removed' if i in self.removed_blocks else 'yes'}")
+        lines.append(f"removed {len(self.removed_blocks)} of {len(self.block_scores)} blocks "
+                     f"({self.block_criterion}): {self.removed_blocks}")
         return "\n".join(lines)
 
     def _target(self) -> float:
@@ -433,19 +448,22 @@ def _write_report(out_dir: Path, report: PruneReport, settings: dict) -> None:
          "metric_values": report.metric}, indent=2) + "\n")
 
 
-def _verify_output(out_dir: Path, source: _Checkpoint | None, config) -> None:
+def _verify_output(out_dir: Path, source: _Checkpoint | None, config, rename=None, uniform: bool = True) -> None:
     """The written directory before it is renamed into place: every shard readable, every tensor
     the config implies present with its shape (and, for a streamed prune, exactly the source's
-    tensors in their stored dtypes)."""
+    tensors in their stored dtypes; ``rename``: a source key's name in the output, None: not
+    written, for a prune that removed blocks)."""
     written = _Checkpoint(out_dir)
-    check = _Streamed(out_dir, config, torch.device("cpu"), torch.float32, ckpt=written)
+    check = _Streamed(out_dir, config, torch.device("cpu"), torch.float32, ckpt=written, uniform=uniform)
     check.validate()
     if source is None:
         return
-    lost = sorted(set(source.where) - set(written.where))
-    extra = sorted(set(written.where) - set(source.where))
-    changed = [k for k in source.where if k in written.where
-               and (written.shapes[k] != source.shapes[k] or written.where[k][1] != source.where[k][1])]
+    rename = rename or (lambda k: k)
+    expect = {rename(k): k for k in source.where if rename(k) is not None}  # output key -> source key
+    lost = sorted(set(expect) - set(written.where))
+    extra = sorted(set(written.where) - set(expect))
+    changed = [k for k, src in expect.items() if k in written.where
+               and (written.shapes[k] != source.shapes[src] or written.where[k][1] != source.where[src][1])]
     if lost or extra or changed:
         raise RuntimeError(f"the written model differs from the source in its tensors (missing {lost[:3]}, extra "
                            f"{extra[:3]}, other shape or dtype {changed[:3]}); please report this")
@@ -477,11 +495,18 @@ def _check_run_args(n_samples, seq_len, batch_size, ratios=None) -> None:
             raise ValueError(f"{flag} must be an integer >= 1, got {value}")
 
 
-def _check_calibration(criterion: str, recipe: Recipe, calibration, config, seq_len: int, say) -> bool:
-    """Whether the prune reads calibration data (Wanda, SparseGPT, OWL's ratios); the file and the
-    window length checked against it."""
-    needs = criteria.needs_stats(criterion) or recipe.owl
-    why = f"criterion {criterion!r}" if criteria.needs_stats(criterion) else "--preset owl"
+def _check_calibration(criterion: str | None, recipe: Recipe, calibration, config, seq_len: int, say,
+                       block_criterion: str | None = None) -> bool:
+    """Whether the prune reads calibration data (Wanda, SparseGPT, OWL's ratios, the data-driven block
+    criteria); the file and the window length checked against it. ``criterion`` None: no unstructured
+    pruning (``--remove-blocks`` alone)."""
+    from lalr_lightning.core.pruning.depth import DATA_CRITERIA
+
+    stats = criterion is not None and criteria.needs_stats(criterion)
+    owl = criterion is not None and recipe.owl
+    needs = stats or owl or block_criterion in DATA_CRITERIA
+    why = (f"criterion {criterion!r}" if stats else "--preset owl" if owl
+           else f"--block-criterion {block_criterion}")
     if needs and calibration is None:
         raise ValueError(f"{why} needs --calibration FILE (text or JSON lines, e.g. a C4 shard)")
     if calibration is not None and Path(calibration).is_dir():
@@ -489,9 +514,12 @@ def _check_calibration(criterion: str, recipe: Recipe, calibration, config, seq_
                          "in it, e.g. a C4 shard")
     if calibration is not None and not Path(calibration).is_file():
         raise FileNotFoundError(f"no such calibration file: {calibration}" + (
-            "" if needs else f" (--criterion {criterion} does not read one: leave --calibration out)"))
+            "" if needs else f" ({'--criterion ' + criterion if criterion else '--block-criterion ' + str(block_criterion)}"
+                             " does not read one: leave --calibration out)"))
     if not needs and calibration is not None:
-        say(f"note: --criterion {criterion} prunes by the weights alone; --calibration {calibration} (and --n-samples, "
+        who = (f"--criterion {criterion}{' (and --block-criterion ' + block_criterion + ')' if block_criterion else ''}"
+               " prunes by" if criterion else f"--block-criterion {block_criterion} reads")
+        say(f"note: {who} the weights alone; --calibration {calibration} (and --n-samples, "
             "--seq-len, --seed, --batch-size) are not used")
     max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if needs and max_pos and seq_len > max_pos:
@@ -504,12 +532,13 @@ def prune_checkpoint(
     out_dir: str | os.PathLike,
     *,
     sparsity: float | None = None,
-    criterion: str = "wanda",
+    criterion: str | None = None,
     n: int = 0,
     m: int = 0,
     preset: str | None = None,
     metric: str | None = None,
     epsilon: float | None = None,
+    remove_blocks: int | None = None, block_criterion: str | None = None,
     calibration: str | os.PathLike | None = None,
     n_samples: int = 128,
     seq_len: int = 2048,
@@ -528,7 +557,8 @@ def prune_checkpoint(
 ) -> PruneReport:
     """Prune the causal LM in ``model_dir`` and write the pruned model to ``out_dir`` (module
     docstring). Returns the :class:`PruneReport`; ``log`` receives progress lines. Per-layer ratios
-    as :func:`prune_model`'s.
+    as :func:`prune_model`'s; ``criterion`` default ``"wanda"``. ``remove_blocks=K, block_criterion=...``
+    removes ``K`` whole decoder blocks (:func:`_remove_blocks_streamed`).
 
     Everything that can be checked is checked before the first block: the arguments, the
     architecture, every tensor the config implies (present, with its shape) and every value
@@ -541,42 +571,87 @@ def prune_checkpoint(
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     # 1. arguments, the architecture and every tensor: nothing is written, nothing calibrated yet
     recipe = Recipe(preset, metric, epsilon, owl_m, owl_lambda, ratios)
-    sparsity = _check_prune_args(sparsity, criterion, n, m, preset, metric, epsilon, blocksize, percdamp, recipe)
+    depth, unstructured, criterion, sparsity = _check_what(remove_blocks, block_criterion, in_memory, sparsity,
+                                                           criterion, n, m, recipe, blocksize, percdamp)
     _check_run_args(n_samples, seq_len, batch_size, ratios)
     settings = _ratio_settings(preset, metric, epsilon)
     dev = _resolve_device(device)
     config = _load_config(model_dir)
     _check_out(model_dir, out_dir)
-    needs = _check_calibration(criterion, recipe, calibration, config, seq_len, say)
+    needs = _check_calibration(criterion, recipe, calibration, config, seq_len, say, block_criterion if depth else None)
+    ckpt, cdtype, sm, remove_blocks = _open_checked(model_dir, config, dev, dtype, needs, depth, remove_blocks,
+                                                    n_samples, seq_len, say)
+    written = _settings_record(criterion, sparsity, n, m, settings, recipe) if unstructured else {"criterion": None}
+    # 2. claim --out (or learn who holds it), then work in a temporary sibling
+    what = (f"--criterion {criterion} --sparsity {sparsity:g}" if unstructured else f"--remove-blocks {remove_blocks}")
+    claim = OutputClaim(out_dir, command=f"prune {model_dir} --out {out_dir} {what}", log=say)
+    with claim as tmp:
+        samples = _samples(model_dir, calibration, n_samples, seq_len, seed, text_field, say) if needs else None
+        t0 = time.perf_counter()
+        if depth:
+            report = _remove_blocks_streamed(sm, tmp, samples, remove_blocks, block_criterion, unstructured, settings,
+                                             recipe, sparsity, criterion, n, m, batch_size, blocksize, percdamp, say)
+        elif in_memory:
+            report = _prune_in_memory(model_dir, tmp, samples, cdtype, dev, ckpt.stored_dtype(), sparsity=sparsity,
+                                      criterion=criterion, n=n, m=m, batch_size=batch_size, blocksize=blocksize,
+                                      percdamp=percdamp, **_recipe_kwargs(recipe))
+        else:
+            report = _prune_streamed(sm, tmp, samples, settings, recipe, sparsity, criterion, n, m, batch_size,
+                                     *_knobs(blocksize, percdamp), say)
+        _copy_side_files(model_dir, tmp, overwrite=not in_memory)  # save_pretrained wrote its own config
+        written, rename, config = _finish_cut(model_dir, tmp, sm, report, written, remove_blocks) if depth else (
+            written, None, config)  # a cut model's config, and its tensors' names for the check
+        report.seconds = time.perf_counter() - t0
+        _write_report(tmp, report, written)
+        _verify_output(tmp, None if in_memory else ckpt, config, rename=rename, uniform=needs or not depth)
+        claim.commit()
+    return report
+
+
+def _open_checked(model_dir: Path, config, dev, dtype, needs: bool, depth: bool, remove_blocks, n_samples: int,
+                  seq_len: int, say):
+    """The checkpoint, the compute dtype and the streamed model, every tensor checked (present, with
+    its shape, finite), ``--remove-blocks`` against the block count and the calibration's memory."""
     ckpt = _Checkpoint(model_dir)
     cdtype = _resolve_dtype(dtype, dev, ckpt.stored_dtype())
-    sm = _Streamed(model_dir, config, dev, cdtype, ckpt=ckpt)
+    sm = _Streamed(model_dir, config, dev, cdtype, ckpt=ckpt, uniform=needs or not depth)
+    if depth:
+        from lalr_lightning.core.pruning.depth import check_remove_blocks
+
+        remove_blocks = check_remove_blocks(remove_blocks, len(sm.blocks))
     sm.validate()
     ckpt.check_values(log=say)
     if needs:
         hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 0
         _check_calibration_memory(int(n_samples), int(seq_len), int(hidden), cdtype, dev)
-    written = _settings_record(criterion, sparsity, n, m, settings, recipe)
-    # 2. claim --out (or learn who holds it), then work in a temporary sibling
-    claim = OutputClaim(out_dir, command=f"prune {model_dir} --out {out_dir} --criterion {criterion} --sparsity "
-                                         f"{sparsity:g}", log=say)
-    with claim as tmp:
-        samples = _samples(model_dir, calibration, n_samples, seq_len, seed, text_field, say) if needs else None
-        t0 = time.perf_counter()
-        if in_memory:
-            report = _prune_in_memory(model_dir, tmp, samples, cdtype, dev, ckpt.stored_dtype(), sparsity=sparsity,
-                                      criterion=criterion, n=n, m=m, batch_size=batch_size, blocksize=blocksize,
-                                      percdamp=percdamp, **_recipe_kwargs(recipe))
-        else:
-            knobs = (128 if blocksize is None else int(blocksize), 0.01 if percdamp is None else float(percdamp))
-            report = _prune_streamed(sm, tmp, samples, settings, recipe, sparsity, criterion, n, m, batch_size,
-                                     *knobs, say)
-        _copy_side_files(model_dir, tmp, overwrite=not in_memory)  # save_pretrained wrote its own config
-        report.seconds = time.perf_counter() - t0
-        _write_report(tmp, report, written)
-        _verify_output(tmp, None if in_memory else ckpt, config)
-        claim.commit()
-    return report
+    return ckpt, cdtype, sm, remove_blocks
+
+
+def _knobs(blocksize, percdamp) -> tuple[int, float]:
+    """SparseGPT's blocksize and percdamp, their defaults filled in."""
+    return 128 if blocksize is None else int(blocksize), 0.01 if percdamp is None else float(percdamp)
+
+
+def _check_what(remove_blocks, block_criterion, in_memory, sparsity, criterion, n, m, recipe: Recipe, blocksize,
+                percdamp):
+    """``(depth, unstructured, criterion, sparsity)``: whether blocks are removed, whether the
+    (kept) blocks' weights are pruned, and by which criterion to which target (checked)."""
+    depth = _check_depth_args(remove_blocks, block_criterion, in_memory, sparsity, criterion, n, m, recipe, blocksize,
+                              percdamp)
+    unstructured = not depth or sparsity is not None or bool(m) or bool(n) or recipe.ratios is not None
+    criterion = (criterion or "wanda") if unstructured else None
+    if unstructured:
+        sparsity = _check_prune_args(sparsity, criterion, n, m, recipe.preset, recipe.metric, recipe.epsilon,
+                                     blocksize, percdamp, recipe)
+    return depth, unstructured, criterion, sparsity
+
+
+def _finish_cut(model_dir: Path, tmp: Path, sm: _Streamed, report: PruneReport, written: dict, k: int):
+    """A depth prune's config.json (blocks cut), its pruning.json record, the renaming of the source's
+    tensors and the cut config for the output check."""
+    kept = [i for i in range(len(sm.blocks)) if i not in report.removed_blocks]
+    _write_cut_config(model_dir, tmp, kept, len(sm.blocks))
+    return {**written, **_depth_record(report, kept, k)}, _renamer(sm, kept), _load_config(tmp)
 
 
 def _recipe_kwargs(recipe: Recipe) -> dict:
@@ -628,12 +703,17 @@ def _stem_inputs(sm: _Streamed, samples, batch_size: int) -> list:
 
 
 def _prune_streamed(sm: _Streamed, tmp: Path, samples, settings, recipe, sparsity, criterion, n, m, batch_size,
-                    blocksize, percdamp, say) -> PruneReport:
+                    blocksize, percdamp, say, prune: bool = True) -> PruneReport:
+    """Prune and write every block of ``sm`` (a :class:`_Streamed`, or a :class:`_Kept` view of the
+    blocks a depth prune keeps, whose tensors are renamed to their new indices); ``prune=False``:
+    copy the blocks' stored tensors as they are."""
     from safetensors.torch import save_file
 
     nb = len(sm.blocks)
     report = PruneReport()
-    _streamed_ratios(sm, samples, settings, recipe, sparsity, batch_size, report)
+    rename = getattr(sm, "rename", lambda k: k)
+    if prune:
+        _streamed_ratios(sm, samples, settings, recipe, sparsity, batch_size, report)
     width = len(str(nb + 1))
     total = nb + 1
 
@@ -653,25 +733,176 @@ def _prune_streamed(sm: _Streamed, tmp: Path, samples, settings, recipe, sparsit
         weight_map.update({k: name for k in tensors})
         size += sum(v.numel() * v.element_size() for v in tensors.values())
 
+    dense = getattr(sm, "dense_index", lambda i: i)
+
     def release(i: int, block: nn.Module) -> None:
         keys = sm.block_keys(i)
-        state = {sm.key(f"{sm.path}.{i}.{k}"): v for k, v in block.state_dict().items()}
+        src = sm.key(f"{sm.path}.{dense(i)}") + "."
+        state = {src + k: v for k, v in block.state_dict().items()}
         out = {}
         for k in keys:  # every stored tensor of the block, in its stored dtype
-            out[k] = state[k].detach().to("cpu", sm.ckpt.dtype(k)) if k in state else sm.ckpt.get(k)
+            out[rename(k)] = state[k].detach().to("cpu", sm.ckpt.dtype(k)) if k in state else sm.ckpt.get(k)
         write(i + 2, out)
         del state, out
         sm.free(i)
         say(f"block {i + 1}/{nb} pruned")
 
-    stats = criteria.needs_stats(criterion)
-    # run_blocks replaces each batch by the block's output in this list: one copy of the activations
-    inputs = _stem_inputs(sm, samples, batch_size) if stats else []
-    run_blocks(nb, inputs, _pruner(report, lambda i, k: f"{sm.path}.{i}.{k}", criterion, n, m, blocksize, percdamp),
-               stats=stats, hessian=criterion == "sparsegpt", materialize=sm.block, release=release)
-    del inputs
-    block_keys = {k for i in range(nb) for k in sm.block_keys(i)}
-    write(1, {k: sm.ckpt.get(k) for k in sm.ckpt.where if k not in block_keys})
+    if prune:
+        stats = criteria.needs_stats(criterion)
+        # run_blocks replaces each batch by the block's output in this list: one copy of the activations
+        inputs = _stem_inputs(sm, samples, batch_size) if stats else []
+        run_blocks(nb, inputs, _pruner(report, lambda i, k: f"{sm.path}.{i}.{k}", criterion, n, m, blocksize,
+                                       percdamp),
+                   stats=stats, hessian=criterion == "sparsegpt", materialize=sm.block, release=release)
+        del inputs
+    else:
+        for i in range(nb):  # the stored tensors, bit for bit, one block at a time
+            write(i + 2, {rename(k): sm.ckpt.get(k) for k in sm.block_keys(i)})
+    in_blocks = _block_key_test(sm)
+    write(1, {k: sm.ckpt.get(k) for k in sm.ckpt.where if not in_blocks(k)})
     (tmp / _INDEX).write_text(json.dumps({"metadata": {"total_size": size},
                                           "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
     return report
+
+
+# ----------------------------------------------------------------------------- removing whole blocks
+
+
+def _check_depth_args(remove_blocks, block_criterion, in_memory, sparsity, criterion, n, m, recipe: Recipe,
+                      blocksize, percdamp) -> bool:
+    """Whether the prune removes blocks (``--remove-blocks``), its arguments checked before any file is
+    read; the pruning flags that need ``--sparsity`` or ``--n``/``--m`` refused without them."""
+    if remove_blocks is None and block_criterion is None:
+        return False
+    from lalr_lightning.core.pruning.depth import check_block_criterion, check_remove_blocks
+
+    if remove_blocks is None:
+        raise ValueError(f"--block-criterion {block_criterion} chooses the blocks --remove-blocks K removes; add "
+                         "--remove-blocks K")
+    check_remove_blocks(remove_blocks, None)
+    if block_criterion is None:
+        raise ValueError("--remove-blocks needs --block-criterion: angular, influence, alpha or last (how the blocks "
+                         "to remove are chosen; docs/llm_pruning.md)")
+    check_block_criterion(block_criterion)
+    if in_memory:
+        raise ValueError("--remove-blocks streams the checkpoint block by block; --in-memory does not apply: leave "
+                         "it out")
+    if sparsity is None and not m and not n and recipe.ratios is None:
+        given = [flag for flag, v in (("--criterion", criterion), ("--preset", recipe.preset),
+                                      ("--metric", recipe.metric), ("--epsilon", recipe.epsilon),
+                                      ("--owl-m", recipe.owl_m), ("--owl-lambda", recipe.owl_lambda),
+                                      ("--blocksize", blocksize), ("--percdamp", percdamp)) if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} prune the kept blocks' weights, which --remove-blocks alone copies "
+                             f"as they are: add --sparsity S (or --n N --m M) to prune them too, or leave "
+                             f"{given[0]} out")
+    return True
+
+
+def _block_key_test(sm):
+    """``key -> bool``: whether a stored key belongs to a decoder block (any, removed or kept)."""
+    pre = sm.key(sm.path) + "."
+    return lambda k: k.startswith(pre) and k[len(pre):].split(".", 1)[0].isdigit()
+
+
+def _renamer(sm, kept: list[int]):
+    """A stored key's name in the cut model: a kept block's renumbered, a removed block's None."""
+    pre = sm.key(sm.path) + "."
+    index = {old: new for new, old in enumerate(kept)}
+    in_blocks = _block_key_test(sm)
+
+    def rename(k: str) -> str | None:
+        if not in_blocks(k):
+            return k
+        head, _, rest = k[len(pre):].partition(".")
+        new = index.get(int(head))
+        return None if new is None else f"{pre}{new}.{rest}"
+
+    return rename
+
+
+class _Kept:
+    """The kept blocks of a :class:`_Streamed` as if they were its only ones (``blocks[j]`` is dense
+    block ``kept[j]``); its stored keys are renamed to the new indices by :attr:`rename`."""
+
+    def __init__(self, sm: _Streamed, kept: list[int]):
+        self._sm, self.kept = sm, list(kept)
+        self.blocks = nn.ModuleList([sm.blocks[i] for i in self.kept])
+        self.rename = _renamer(sm, self.kept)
+
+    def __getattr__(self, name):
+        return getattr(self._sm, name)
+
+    def dense_index(self, j: int) -> int:
+        return self.kept[j]
+
+    def block(self, j: int) -> nn.Module:
+        return self._sm.block(self.kept[j])
+
+    def free(self, j: int) -> None:
+        self._sm.free(self.kept[j])
+
+    def block_keys(self, j: int) -> list[str]:
+        return self._sm.block_keys(self.kept[j])
+
+
+def _block_scores(sm: _Streamed, samples, k: int, block_criterion: str, batch_size: int) -> list:
+    """Every dense block's score (``core/pruning/depth.py``): its Block Influence, the angular distance
+    of the run of ``k`` starting at it (None where no run of ``k`` starts), its mean alpha, or None
+    (``last``). The blocks are loaded one at a time."""
+    from lalr_lightning.core.pruning import depth
+
+    nb = len(sm.blocks)
+    if block_criterion in depth.DATA_CRITERIA:
+        inputs = _stem_inputs(sm, samples, batch_size)
+        influence, states = depth.score_pass(nb, inputs, sm.block, lambda i, b: sm.free(i))
+        del inputs
+        if block_criterion == "influence":
+            return influence
+        return depth.angular_distances(states, k) + [None] * (k - 1)
+    if block_criterion == "alpha":
+        from lalr_lightning.core.pruning.settings import PRESETS
+
+        fill = PRESETS["alphapruning"]  # AlphaPruning's fit: alpha by the peak, every eigenvalue
+        scores = []
+        for i in progress.bar(range(nb), desc="HT-SR alpha", unit="block"):
+            values = _block_metric(sm.block(i), f"{sm.path}.{i}", "alpha", fill["fit"], fill["filter_zeros"])
+            sm.free(i)
+            scores.append(sum(values.values()) / len(values))
+        return scores
+    return [None] * nb
+
+
+def _remove_blocks_streamed(sm: _Streamed, tmp: Path, samples, k: int, block_criterion: str, unstructured: bool,
+                            settings, recipe, sparsity, criterion, n, m, batch_size, blocksize, percdamp,
+                            say) -> PruneReport:
+    """``--remove-blocks K`` (``core/pruning/depth.py``): score the dense blocks (streamed, one block at
+    a time), choose the ``k`` to remove, then write the kept ones renumbered and everything outside
+    the blocks. The kept blocks are copied as stored, or, when ``unstructured``, pruned as without
+    ``--remove-blocks`` and calibrated on the cut model (the removed blocks skipped); the caller
+    writes the config with ``num_hidden_layers`` reduced by ``k`` and its per-block lists cut."""
+    from lalr_lightning.core.pruning.depth import choose_removed
+
+    nb = len(sm.blocks)
+    scores = _block_scores(sm, samples, k, block_criterion, batch_size)
+    removed = choose_removed(block_criterion, scores, k, nb)
+    kept = [i for i in range(nb) if i not in removed]
+    say(f"removing blocks {removed} of {nb} ({block_criterion}); {len(kept)} stay")
+    report = _prune_streamed(_Kept(sm, kept), tmp, samples, settings, recipe, sparsity, criterion, n, m, batch_size,
+                             *_knobs(blocksize, percdamp), say, prune=unstructured)
+    report.removed_blocks, report.block_scores, report.block_criterion = removed, scores, block_criterion
+    return report
+
+
+def _write_cut_config(model_dir: Path, tmp: Path, kept: list[int], n_blocks: int) -> None:
+    from lalr_lightning.core.pruning.depth import cut_config
+
+    config = json.loads((model_dir / "config.json").read_text())
+    (tmp / "config.json").write_text(json.dumps(cut_config(config, kept, n_blocks), indent=2) + "\n")
+
+
+def _depth_record(report: PruneReport, kept: list[int], k: int) -> dict:
+    """What pruning.json records of a block removal."""
+    return {"remove_blocks": k, "block_criterion": report.block_criterion, "removed_blocks": report.removed_blocks,
+            "kept_blocks": kept, "block_scores": report.block_scores, "blocks_before": len(report.block_scores),
+            "blocks_after": len(kept)}
