@@ -178,7 +178,8 @@ class LayerControl:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"layer-wise control needs a torch.optim.Optimizer, got {type(optimizer).__name__}; "
-                "DeepSpeed and other engines that own the parameter groups are not supported"
+                "an engine that owns the parameter groups is controlled through its torch optimizer (the Hugging "
+                "Face Trainer's DeepSpeed: lalr_lightning.hf.trainer_callback)"
             )
         if not getattr(type(optimizer).step, "hooked", False):
             raise TypeError(
@@ -188,7 +189,13 @@ class LayerControl:
             )
         ctl = getattr(optimizer, _ATTR, None)
         if ctl is None:
-            ctl = cls(optimizer)
+            view = getattr(optimizer, "_lalr_flat_view", None)  # an engine's flat partitions (core/runtime/flat.py)
+            if view is None:
+                ctl = cls(optimizer)
+            else:
+                from lalr_lightning.core.runtime.flat import FlatControl
+
+                ctl = FlatControl(optimizer, view)
             setattr(optimizer, _ATTR, ctl)
         return ctl
 
