@@ -318,6 +318,11 @@ def _refuse_engine(trainer: Any, cb: LayerwiseCallback) -> None:
     if who in _NOT_UNDER_ZERO:
         raise RuntimeError(f"{who} {_NOT_UNDER_ZERO[who]}, which DeepSpeed ZeRO holds only in flat partitions; run it "
                            "on one device or DDP, or under Lightning's FSDPStrategy (docs/sharded.md)")
+    if stage == 3 and who in ("SpectrumSelect", "NTKSelect") and any(
+            hasattr(p, "ds_tensor") for p in trainer.model.parameters()):
+        raise RuntimeError(f"{who} measures the weights before the engine is built, and ZeRO-3 partitioned them when "
+                           "the model was created (zero.Init: TrainingArguments made before from_pretrained); create "
+                           "the model before the TrainingArguments, or use ZeRO-2")
     if stage == 3 and who in _NOT_UNDER_ZERO3:
         raise RuntimeError(f"{who} measures the weights during the fit, which ZeRO-3 keeps partitioned across the "
                            "ranks; use ZeRO-2 (zero_optimization.stage=2), DDP, or Lightning's FSDPStrategy")

@@ -16,6 +16,7 @@ callback's history, for the test to compare. A fallback to DDP fails there: the 
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -66,10 +67,14 @@ def engine_counts(trainer) -> dict:
     zero = engine.optimizer
     flats = list(getattr(zero, "fp32_partitioned_groups_flat", None) or zero.single_partition_of_fp32_groups)
     state = zero.optimizer.state
+    members = getattr(zero, "fp16_groups", None) or zero.bit16_groups
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
     return {"engine": type(engine).__name__, "zero": type(zero).__name__, "world": trainer.args.world_size,
             "fp32": sum(f.numel() for f in flats),
             "state": sum(v.numel() for s in state.values() for v in s.values() if torch.is_tensor(v) and v.dim()),
-            "state_flats": sorted(f.numel() for f in state)}
+            # per flat partition: its elements on this rank, whether it holds optimizer state, its parameters
+            "flats": [(f.numel(), any(torch.is_tensor(v) and v.dim() for v in state.get(f, {}).values()),
+                       sorted(names[id(p)] for p in ps)) for f, ps in zip(flats, members)]}
 
 
 def weights(trainer, model) -> dict[str, torch.Tensor]:
@@ -86,11 +91,20 @@ def weights(trainer, model) -> dict[str, torch.Tensor]:
 def fit(out: str, case: str) -> None:
     from accelerate.state import AcceleratorState
     from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     stage_name, method, *mode = case.split("-")
     stage = int(stage_name[-1])
     resume = bool(mode and mode[0] == "resume")
     AcceleratorState._reset_state()
+    # the last case's ZeRO-3 config stays global while its arguments live: the model would be
+    # partitioned as it is created (zero.Init); "init" makes it so on purpose
+    gc.collect()
+    unset_hf_deepspeed_config()
+    init = bool(mode and mode[0] == "init")
+    if init:
+        held = TrainingArguments(output_dir=f"{out}/init", deepspeed=ds_config(stage), use_cpu=True, report_to="none",
+                                 accelerator_config={"use_configured_state": True})
     model = tiny_lm("llama", False, layers=4, hidden=16, seed=0)
     g = torch.Generator().manual_seed(0)
     rows = [{"input_ids": x, "labels": x.clone()} for x in torch.randint(4, 60, (16, 10), generator=g)]
@@ -111,7 +125,8 @@ def fit(out: str, case: str) -> None:
 
         def on_step_end(self, args, state, control, **kwargs):
             record["steps"].append((state.global_step, list(getattr(cb, "selected", []) or []),
-                                    weights(trainer, model), engine_counts(trainer)))
+                                    weights(trainer, model), engine_counts(trainer),
+                                    dict(getattr(cb, "multipliers", None) or {})))
 
     run_dir = f"{out}/run_{stage_name}-{method}"
     args = TrainingArguments(output_dir=run_dir, max_steps=STEPS, per_device_train_batch_size=2, report_to="none",
@@ -127,12 +142,12 @@ def fit(out: str, case: str) -> None:
     except RuntimeError as err:
         error = str(err)
     rank = trainer.args.process_index
+    if init:
+        del held
     if error is None:
         record["end_counts"] = engine_counts(trainer)
     record.update(error=error, history=getattr(cb, "history", None),
-                  multipliers={n: float(m) for n, m in (getattr(cb, "multipliers", None) or {}).items()
-                               if isinstance(m, (int, float))},
-                  names={n: p.numel() for n, p in model.named_parameters()})
+                  numel={n: int(getattr(p, "ds_numel", p.numel())) for n, p in model.named_parameters()})
     if cb is not None and hasattr(cb, "layers"):
         record["layers"] = {u.name: sorted(n for n, p in model.named_parameters()
                                            if any(p is q for q in u.params.values())) for u in cb.layers}
