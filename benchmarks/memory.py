@@ -370,82 +370,84 @@ def run_arm_hf(args, arm: str, out_dir: str) -> dict:
 ENGINE_ARMS = ("full", "lora8", "spectrum25", "lisa", "surgical")
 
 
+def _engine_arm(args, engine: str, arm: str) -> dict:
+    """One arm under one engine (:func:`engine_child`)."""
+    from accelerate.state import AcceleratorState
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from lalr_lightning.hf import trainer_callback
+    from tests._hf_engines import ds_config
+
+    AcceleratorState._reset_state()
+    unset_hf_deepspeed_config()
+    model = build_module(args, "full").model
+    if arm.startswith("lora"):
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=int(arm[4:]), lora_alpha=16, lora_dropout=0.0,
+                                                 target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    cbs = build_callbacks(args, arm)
+    seen: dict = {"grads": 0, "switch_s": []}
+    for cb in cbs:  # the time of each decision's apply: freezing, state released
+        inner = cb.apply
+
+        def timed(host, inner=inner):
+            t = time.perf_counter()
+            inner(host)
+            seen["switch_s"].append(time.perf_counter() - t)
+
+        cb.apply = timed
+
+    class Count(TrainerCallback):
+        def on_train_begin(self, a, state, control, **kw):
+            seen["build_s"] = time.perf_counter() - seen["t0"]
+
+            def grads(opt, *_):  # ZeRO steps its torch optimizer once per group: summed per step
+                seen["cur"] += sum(_nbytes(p.grad) for g in opt.param_groups for p in g["params"]
+                                   if p.grad is not None)
+
+            trainer.model_wrapped.optimizer.optimizer.register_step_pre_hook(grads)
+
+        def on_step_begin(self, a, state, control, **kw):
+            seen["cur"] = 0
+
+        def on_step_end(self, a, state, control, **kw):
+            seen["grads"] = max(seen["grads"], seen["cur"])
+
+    data = Batches(MODELS[args.model]["vocab_size"], args.batch, args.seq, args.steps, 1, args.seed)
+    rows = [{**data[i], "labels": data[i]["input_ids"]} for i in range(len(data))]
+    targs = TrainingArguments(output_dir=os.path.join(tempfile.gettempdir(), "lalr_engines"),
+                              max_steps=args.steps, learning_rate=args.lr, weight_decay=0.0,
+                              lr_scheduler_type="constant", per_device_train_batch_size=1, report_to="none",
+                              save_strategy="no", disable_tqdm=True, use_cpu=True,
+                              deepspeed=ds_config(int(engine[-1])),
+                              accelerator_config={"use_configured_state": True})
+    trainer = Trainer(model=model, args=targs, train_dataset=rows, data_collator=lambda items: items[0],
+                      callbacks=[*trainer_callback(cbs), Count()])
+    seen["t0"] = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    zero = trainer.model_wrapped.optimizer
+    flats = list(getattr(zero, "fp32_partitioned_groups_flat", None) or zero.single_partition_of_fp32_groups)
+    state = sum(_nbytes(v) for st in zero.optimizer.state.values() for v in st.values()
+                if isinstance(v, torch.Tensor))
+    return dict(engine=engine, arm=arm, fp32=sum(_nbytes(f) for f in flats), state=state,
+                grads=seen["grads"], params=sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters()),
+                build_s=seen.get("build_s"), switch_s=seen["switch_s"][1:])  # after the first
+
+
 def engine_child(args) -> None:
     """One rank of ``--engines``: every arm in turn on the Hugging Face Trainer under each engine
     (DeepSpeed ZeRO-2 / ZeRO-3 on CPU: tests/_hf_engines.py's workarounds), counting from the
     engine's own tensors per rank: the fp32 partitions, the optimizer state after the last step, the
     largest partition gradient the optimizer got, and the time of each LISA switch."""
     sys.path.insert(0, str(ROOT))
-    from tests._hf_engines import cpu_deepspeed, ds_config
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    from lalr_lightning.hf import trainer_callback
+    from tests._hf_engines import cpu_deepspeed
 
     cpu_deepspeed()
-    results = []
-    for engine in args.engines:
-        for arm in args.arms:
-            from accelerate.state import AcceleratorState
-
-            AcceleratorState._reset_state()
-            unset_hf_deepspeed_config()
-            model = build_module(args, "full").model
-            if arm.startswith("lora"):
-                from peft import LoraConfig, get_peft_model
-
-                model = get_peft_model(model, LoraConfig(r=int(arm[4:]), lora_alpha=16, lora_dropout=0.0,
-                                                         target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
-            cbs = build_callbacks(args, arm)
-            seen: dict = {"grads": 0, "switch_s": []}
-            for cb in cbs:  # the time of each decision's apply: freezing, state released
-                inner = cb.apply
-
-                def timed(host, inner=inner):
-                    t = time.perf_counter()
-                    inner(host)
-                    seen["switch_s"].append(time.perf_counter() - t)
-
-                cb.apply = timed
-
-            class Count(TrainerCallback):
-                def on_train_begin(self, a, state, control, **kw):
-                    seen["build_s"] = time.perf_counter() - seen["t0"]
-
-                    def grads(opt, *_):  # ZeRO steps its torch optimizer once per group: summed per step
-                        seen["cur"] += sum(_nbytes(p.grad) for g in opt.param_groups for p in g["params"]
-                                           if p.grad is not None)
-
-                    trainer.model_wrapped.optimizer.optimizer.register_step_pre_hook(grads)
-
-                def on_step_begin(self, a, state, control, **kw):
-                    seen["cur"] = 0
-
-                def on_step_end(self, a, state, control, **kw):
-                    seen["grads"] = max(seen["grads"], seen["cur"])
-
-            data = Batches(MODELS[args.model]["vocab_size"], args.batch, args.seq, args.steps, 1, args.seed)
-            rows = [{**data[i], "labels": data[i]["input_ids"]} for i in range(len(data))]
-            targs = TrainingArguments(output_dir=os.path.join(tempfile.gettempdir(), "lalr_engines"),
-                                      max_steps=args.steps, learning_rate=args.lr, weight_decay=0.0,
-                                      lr_scheduler_type="constant", per_device_train_batch_size=1, report_to="none",
-                                      save_strategy="no", disable_tqdm=True, use_cpu=True,
-                                      deepspeed=ds_config(int(engine[-1])),
-                                      accelerator_config={"use_configured_state": True})
-            trainer = Trainer(model=model, args=targs, train_dataset=rows, data_collator=lambda items: items[0],
-                              callbacks=[*trainer_callback(cbs), Count()])
-            seen["t0"] = time.perf_counter()
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                trainer.train()
-            zero = trainer.model_wrapped.optimizer
-            flats = list(getattr(zero, "fp32_partitioned_groups_flat", None) or zero.single_partition_of_fp32_groups)
-            state = sum(_nbytes(v) for st in zero.optimizer.state.values() for v in st.values()
-                        if isinstance(v, torch.Tensor))
-            results.append(dict(engine=engine, arm=arm, fp32=sum(_nbytes(f) for f in flats), state=state,
-                                grads=seen["grads"], params=sum(int(getattr(p, "ds_numel", p.numel()))
-                                                                for p in model.parameters()),
-                                build_s=seen.get("build_s"), switch_s=seen["switch_s"][1:]))  # after the first
+    results = [_engine_arm(args, engine, arm) for engine in args.engines for arm in args.arms]
     rank = int(os.environ.get("RANK", 0))
     with open(os.path.join(args.engine_out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)

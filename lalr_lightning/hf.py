@@ -30,7 +30,8 @@ Where the timeline's events happen under the Trainer (``Trainer.train`` in trans
 * ``on_epoch_begin`` / ``on_epoch_end`` / ``on_train_end``; the state goes to
   ``<checkpoint>/lalr_lightning.pt`` at ``on_save``.
 
-The Trainer's FSDP and DeepSpeed are refused (Lightning's FSDP is the supported sharded way).
+Under the Trainer's DeepSpeed ZeRO the host hands the methods the engine's torch optimizer with a view of
+its flat partitions (core/runtime/control.py's FlatControl, docs/sharded.md); the Trainer's FSDP is refused.
 """
 
 from __future__ import annotations
@@ -287,9 +288,9 @@ def _sharding_of(trainer: Any) -> str:
 
 def _zero_optimizers(trainer: Any) -> list[torch.optim.Optimizer]:
     """Under ZeRO, the torch optimizer the engine steps (its groups hold this rank's flat fp32
-    partitions), given a view of which parameter each range holds (``core/runtime/flat.py``) so
+    partitions), given a view of which parameter each range holds (``FlatView`` in ``core/runtime/control.py``) so
     that ``LayerControl.of`` controls it; none before the engine is built."""
-    from lalr_lightning.core.runtime.flat import FLAT_VIEW, FlatView, attach_flat_view
+    from lalr_lightning.core.runtime.control import FLAT_VIEW, FlatView, attach_flat_view
 
     zero = getattr(getattr(trainer, "model_wrapped", None), "optimizer", None)
     base = getattr(zero, "optimizer", None)

@@ -104,7 +104,7 @@ def test_lisa_switches_under_zero_a_frozen_block_never_moves_an_activated_one_tr
                 assert (moved > 0) == (u in on), (step, u, moved)
             activated |= set(on)
             # optimizer state only for the stem, head and the block that trains now
-            for size, has_state, names in counts["flats"]:
+            for _, has_state, names in counts["flats"]:
                 block = {u for u in middle if set(names) <= set(rec["layers"][u])}
                 assert has_state == (not block or block <= set(on)), (step, names)
             prev = w
