@@ -112,7 +112,9 @@ def test_lisa_switches_under_zero_a_frozen_block_never_moves_an_activated_one_tr
 
 
 def test_lisa_under_zero3_matches_zero2(runs):
-    a, b = runs("zero2-lisa")["steps"][-1][2], runs("zero3-lisa")["steps"][-1][2]
+    b = runs("zero3-lisa")["steps"]  # ZeRO-3 runs 3 steps (its steps are the slow ones)
+    a = runs("zero2-lisa")["steps"][len(b) - 1][2]
+    b = b[-1][2]
     for n in a:
         torch.testing.assert_close(a[n], b[n], rtol=0, atol=1e-5)  # the engines reduce in another order
 
