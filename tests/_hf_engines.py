@@ -47,6 +47,7 @@ METHODS = {
     "pruning": lambda: C.HTSRPruning(target_sparsity=0.5, min_numel=1, min_evals=3),
     "proximal": lambda: C.ProximalRegularizer(lam=0.5),
     "lmsa": lambda: C.LMSAStepper(update="optimizer", every_n_epochs=1),
+    "ntk": lambda: C.NTKDiagnostics(probe_size=4),
 }
 
 

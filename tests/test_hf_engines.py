@@ -25,10 +25,10 @@ pytest.importorskip("deepspeed", reason="the DeepSpeed tests need deepspeed (pip
 #: run in this order in one launch: a resume reads the checkpoint its uninterrupted run wrote
 CASES = ["zero2-none", "zero2-none-resume", "zero2-lisa", "zero2-lisa-resume", "zero2-spectrum", "zero2-spectrum-resume",
          "zero2-surgical", "zero2-multiplier", "zero2-tempbalance", "zero2-tempbalance-resume", "zero2-pruning",
-         "zero2-pruning-resume", "zero2-proximal", "zero2-lmsa", "zero3-tempbalance", "zero3-spectrum-init",
+         "zero2-pruning-resume", "zero2-proximal", "zero2-lmsa", "zero2-ntk", "zero3-tempbalance", "zero3-spectrum-init",
          "zero3-spectrum", "zero3-ntkselect", "zero3-lisa"]
 #: refused in one line: (case, a phrase naming what works)
-REFUSED = {"zero2-proximal": "DDP", "zero2-lmsa": "DDP", "zero3-tempbalance": "ZeRO-2",
+REFUSED = {"zero2-proximal": "DDP", "zero2-lmsa": "DDP", "zero2-ntk": "DDP", "zero3-tempbalance": "ZeRO-2",
            "zero3-spectrum-init": "create the model before the TrainingArguments"}
 
 
