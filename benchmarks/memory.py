@@ -73,6 +73,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 MODELS = {  # LlamaConfig arguments
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, vocab_size=256),
+    "30m": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8, vocab_size=8000),
     "0.2b": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
                  vocab_size=32000),
     "0.54b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
@@ -366,6 +367,110 @@ def run_arm_hf(args, arm: str, out_dir: str) -> dict:
     return summarize(args, arm, "hf", [json.load(open(out.format(rank=0)))], main_kb=hwm_kb())
 
 
+ENGINE_ARMS = ("full", "lora8", "spectrum25", "lisa", "surgical")
+
+
+def _engine_arm(args, engine: str, arm: str) -> dict:
+    """One arm under one engine (:func:`engine_child`)."""
+    from accelerate.state import AcceleratorState
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from lalr_lightning.hf import trainer_callback
+    from tests._hf_engines import ds_config
+
+    AcceleratorState._reset_state()
+    unset_hf_deepspeed_config()
+    model = build_module(args, "full").model
+    if arm.startswith("lora"):
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=int(arm[4:]), lora_alpha=16, lora_dropout=0.0,
+                                                 target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    cbs = build_callbacks(args, arm)
+    seen: dict = {"grads": 0, "switch_s": []}
+    for cb in cbs:  # the time of each decision's apply: freezing, state released
+        inner = cb.apply
+
+        def timed(host, inner=inner):
+            t = time.perf_counter()
+            inner(host)
+            seen["switch_s"].append(time.perf_counter() - t)
+
+        cb.apply = timed
+
+    class Count(TrainerCallback):
+        def on_train_begin(self, a, state, control, **kw):
+            seen["build_s"] = time.perf_counter() - seen["t0"]
+
+            def grads(opt, *_):  # ZeRO steps its torch optimizer once per group: summed per step
+                seen["cur"] += sum(_nbytes(p.grad) for g in opt.param_groups for p in g["params"]
+                                   if p.grad is not None)
+
+            trainer.model_wrapped.optimizer.optimizer.register_step_pre_hook(grads)
+
+        def on_step_begin(self, a, state, control, **kw):
+            seen["cur"] = 0
+
+        def on_step_end(self, a, state, control, **kw):
+            seen["grads"] = max(seen["grads"], seen["cur"])
+
+    data = Batches(MODELS[args.model]["vocab_size"], args.batch, args.seq, args.steps, 1, args.seed)
+    rows = [{**data[i], "labels": data[i]["input_ids"]} for i in range(len(data))]
+    targs = TrainingArguments(output_dir=os.path.join(tempfile.gettempdir(), "lalr_engines"),
+                              max_steps=args.steps, learning_rate=args.lr, weight_decay=0.0,
+                              lr_scheduler_type="constant", per_device_train_batch_size=1, report_to="none",
+                              save_strategy="no", disable_tqdm=True, use_cpu=True,
+                              deepspeed=ds_config(int(engine[-1])),
+                              accelerator_config={"use_configured_state": True})
+    trainer = Trainer(model=model, args=targs, train_dataset=rows, data_collator=lambda items: items[0],
+                      callbacks=[*trainer_callback(cbs), Count()])
+    seen["t0"] = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    zero = trainer.model_wrapped.optimizer
+    flats = list(getattr(zero, "fp32_partitioned_groups_flat", None) or zero.single_partition_of_fp32_groups)
+    state = sum(_nbytes(v) for st in zero.optimizer.state.values() for v in st.values()
+                if isinstance(v, torch.Tensor))
+    return dict(engine=engine, arm=arm, fp32=sum(_nbytes(f) for f in flats), state=state,
+                grads=seen["grads"], params=sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters()),
+                build_s=seen.get("build_s"), switch_s=seen["switch_s"][1:])  # after the first
+
+
+def engine_child(args) -> None:
+    """One rank of ``--engines``: every arm in turn on the Hugging Face Trainer under each engine
+    (DeepSpeed ZeRO-2 / ZeRO-3 on CPU: tests/_hf_engines.py's workarounds), counting from the
+    engine's own tensors per rank: the fp32 partitions, the optimizer state after the last step, the
+    largest partition gradient the optimizer got, and the time of each LISA switch."""
+    sys.path.insert(0, str(ROOT))
+    from tests._hf_engines import cpu_deepspeed
+
+    cpu_deepspeed()
+    results = [_engine_arm(args, engine, arm) for engine in args.engines for arm in args.arms]
+    rank = int(os.environ.get("RANK", 0))
+    with open(os.path.join(args.engine_out, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+
+
+def engines_main(args, argv: list[str]) -> list[dict]:
+    """``--engines``: the arms on 2 ranks under each engine, in one ``torch.distributed.run``."""
+    out = tempfile.mkdtemp()
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2)), "DS_ACCELERATOR": "cpu"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(Path(__file__)),
+                    *argv, "--engine-out", out], env=env, check=True)
+    ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in (0, 1)]
+    lines = ["| engine | arm | fp32 partitions / rank | optimizer state / rank | gradients / rank | "
+             "engine build s | LISA switch s |", "|---|---|---|---|---|---|---|"]
+    for a, b in zip(*ranks):
+        switch = f"{statistics.median(a['switch_s']):.4f}" if a["switch_s"] else "-"
+        lines.append(f"| {a['engine']} | {a['arm']} | {_mb(a['fp32'])} / {_mb(b['fp32'])} | "
+                     f"{_mb(a['state'])} / {_mb(b['state'])} | {_mb(a['grads'])} / {_mb(b['grads'])} | "
+                     f"{a['build_s']:.2f} | {switch} |")
+    print("\n".join(lines))
+    return ranks[0]
+
+
 def run_arm(args, arm: str, mode: str, out_dir: str) -> dict:
     """Train one arm (in this process; ``ddp``: spawning the ranks; ``hf``: on Hugging Face's
     Trainer) and return its figures."""
@@ -527,6 +632,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--json", default=None, help="also write the per-arm figures as JSON here")
     p.add_argument("--from-json", nargs="+", default=None, metavar="FILE",
                    help="run nothing: write the table of earlier runs' --json files (arms in the order given)")
+    p.add_argument("--engines", nargs="+", choices=["zero2", "zero3"], default=None,
+                   help="instead: the Hugging Face Trainer under DeepSpeed ZeRO-2 / ZeRO-3 on 2 CPU ranks, arms "
+                        f"{', '.join(ENGINE_ARMS)} (docs/sharded.md)")
+    p.add_argument("--engine-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)
     p.add_argument("--child-mode", choices=["single", "ddp", "hf"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -537,6 +646,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.child:
         child(args)
         return []
+    if args.engines:
+        if args.arms == list(ARMS):
+            args.arms = list(ENGINE_ARMS)
+        if args.engine_out:
+            engine_child(args)
+            return []
+        return engines_main(args, list(argv if argv is not None else sys.argv[1:]))
     warnings.filterwarnings("ignore")
     if args.from_json:
         latest = {(r["mode"], r["arm"]): r for f in args.from_json for r in json.loads(Path(f).read_text())}

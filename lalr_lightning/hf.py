@@ -30,7 +30,8 @@ Where the timeline's events happen under the Trainer (``Trainer.train`` in trans
 * ``on_epoch_begin`` / ``on_epoch_end`` / ``on_train_end``; the state goes to
   ``<checkpoint>/lalr_lightning.pt`` at ``on_save``.
 
-The Trainer's FSDP and DeepSpeed are refused (Lightning's FSDP is the supported sharded way).
+Under the Trainer's DeepSpeed ZeRO the host hands the methods the engine's torch optimizer with a view of
+its flat partitions (core/runtime/control.py's FlatControl, docs/sharded.md); the Trainer's FSDP is refused.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class HFHost(Host):
     def __init__(self, trainer: Any):
         self.trainer = trainer
         self.epoch: int | None = None  # set at each epoch's start (the Trainer's own is a float)
-        self.sharding = "ddp" if trainer.args.world_size > 1 else "none"
+        self.sharding = _sharding_of(trainer)
         self._ddp_options: dict | None = None
 
     # ---------------------------------------------------------------- counters, world, model
@@ -111,6 +112,8 @@ class HFHost(Host):
         opt = self.trainer.optimizer
         if opt is None:
             return []
+        if self.sharding.startswith("zero"):
+            return _zero_optimizers(self.trainer)
         # accelerate's AcceleratedOptimizer steps the torch optimizer inside it: that one owns the hooks
         return [getattr(opt, "optimizer", opt)]
 
@@ -258,13 +261,100 @@ def _find_trainer() -> Any:
     return None
 
 
+# ---------------------------------------------------------------- the Trainer's engines (DeepSpeed ZeRO)
+
+#: methods that change whole parameters after every step (a post-step transform) or measure the
+#: model through torch.func at every epoch: under ZeRO the engine holds the trained values only in
+#: flat fp32 partitions, which they do not read
+_NOT_UNDER_ZERO = {"ProximalRegularizer": "pulls whole parameters toward their pretrained values after every step",
+                   "LMSAStepper": "replaces the optimizer's update of whole blocks after every step",
+                   "NTKDiagnostics": "differentiates the whole model's outputs at every epoch (torch.func)"}
+#: methods that measure weights or gradients after the engine is built: ZeRO-3 then holds each
+#: rank's partition only (the module's parameters are empty placeholders outside a forward)
+_NOT_UNDER_ZERO3 = ("TempBalanceCallback", "LALRScheduleCallback", "AutoRGN", "HTSRPruning")
+
+
+def _zero_stage(trainer: Any) -> int:
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    return int(getattr(plugin, "zero_stage", 0) or 0)
+
+
+def _sharding_of(trainer: Any) -> str:
+    """The host's ``sharding``: ``zero1``..``zero3`` under the Trainer's DeepSpeed, else DDP or one process."""
+    if getattr(trainer, "is_deepspeed_enabled", False) and _zero_stage(trainer) in (1, 2, 3):
+        return f"zero{_zero_stage(trainer)}"
+    return "ddp" if trainer.args.world_size > 1 else "none"
+
+
+def _zero_optimizers(trainer: Any) -> list[torch.optim.Optimizer]:
+    """Under ZeRO, the torch optimizer the engine steps (its groups hold this rank's flat fp32
+    partitions), given a view of which parameter each range holds (``FlatView`` in ``core/runtime/control.py``) so
+    that ``LayerControl.of`` controls it; none before the engine is built."""
+    from lalr_lightning.core.runtime.control import FLAT_VIEW, FlatView, attach_flat_view
+
+    zero = getattr(getattr(trainer, "model_wrapped", None), "optimizer", None)
+    base = getattr(zero, "optimizer", None)
+    if not isinstance(base, torch.optim.Optimizer) or not (
+            hasattr(zero, "bit16_groups") or hasattr(zero, "fp32_partitioned_groups_flat")):
+        return []
+    if getattr(base, FLAT_VIEW, None) is None:
+        group = getattr(zero, "dp_process_group", None)
+        rank = torch.distributed.get_rank(group) if torch.distributed.is_initialized() else 0
+        attach_flat_view(base, FlatView.of_zero(zero, rank))
+    return [base]
+
+
+def _refuse_engine(trainer: Any, cb: LayerwiseCallback) -> None:
+    """One line for what the Trainer's engines cannot run (docs/sharded.md)."""
+    who = type(cb).__name__
+    if getattr(trainer, "is_fsdp_enabled", False):
+        raise RuntimeError(f"{who} under the Trainer's FSDP is not supported yet; use the Trainer's DeepSpeed ZeRO-2 "
+                           "or ZeRO-3 (deepspeed=...), or Lightning's FSDPStrategy (docs/sharded.md)")
+    if not getattr(trainer, "is_deepspeed_enabled", False):
+        return
+    stage = _zero_stage(trainer)
+    if stage not in (1, 2, 3):
+        raise RuntimeError(f"{who} under DeepSpeed needs ZeRO stage 1, 2 or 3 (the config has stage {stage}); set "
+                           "zero_optimization.stage, or train with DDP")
+    if who in _NOT_UNDER_ZERO:
+        raise RuntimeError(f"{who} {_NOT_UNDER_ZERO[who]}, which DeepSpeed ZeRO holds only in flat partitions; run it "
+                           "on one device or DDP, or under Lightning's FSDPStrategy (docs/sharded.md)")
+    if stage == 3 and who in ("SpectrumSelect", "NTKSelect") and any(
+            hasattr(p, "ds_tensor") for p in trainer.model.parameters()):
+        raise RuntimeError(f"{who} measures the weights before the engine is built, and ZeRO-3 partitioned them when "
+                           "the model was created (zero.Init: TrainingArguments made before from_pretrained); create "
+                           "the model before the TrainingArguments, or use ZeRO-2")
+    if stage == 3 and who in _NOT_UNDER_ZERO3:
+        raise RuntimeError(f"{who} measures the weights during the fit, which ZeRO-3 keeps partitioned across the "
+                           "ranks; use ZeRO-2 (zero_optimization.stage=2), DDP, or Lightning's FSDPStrategy")
+
+
+def _split_for_switching(optimizer: Any, methods: list[LayerwiseCallback]) -> None:
+    """Under ZeRO, one parameter group per unit a switching selection turns on and off (LISA's
+    blocks), before the engine flattens each group into one partition: a frozen unit's partition
+    then gets no gradient, no update and no optimizer state (released at each switch), while
+    every unit keeps its fp32 master weights for when it trains again (docs/sharded.md)."""
+    units = [u for cb in methods if getattr(cb, "switches", False) for u in cb.switching_units()]
+    if not units:
+        return
+    owner: dict[int, int] = {}
+    for i, u in enumerate(units):
+        for p in u.params.values():
+            owner.setdefault(id(p), i)
+    groups = []
+    for g in optimizer.param_groups:
+        rest = [p for p in g["params"] if id(p) not in owner]
+        by_unit: dict[int, list] = {}
+        for p in g["params"]:
+            if id(p) in owner:
+                by_unit.setdefault(owner[id(p)], []).append(p)
+        groups += [{**g, "params": ps} for ps in ([rest] if rest else []) + list(by_unit.values())]
+    optimizer.param_groups = groups
+
+
 def _refuse_unsupported(trainer: Any, cb: LayerwiseCallback) -> None:
     who = type(cb).__name__
-    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
-        engine = "DeepSpeed" if trainer.is_deepspeed_enabled else "FSDP"
-        raise RuntimeError(f"{who} under the Trainer's {engine} is not supported (it owns and shards the parameters "
-                           "and optimizer groups); train on one device or DDP, or shard with Lightning's "
-                           "FSDPStrategy (lalr_lightning's supported sharded way)")
+    _refuse_engine(trainer, cb)
     model = trainer.model
     through_func = who in ("NTKDiagnostics", "NTKSelect") or (
         who == "ProximalRegularizer" and getattr(cb, "every_n_epochs", None) is not None)
@@ -360,7 +450,10 @@ class _Session:
         for p in model.parameters():
             p.requires_grad_(before[id(p)])
         try:
-            return inner(*args, **kwargs)
+            optimizer = inner(*args, **kwargs)
+            if self.host.sharding.startswith("zero"):
+                _split_for_switching(optimizer, self.methods)
+            return optimizer
         finally:
             for p in model.parameters():
                 p.requires_grad_(after[id(p)])

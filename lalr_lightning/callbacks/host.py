@@ -29,8 +29,10 @@ from torch import nn
 __all__ = ["SHARDINGS", "Cadence", "Host", "rank", "say", "say_or_warn", "warn"]
 
 #: how the strategy holds the parameters: one process or replicated (``none``, ``ddp``), or in shards
-#: across the ranks (``fsdp1``: FSDP with ``use_orig_params``; ``fsdp2``: ``fully_shard``)
-SHARDINGS = ("none", "ddp", "fsdp1", "fsdp2")
+#: across the ranks (``fsdp1``: FSDP with ``use_orig_params``; ``fsdp2``: ``fully_shard``); DeepSpeed
+#: ZeRO (``zero1``, ``zero2``: weights whole on every rank, optimizer state and gradients in flat
+#: partitions; ``zero3``: the weights too), which only the Hugging Face host runs
+SHARDINGS = ("none", "ddp", "fsdp1", "fsdp2", "zero1", "zero2", "zero3")
 
 _log = logging.getLogger("lalr_lightning")
 

@@ -156,9 +156,12 @@ def check_strategy(host: LightningHost, who: str, *, refusal: str | None = None)
     strategy = host.trainer.strategy
     name = type(strategy).__name__
     if "DeepSpeed" in name:
+        # Lightning's DeepSpeedStrategy refuses a CPU, so its checks wait for the GPU lane
+        # (tests/gpu/test_deepspeed_gpu.py); the Trainer's DeepSpeed runs the same engine, tested
         raise RuntimeError(
-            f"{who} works on the optimizer's parameter groups and whole parameters, which DeepSpeed "
-            "owns and partitions; use strategy='ddp' or 'fsdp'"
+            f"{who} under Lightning's DeepSpeedStrategy is untested until the GPU lane runs it; run DeepSpeed "
+            "ZeRO through Hugging Face's Trainer with lalr_lightning.hf.trainer_callback (docs/sharded.md), or "
+            "use strategy='ddp' or 'fsdp'"
         )
     if not host.sharded:
         return
