@@ -21,8 +21,9 @@ from lalr_lightning.callbacks.base import LayerwiseCallback
 
 
 def public_names(cls: type, beyond: type = Callback) -> list[str]:
-    """The names without a leading underscore ``cls`` has that ``beyond`` lacks."""
-    return sorted(n for n in dir(cls) if not n.startswith("_") and not hasattr(beyond, n))
+    """The names without a leading underscore ``cls`` has that ``beyond`` lacks (a name that only
+    raises ``AttributeError``, as the guard against ``transformers.Trainer``'s events, is none)."""
+    return sorted(n for n in dir(cls) if not n.startswith("_") and not hasattr(beyond, n) and hasattr(cls, n))
 
 
 def read_cost(obj: object, attr: str, number: int = 200_000) -> float:

@@ -351,7 +351,6 @@ class _Session:
         model = self.trainer.model
         before = {id(p): p.requires_grad for p in model.parameters()}
         for cb in self.methods:
-            cb._handoff_pending = False
             cb._begin(self.host)
         self._restore()
         # the optimizer holds every parameter the user left trainable (a switching selection turns

@@ -134,8 +134,6 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         # the timeline's own: the model is wrapped; the start ran; a fresh fit's first decision ran
         self._wrapped = self._started = self._first_done = False
         self._whole_copy: shards.WholeCopy | None = None
-        self._handoff: str | None = None
-        self._handoff_pending = False
 
     # ------------------------------------------------------------------ identity
 

@@ -127,8 +127,6 @@ class Planner:
     def _probe(self) -> Planner:
         """A shallow copy to plan with: ``configure`` and ``measure`` set attributes on it, not
         on this callback (which may be about to fit, or hold a finished fit's state)."""
-        _ = self.history  # a ddp_spawn worker's state is read into this object, not the copy
         probe = object.__new__(type(self))
         probe.__dict__.update(self.__dict__)
-        probe._handoff, probe._handoff_pending = None, False
         return probe
