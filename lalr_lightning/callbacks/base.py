@@ -39,7 +39,7 @@ from torch import nn
 from lalr_lightning.callbacks import keys
 from lalr_lightning.callbacks.host import Cadence, Host
 from lalr_lightning.callbacks.lightning_host import LightningHooks, SpawnHandoff, check_strategy
-from lalr_lightning.callbacks.planning import Planner, _NoFit
+from lalr_lightning.callbacks.planning import Planner
 from lalr_lightning.core.model.layers import Layer, forward_trace
 from lalr_lightning.core.runtime import shards
 from lalr_lightning.core.runtime.checks import (
@@ -242,12 +242,9 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
 
     def check_finite(self, host: Host | None, named: Mapping[str, Any], what: str) -> None:
         """Raise :class:`DivergenceError` naming the entries of ``named`` (a tensor, a list of
-        tensors or a number each) that hold NaN or Inf."""
+        tensors or a number each) that hold NaN or Inf, and when (``host``: anything with the
+        fit's ``current_epoch`` and ``global_step``; None: not said)."""
         bad = non_finite(named)
-        if bad and isinstance(host, _NoFit):  # plan(): nothing was trained, the model came this way
-            shown = ", ".join(bad[:5]) + (", ..." if len(bad) > 5 else "")
-            raise ValueError(f"{type(self).__name__}.plan(): {what} of {shown} hold NaN or Inf in the model as given "
-                             "(nothing has been trained); check the checkpoint or the code that built the model")
         if bad:
             raise DivergenceError(type(self).__name__, what, bad,
                                   epoch=None if host is None else host.current_epoch,
@@ -310,7 +307,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         :func:`~lalr_lightning.core.model.layers.forward_trace`), for finding the output layer of a
         model with no Hugging Face / timm getter by what runs last; outside a fit (``plan()``) only
         on the module's ``example_input_array`` (None without one: the registration order decides)."""
-        if isinstance(host, _NoFit) and getattr(module, "example_input_array", None) is None:
+        if not host.has_data and getattr(module, "example_input_array", None) is None:
             return None
         # host.batches is looked up only when no example input is there (plan()'s host has none)
         return functools.cache(lambda: forward_trace(module, lambda: host.batches(), getattr(self, "loss_fn", None)))

@@ -15,6 +15,7 @@ import pandas as pd
 import torch
 
 from lalr_lightning.core.runtime.decision import Decision
+from lalr_lightning.core.runtime.errors import DivergenceError
 
 __all__ = ["Planner"]
 
@@ -40,7 +41,7 @@ class _NoFit(_Missing):
     logger). Its ``sharding`` tells ``measure_shards`` the weights are whole."""
 
     world_size, global_rank, is_global_zero, sharding, sharded = 1, 0, True, "none", False
-    current_epoch, global_step = 0, 0
+    current_epoch, global_step, max_epochs, has_data = 0, 0, None, False
 
     def __init__(self, who: str):
         super().__init__(who, "trainer")
@@ -93,9 +94,14 @@ class Planner:
             raise TypeError(f"{who}.plan() takes the model (a torch.nn.Module), got {type(model).__name__}")
         probe = self._probe()
         context = _NoFit(who)
-        with torch.no_grad():
-            probe.configure(context, model)
-            decision = probe.plan_decision(probe.measure(context, model))
+        try:
+            with torch.no_grad():
+                probe.configure(context, model)
+                decision = probe.plan_decision(probe.measure(context, model))
+        except DivergenceError as err:  # nothing was trained: the model came this way
+            shown = ", ".join(err.layers[:5]) + (", ..." if len(err.layers) > 5 else "")
+            raise ValueError(f"{who}.plan(): {err.what} of {shown} hold NaN or Inf in the model as given (nothing "
+                             "has been trained); check the checkpoint or the code that built the model") from None
         return probe.plan_frame(decision)
 
     def plan_decision(self, measured: Any) -> Decision:
