@@ -312,7 +312,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         # host.batches is looked up only when no example input is there (plan()'s host has none)
         return functools.cache(lambda: forward_trace(module, lambda: host.batches(), getattr(self, "loss_fn", None)))
 
-    def lazy_guarded(self, module: nn.Module, fn: Callable[[], Any]) -> dict:
+    def _lazy_guarded(self, module: nn.Module, fn: Callable[[], Any]) -> dict:
         """Run ``fn``; where the model has lazy parameters and ``fn`` fails, one line naming them and
         the fix (:func:`~lalr_lightning.core.runtime.checks.lazy_error`). Returns the lazy parameters."""
         lazy = lazy_parameters(module)
@@ -324,11 +324,11 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
             raise
         return lazy
 
-    def configure_checked(self, host: Host, module: nn.Module) -> None:
+    def _configure_checked(self, host: Host, module: nn.Module) -> None:
         """:meth:`configure`, and where the model has lazy parameters (``nn.LazyLinear`` before its
         first forward) that this callback's layers need, one line naming them and the fix instead
         of torch's error from deep inside (a callback whose layers leave them out works)."""
-        lazy = self.lazy_guarded(module, lambda: self.configure(host, module))
+        lazy = self._lazy_guarded(module, lambda: self.configure(host, module))
         if not lazy:
             return
         held = getattr(self, "_params", None)
@@ -396,7 +396,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
     def _begin(self, host: Host) -> None:
         self._wrapped = self._started = self._first_done = False
         self.early = None
-        self.configure_checked(host, host.module)
+        self._configure_checked(host, host.module)
         # sizes while the weights are whole (before any FSDP wrap), to share work out evenly
         self._sizes = {la.name: la.weight.numel() for la in self.layers if la.module is not None
                        and isinstance(getattr(la.module, la.weight_name, None), torch.Tensor)}
@@ -404,7 +404,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         self._names_before_wrap = parameter_names(host.module) if host.sharding == "fsdp2" else None
         self._whole_copy = shards.WholeCopy(host.module, type(self).__name__) \
             if self.needs_whole_model and host.sharded else None
-        self.lazy_guarded(host.module, lambda: self.prepare(host))  # a static selection freezes here
+        self._lazy_guarded(host.module, lambda: self.prepare(host))  # a static selection freezes here
         host.publish(self, "start")  # settings into the run config, W&B's step axis
 
     def _wrapped_now(self, host: Host, final: bool) -> None:
@@ -450,7 +450,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
             self.update(host, host.module)
         self.each_batch(host, batch)
         if self.logs_lr:
-            self.log_effective_lrs(host)
+            self._log_effective_lrs(host)
 
     def _after_backward(self, host: Host) -> None:
         for opt in host.optimizers or []:  # new gradients: masked entries go again before the next step
@@ -535,7 +535,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
             cls.deprecated = {**cls.deprecated, "plot_every_n_epochs": "figures"}
             cls.__init__ = with_figures(init)
 
-    def log_effective_lrs(self, host: Host) -> None:
+    def _log_effective_lrs(self, host: Host) -> None:
         """``lr_eff/<layer>`` for every controlled layer, once per logging step even when
         several callbacks share an optimizer."""
         if not host.should_log():

@@ -102,7 +102,7 @@ class Planner:
             shown = ", ".join(err.layers[:5]) + (", ..." if len(err.layers) > 5 else "")
             raise ValueError(f"{who}.plan(): {err.what} of {shown} hold NaN or Inf in the model as given (nothing "
                              "has been trained); check the checkpoint or the code that built the model") from None
-        return probe.plan_frame(decision)
+        return probe._plan_frame(decision)
 
     def plan_decision(self, measured: Any) -> Decision:
         """The decision :meth:`plan` reports: :meth:`decide`, unless that does more than decide
@@ -113,7 +113,7 @@ class Planner:
         """Per-layer columns the plan shows after ``layer`` (``{column: {layer: value}}``)."""
         return {}
 
-    def plan_frame(self, decision: Decision) -> pd.DataFrame:
+    def _plan_frame(self, decision: Decision) -> pd.DataFrame:
         """One decision as a table: the rows and columns :meth:`plan` describes."""
         layers = list(decision.values) + [n for n in decision.scores if n not in decision.values]
         columns = {"layer": layers}
