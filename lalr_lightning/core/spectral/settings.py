@@ -15,7 +15,7 @@ from lalr_lightning.core.runtime.checks import check_min_evals
 from lalr_lightning.core.runtime.errors import reject_stray
 from lalr_lightning.core.spectral import htsr
 from lalr_lightning.core.spectral.lalr_metrics import GROUPS, METRICS, MODES, check_weights, weight_shape
-from lalr_lightning.core.spectral.tempbalance import ASSIGN, FIRST, RANGED, SAMPLING
+from lalr_lightning.core.spectral.tempbalance import ASSIGN, RANGED, SAMPLING, check_first
 
 __all__ = ["lalr_layer_checks", "lalr_settings", "tempbalance_settings"]
 
@@ -111,9 +111,7 @@ def tempbalance_settings(
     if every_n_epochs < 1 or (every_n_steps is not None and every_n_steps < 1):
         raise ValueError("every_n_epochs and every_n_steps must be >= 1")
     check_min_evals(who, min_evals)
-    if first not in FIRST or not isinstance(first, (bool, str)):
-        raise ValueError(f"first must be False (leave the first matrix out, as TempBalance), True (balance it) "
-                         f"or 'block' (leave out every matrix of the first block), got {first!r}")
+    check_first(first)
     return dict(assign=assign, fit=fit, lr_min_ratio=float(lr_min_ratio), lr_max_ratio=float(lr_max_ratio),
                 every_n_epochs=every_n_epochs, every_n_steps=every_n_steps, first=first, head=bool(head),
                 min_evals=min_evals, layer_types=check_kinds(layer_types), filter_zeros=filter_zeros,

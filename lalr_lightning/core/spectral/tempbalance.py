@@ -15,7 +15,7 @@ from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.layers import Layer, block_layers, matrix_layers, num_eigenvalues, output_layer
 from lalr_lightning.core.spectral import htsr
 
-__all__ = ["ASSIGN", "FIRST", "RANGED", "SAMPLING", "assign_multipliers", "eligible_layers", "finite_alphas",
+__all__ = ["ASSIGN", "FIRST", "RANGED", "SAMPLING", "assign_multipliers", "check_first", "eligible_layers", "finite_alphas",
            "fit_alphas"]
 
 
@@ -159,6 +159,15 @@ RANGED = ("linear_map", "step")
 FIRST = (True, False, "block")
 
 
+def check_first(first: object) -> bool | str:
+    """``first`` if it is one of :data:`FIRST`, else a one-line ValueError saying what each means
+    (the one check of it: the callback's settings and :func:`eligible_layers` both call it)."""
+    if first not in FIRST or not isinstance(first, (bool, str)):
+        raise ValueError(f"first must be False (leave the first matrix out, as TempBalance), True (balance it) "
+                         f"or 'block' (leave out every matrix of the first block), got {first!r}")
+    return first
+
+
 def _first_block(model: nn.Module, considered: list[Layer], who: str) -> tuple[str, list[Layer]]:
     """(name, matrices) of the first of the model's units -- stem, blocks, head, as
     :func:`block_layers` finds them without joining the stem -- that holds a considered matrix."""
@@ -201,8 +210,7 @@ def eligible_layers(
             f"{who} found no layers of types {tuple(kinds)} in {type(model).__name__}; "
             "add the model's kinds to layer_types"
         )
-    if first not in FIRST or not isinstance(first, (bool, str)):
-        raise ValueError(f"first must be True, False or 'block', got {first!r}")
+    check_first(first)
     excluded: dict[str, str] = {}
     if first == "block":
         unit, inside = _first_block(model, considered, who)
