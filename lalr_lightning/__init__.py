@@ -33,7 +33,7 @@ def _exported(package: str) -> tuple[str, ...]:
 _WHERE = {
     **dict.fromkeys(_exported("lalr_lightning.callbacks"), "lalr_lightning.callbacks"),
     "LayerControl": "lalr_lightning.core.runtime.control",
-    "DivergenceError": "lalr_lightning.core.runtime.errors",
+    "DivergenceError": "lalr_lightning.core.runtime.checks",
     "lalr_metrics": "lalr_lightning.core.spectral.lalr_metrics",
     **dict.fromkeys(("Layer", "matrix_layers"), "lalr_lightning.core.model.layers"),
     **dict.fromkeys(("block_layers", "find_layers"), "lalr_lightning.core.model.blocks"),

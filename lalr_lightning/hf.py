@@ -31,7 +31,7 @@ Where the timeline's events happen under the Trainer (``Trainer.train`` in trans
   ``<checkpoint>/lalr_lightning.pt`` at ``on_save``.
 
 Under the Trainer's DeepSpeed ZeRO the host hands the methods the engine's torch optimizer with a view of
-its flat partitions (core/runtime/control.py's FlatControl, docs/sharded.md); the Trainer's FSDP is refused.
+its flat partitions (core/runtime/flat.py's FlatControl, docs/sharded.md); the Trainer's FSDP is refused.
 """
 
 from __future__ import annotations
@@ -290,7 +290,8 @@ def _zero_optimizers(trainer: Any) -> list[torch.optim.Optimizer]:
     """Under ZeRO, the torch optimizer the engine steps (its groups hold this rank's flat fp32
     partitions), given a view of which parameter each range holds (``FlatView`` in ``core/runtime/control.py``) so
     that ``LayerControl.of`` controls it; none before the engine is built."""
-    from lalr_lightning.core.runtime.control import FLAT_VIEW, FlatView, attach_flat_view
+    from lalr_lightning.core.runtime.control import FLAT_VIEW
+    from lalr_lightning.core.runtime.flat import FlatView, attach_flat_view
 
     zero = getattr(getattr(trainer, "model_wrapped", None), "optimizer", None)
     base = getattr(zero, "optimizer", None)
@@ -441,7 +442,6 @@ class _Session:
         model = self.trainer.model
         before = {id(p): p.requires_grad for p in model.parameters()}
         for cb in self.methods:
-            cb._handoff_pending = False
             cb._begin(self.host)
         self._restore()
         # the optimizer holds every parameter the user left trainable (a switching selection turns

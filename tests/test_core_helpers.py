@@ -278,6 +278,9 @@ def test_tempbalance_settings():
                       (dict(std=2.0), r"TempBalanceCallback\(assign='linear_map'\) does not use std")):
         with pytest.raises(ValueError, match=match):
             _tb(**kw)
+    # one check of ``first``, whoever asks: the pure layer choice says the same
+    with pytest.raises(ValueError, match="first must be False .*, True .* or 'block'"):
+        tb.eligible_layers(DeepLinear(), ("linear",), first="yes")
 
 
 def test_fit_alphas_and_the_error_for_a_layer_with_no_fit():

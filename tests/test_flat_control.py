@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from lalr_lightning.core.runtime.control import FlatControl, FlatView, LayerControl, attach_flat_view
+from lalr_lightning.core.runtime.control import LayerControl
+from lalr_lightning.core.runtime.flat import FlatControl, FlatView, attach_flat_view
 
 
 def _zero2(rank: int = 1, world: int = 2):

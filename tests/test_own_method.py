@@ -51,3 +51,15 @@ def test_it_freezes_the_matrices_below_the_threshold_every_epoch():
     last = spectral.alphas(matrix_layers(model))
     assert cb.selected == [n for n, v in cb.history[-1]["selected"].items() if v > 0]
     assert set(cb.history[-1]["scores"]) == set(last)
+
+
+def test_the_page_names_every_concept_the_method_uses():
+    """docs/design.md says what a re-deciding selection relies on, next to the code."""
+    import pathlib
+
+    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
+    section = page[page.index("### Write your own callback"):page.index("## Control")]
+    for concept in ("`1.0` trains, `0.0` is frozen", "`block_list`", "`title`", "`start=False` still decides at epoch 0",
+                    "`switches = True`", "under its own name", "A reference tensor", "`_state()`"):
+        assert concept in section, concept
+    assert AlphaFreeze.switches and AlphaFreeze().cadence.start is False  # re-decides; epoch 0 without start

@@ -252,12 +252,22 @@ def test_analyze_refuses_a_bad_pruning_request_in_one_line(args, capsys, tmp_pat
     assert len(err.splitlines()) == 1 and "--pruning takes a target sparsity in [0, 1)" in err
 
 
-def test_plan_leaves_a_ddp_spawn_handoff_to_the_callback(tmp_path):
-    """After a ddp_spawn fit the worker's final state waits in a file until the callback is first
-    read; planning with that callback reads it into the callback itself, not into its copy."""
+def test_plan_after_a_ddp_spawn_handback_leaves_the_callback_its_state():
+    """After a ddp_spawn fit the worker's final state comes back with the launcher's own results
+    (``extra``) and is put on the callback, once, before ``fit`` returns; planning with that
+    callback plans on a copy, and no attribute read does anything (no ``__getattribute__``)."""
+    import pickle
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+
     cb = cbs.TempBalanceCallback(min_evals=5)
-    path = tmp_path / "handoff.pt"
-    torch.save({"history": [{"epoch": 0}], "scores": {"x": 2.0}}, path)
-    cb.__dict__.update(_handoff=str(path), _handoff_pending=True)
+    worker = pickle.loads(pickle.dumps(cb))  # what spawn hands the worker
+    worker.history, worker.scores = [{"epoch": 0}], {"x": 2.0}
+    launcher = object.__new__(_MultiProcessingLauncher)
+    extra = launcher.get_extra_results(SimpleNamespace(callbacks=[worker], callback_metrics={}))
+    launcher.update_main_process_results(SimpleNamespace(callbacks=[cb], callback_metrics={}), extra)
+    assert cb.__dict__["history"] == [{"epoch": 0}] and cb.__dict__["scores"] == {"x": 2.0}
     cb.plan(_resnet())
-    assert not path.exists() and cb.__dict__["history"] == [{"epoch": 0}] and cb.__dict__["scores"] == {"x": 2.0}
+    assert cb.__dict__["history"] == [{"epoch": 0}] and cb.__dict__["scores"] == {"x": 2.0}
+    assert type(cb).__getattribute__ is object.__getattribute__

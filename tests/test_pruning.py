@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lalr_lightning.callbacks import HTSRPruning, TempBalanceCallback
+from lalr_lightning.callbacks.host import Cadence
 from lalr_lightning.core.pruning.alphapruning import (
     PRUNING_METRICS,
     block_average_values,
@@ -464,3 +465,19 @@ def test_layers_too_small_to_prune():
         _trainer([HTSRPruning(min_numel=10_000)], max_epochs=1).fit(ToyMLP())
     with pytest.raises(ValueError, match="min_evals"):
         _trainer([HTSRPruning(min_evals=100)], max_epochs=1).fit(ToyMLP())
+
+
+def test_the_pruning_modes_are_schedules_of_the_shared_cycle():
+    """fit-start, one epoch and gradual pruning are cadences the owner runs (no timeline of the
+    method's own): once at the start, once at (or, resumed later, after) an epoch, once at each
+    of the gradual epochs, never twice at one point."""
+    assert HTSRPruning().cadence == Cadence(start=True)
+    assert HTSRPruning(when=2).cadence == Cadence(epochs=(2,))
+    assert HTSRPruning(when="gradual", gradual_epochs=3).cadence == Cadence(epochs=(0, 1, 2))
+    once = Cadence(epochs=(2,))
+    assert [once.due("epoch", e, None) for e in range(4)] == [False, False, True, True]
+    assert not once.due("epoch", 3, {"epoch": 2, "step": 7}) and not once.due("step", 9, None)
+    gradual = Cadence(epochs=(0, 1, 2))
+    last = [None, {"epoch": 0, "step": 0}, {"epoch": 1, "step": 4}, {"epoch": 2, "step": 8}]
+    assert [gradual.due("epoch", e, last[e]) for e in range(4)] == [True, True, True, False]
+    assert not gradual.due("epoch", 1, {"epoch": 1, "step": 4})  # a resumed fit at a point already decided

@@ -39,31 +39,29 @@ from torch import nn
 from lalr_lightning.callbacks import keys
 from lalr_lightning.callbacks.host import Cadence, Host
 from lalr_lightning.callbacks.lightning_host import LightningHooks, SpawnHandoff, check_strategy
-from lalr_lightning.callbacks.planning import Planner, _NoFit
+from lalr_lightning.callbacks.planning import Planner
 from lalr_lightning.core.model.blocks import forward_trace
 from lalr_lightning.core.model.layers import Layer
 from lalr_lightning.core.runtime import shards
 from lalr_lightning.core.runtime.checks import (
     DEFAULT_FIGURES,
     FIGURES,
+    DivergenceError,
+    SettingsMismatchError,
     check_figures,
+    check_settings,
     constructor_settings,
+    deprecated_alias,
     lazy_error,
     lazy_parameters,
     non_finite,
+    reject_stray,
+    renamed,
+    warn_deprecated,
     with_figures,
 )
 from lalr_lightning.core.runtime.control import LayerControl
 from lalr_lightning.core.runtime.decision import Decision
-from lalr_lightning.core.runtime.errors import (
-    DivergenceError,
-    SettingsMismatchError,
-    check_settings,
-    deprecated_alias,
-    reject_stray,
-    renamed,
-    warn_deprecated,
-)
 from lalr_lightning.core.runtime.shards import parameter_names, rebind
 
 __all__ = ["DEFAULT_FIGURES", "FIGURES", "Decision", "LayerwiseCallback", "SettingsMismatchError", "check_figures",
@@ -135,8 +133,6 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         # the timeline's own: the model is wrapped; the start ran; a fresh fit's first decision ran
         self._wrapped = self._started = self._first_done = False
         self._whole_copy: shards.WholeCopy | None = None
-        self._handoff: str | None = None
-        self._handoff_pending = False
 
     # ------------------------------------------------------------------ identity
 
@@ -159,7 +155,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         """The constructor settings (plain Python), as stored in checkpoints and logger configs."""
         return constructor_settings(self, ("name", "strict_resume", *self.deprecated))
 
-    _alias = staticmethod(deprecated_alias)  # resolve a deprecated argument (core.runtime.errors)
+    _alias = staticmethod(deprecated_alias)  # resolve a deprecated argument (core.runtime.checks)
 
     def reject(self, mode_arg: str, mode: str, given: Mapping[str, Any], valid: Mapping[str, Iterable[str]]) -> None:
         """ValueError for arguments given (not None) that the chosen mode does not use, listing
@@ -245,12 +241,9 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
 
     def check_finite(self, host: Host | None, named: Mapping[str, Any], what: str) -> None:
         """Raise :class:`DivergenceError` naming the entries of ``named`` (a tensor, a list of
-        tensors or a number each) that hold NaN or Inf."""
+        tensors or a number each) that hold NaN or Inf, and when (``host``: anything with the
+        fit's ``current_epoch`` and ``global_step``; None: not said)."""
         bad = non_finite(named)
-        if bad and isinstance(host, _NoFit):  # plan(): nothing was trained, the model came this way
-            shown = ", ".join(bad[:5]) + (", ..." if len(bad) > 5 else "")
-            raise ValueError(f"{type(self).__name__}.plan(): {what} of {shown} hold NaN or Inf in the model as given "
-                             "(nothing has been trained); check the checkpoint or the code that built the model")
         if bad:
             raise DivergenceError(type(self).__name__, what, bad,
                                   epoch=None if host is None else host.current_epoch,
@@ -313,12 +306,12 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         :func:`~lalr_lightning.core.model.blocks.forward_trace`), for finding the output layer of a
         model with no Hugging Face / timm getter by what runs last; outside a fit (``plan()``) only
         on the module's ``example_input_array`` (None without one: the registration order decides)."""
-        if isinstance(host, _NoFit) and getattr(module, "example_input_array", None) is None:
+        if not host.has_data and getattr(module, "example_input_array", None) is None:
             return None
         # host.batches is looked up only when no example input is there (plan()'s host has none)
         return functools.cache(lambda: forward_trace(module, lambda: host.batches(), getattr(self, "loss_fn", None)))
 
-    def lazy_guarded(self, module: nn.Module, fn: Callable[[], Any]) -> dict:
+    def _lazy_guarded(self, module: nn.Module, fn: Callable[[], Any]) -> dict:
         """Run ``fn``; where the model has lazy parameters and ``fn`` fails, one line naming them and
         the fix (:func:`~lalr_lightning.core.runtime.checks.lazy_error`). Returns the lazy parameters."""
         lazy = lazy_parameters(module)
@@ -330,11 +323,11 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
             raise
         return lazy
 
-    def configure_checked(self, host: Host, module: nn.Module) -> None:
+    def _configure_checked(self, host: Host, module: nn.Module) -> None:
         """:meth:`configure`, and where the model has lazy parameters (``nn.LazyLinear`` before its
         first forward) that this callback's layers need, one line naming them and the fix instead
         of torch's error from deep inside (a callback whose layers leave them out works)."""
-        lazy = self.lazy_guarded(module, lambda: self.configure(host, module))
+        lazy = self._lazy_guarded(module, lambda: self.configure(host, module))
         if not lazy:
             return
         held = getattr(self, "_params", None)
@@ -402,7 +395,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
     def _begin(self, host: Host) -> None:
         self._wrapped = self._started = self._first_done = False
         self.early = None
-        self.configure_checked(host, host.module)
+        self._configure_checked(host, host.module)
         # sizes while the weights are whole (before any FSDP wrap), to share work out evenly
         self._sizes = {la.name: la.weight.numel() for la in self.layers if la.module is not None
                        and isinstance(getattr(la.module, la.weight_name, None), torch.Tensor)}
@@ -410,7 +403,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         self._names_before_wrap = parameter_names(host.module) if host.sharding == "fsdp2" else None
         self._whole_copy = shards.WholeCopy(host.module, type(self).__name__) \
             if self.needs_whole_model and host.sharded else None
-        self.lazy_guarded(host.module, lambda: self.prepare(host))  # a static selection freezes here
+        self._lazy_guarded(host.module, lambda: self.prepare(host))  # a static selection freezes here
         host.publish(self, "start")  # settings into the run config, W&B's step axis
 
     def _wrapped_now(self, host: Host, final: bool) -> None:
@@ -456,7 +449,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
             self.update(host, host.module)
         self.each_batch(host, batch)
         if self.logs_lr:
-            self.log_effective_lrs(host)
+            self._log_effective_lrs(host)
 
     def _after_backward(self, host: Host) -> None:
         for opt in host.optimizers or []:  # new gradients: masked entries go again before the next step
@@ -541,7 +534,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
             cls.deprecated = {**cls.deprecated, "plot_every_n_epochs": "figures"}
             cls.__init__ = with_figures(init)
 
-    def log_effective_lrs(self, host: Host) -> None:
+    def _log_effective_lrs(self, host: Host) -> None:
         """``lr_eff/<layer>`` for every controlled layer, once per logging step even when
         several callbacks share an optimizer."""
         if not host.should_log():

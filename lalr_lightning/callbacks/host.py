@@ -68,16 +68,25 @@ def say_or_warn(message: str, warning: bool) -> None:
 class Cadence:
     """When a method decides: at the start of a fresh fit (``start``), then every
     ``every_n_epochs`` epochs (at the epoch's start) or every ``every_n_steps`` optimizer steps (at
-    the batch's start). A decision point is the interval it falls in: the owner decides at most
-    once per point, after a resume too (the last decision's epoch and step are in the history)."""
+    the batch's start), or at the start of the listed ``epochs``. A decision point is the interval
+    it falls in: the owner decides at most once per point, after a resume too (the last decision's
+    epoch and step are in the history). With no decision yet, the first point is due: an
+    ``every_n_epochs`` cadence without ``start`` still decides at epoch 0's start."""
 
     start: bool = False
     every_n_epochs: int | None = None
     every_n_steps: int | None = None
+    #: decide at the start of each of these epochs (ascending), once: an epoch listed decides at
+    #: the first epoch start at or after it that comes before any decision of its own
+    epochs: tuple[int, ...] = ()
 
     def due(self, where: str, now: int, last: Mapping[str, Any] | None) -> bool:
         """Whether a decision is due at ``where`` (``"epoch"`` or ``"step"``) when the counter
         is ``now``; ``last``: the last decision's history entry (None: none yet)."""
+        if where == "epoch" and self.epochs:
+            passed = [e for e in self.epochs if e <= now]
+            if passed and (last is None or int(last["epoch"]) < passed[-1]):
+                return True
         n = self.every_n_epochs if where == "epoch" else self.every_n_steps
         if n is None:
             return False
@@ -109,6 +118,9 @@ class Host(ABC):
     optimizers: list[torch.optim.Optimizer]
     #: whether anything takes logs
     loggers: Any
+    #: whether a fit with training data runs (``batches``); False outside a fit (``plan()``: the
+    #: weights alone), where a method that would draw batches says so or does without
+    has_data: bool = True
     #: under DDP, the options the model will be wrapped with (a method may set
     #: ``find_unused_parameters`` before the wrap); None elsewhere
     ddp_options: dict | None = None

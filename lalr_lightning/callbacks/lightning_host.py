@@ -13,10 +13,8 @@ that drive the timeline owner's events (the one module of the method layer that 
 from __future__ import annotations
 
 import contextlib
-import os
-import tempfile
+import io
 import uuid
-import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -257,23 +255,30 @@ class OptimizerResume:
         vars(trainer.strategy).pop("load_checkpoint", None)
 
 
-#: the events ``transformers.Trainer`` calls on each of its callbacks (``TrainerCallback``'s methods)
-_TRAINER_EVENTS = frozenset((
-    "on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_step_begin",
-    "on_pre_optimizer_step", "on_optimizer_step", "on_substep_end", "on_step_end", "on_evaluate", "on_predict",
-    "on_save", "on_log", "on_prediction_step", "on_push_begin"))
+class _HFEvent:
+    """One of the events ``transformers.Trainer`` calls on every callback it holds, on a Lightning
+    callback: reading it is an ``AttributeError`` naming the wrapper (``hasattr`` stays False). The
+    two that reach a callback first are enough: ``on_init_end`` (a callback given to the
+    ``Trainer``) and ``on_train_begin`` (one added later). A descriptor, not ``__getattr__``: a
+    class with ``__getattr__`` pays on every attribute read."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        who = (owner or type(obj)).__name__
+        raise AttributeError(f"{who} is a Lightning callback; on transformers.Trainer (or TRL's trainers) wrap it: "
+                             f"Trainer(..., callbacks=[trainer_callback(cb)]) with "
+                             "`from lalr_lightning.hf import trainer_callback`")
+
 
 class LightningHooks(Callback):
     """Lightning's hooks, each one event of the timeline (``_begin``, ``_wrapped``, ``_restore``,
     ``_train_start``, ``_epoch_start``, ``_batch_start``, ...; base.py). Mixed into the base of
     every method; a method overrides none of these."""
 
-    def __getattr__(self, attr: str) -> Any:  # only for what the class and the instance lack
-        if attr in _TRAINER_EVENTS:  # transformers.Trainer calls its events on every callback it holds
-            raise AttributeError(f"{type(self).__name__} is a Lightning callback; on transformers.Trainer (or TRL's "
-                                 f"trainers) wrap it: Trainer(..., callbacks=[trainer_callback(cb)]) with "
-                                 "`from lalr_lightning.hf import trainer_callback`")
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}")
+    on_init_end = _HFEvent()
+    on_train_begin = _HFEvent()
 
     def _host(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> LightningHost:
         host = self.__dict__.get("_lightning_host")
@@ -282,7 +287,6 @@ class LightningHooks(Callback):
         return host
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._handoff_pending = False  # this instance runs the fit itself
         if stage == "fit":
             host = self._host(trainer, pl_module)
             check_strategy(host, type(self).__name__, refusal=self.fsdp_refusal)
@@ -348,15 +352,13 @@ class LightningHooks(Callback):
         host = self._host(trainer, pl_module)
         self._teardown(host)
         OptimizerResume.forget(trainer)
-        if stage == "fit":
-            self._hand_over(trainer)
         self.__dict__.pop("_lightning_host", None)
 
 
 def _loadable(value: Any) -> Any:
     """``value`` as ``torch.load(weights_only=True)`` reads it back: numpy scalars as Python
-    numbers, numpy arrays as tensors, containers rebuilt (the main process reads the hand-back
-    file that way, so a worker's numpy value must not make it unreadable)."""
+    numbers, numpy arrays as tensors, containers rebuilt (the main process reads the handed-back
+    bytes that way, so a worker's numpy value must not make them unreadable)."""
     import numpy as np
 
     if isinstance(value, np.generic):
@@ -371,55 +373,68 @@ def _loadable(value: Any) -> Any:
     return value
 
 
-def _remove_quietly(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(path)
-
-
 class SpawnHandoff:
-    """A callback whose ``readable`` attributes come back from a ``ddp_spawn`` worker: pickling it
-    for the worker gives it a file to leave its final state in (:meth:`_hand_over`, rank zero, at
-    the end of the fit), and the object in the main process reads that file on the first access
-    to one of those attributes."""
+    """A callback whose ``readable`` attributes come back from a ``ddp_spawn`` worker with
+    Lightning's own results of that worker: rank zero's worker adds them to the launcher's
+    ``extra`` results (``get_extra_results``, after the fit), and the main process puts them back
+    on the callback, once, where the launcher recovers those results
+    (``update_main_process_results``), before ``fit`` returns (:func:`_carry_readable_back`).
+    Nothing happens on an attribute read."""
 
     #: attributes a user reads after ``fit``; brought back to the main process after ddp_spawn
     readable: ClassVar[tuple[str, ...]] = ()
 
-    _handoff: str | None = None
-    _handoff_pending = False
+    def __init__(self) -> None:
+        super().__init__()
+        # which callback of the worker's trainer is this one (the worker's list may be reordered)
+        self._handback_token = uuid.uuid4().hex
 
-    def __getstate__(self) -> dict:
-        # Pickled to be sent to spawned worker processes (ddp_spawn): give the worker a file to
-        # leave its final state in, and remember here to read it back on first access.
-        if self._handoff is None:
-            self._handoff = os.path.join(tempfile.gettempdir(), f"lalr_lightning_{uuid.uuid4().hex}.pt")
-        if self.__dict__.get("_handoff_pid") in (None, os.getpid()) and "_handoff_cleanup" not in self.__dict__:
-            # the main process's object (a worker's copy has the main process's pid): the file goes
-            # when it is read, else when this object goes or the process exits, read or not
-            self._handoff_cleanup = weakref.finalize(self, _remove_quietly, self._handoff)
-        self._handoff_pending = True
-        state = dict(self.__dict__)
-        state.pop("_handoff_cleanup", None)  # the main process's own: a worker must not remove the file
-        state["_handoff_pending"] = False
-        state["_handoff_pid"] = os.getpid()
-        return state
+    def _handback_state(self) -> dict:
+        """In the worker: the readable state the main process's callback takes back."""
+        return {k: _loadable(getattr(self, k)) for k in self.readable if hasattr(self, k)}
 
-    def _hand_over(self, host: Host) -> None:
-        """In a spawned worker (rank zero): leave the readable state for the main process."""
-        pid = self.__dict__.get("_handoff_pid")
-        if self._handoff is None or pid is None or pid == os.getpid() or not host.is_global_zero:
+    def _take_back(self, state: Mapping[str, Any]) -> None:
+        """In the main process: the worker's readable state, in place of this callback's own."""
+        self.__dict__.update(state)
+
+
+#: the key of the callbacks' readable state in the launcher's ``extra`` results
+_HANDBACK = "lalr_lightning_readable_bytes"
+
+
+def _carry_readable_back() -> None:
+    """Make Lightning's spawn launcher carry every :class:`SpawnHandoff` callback's readable state
+    back with the worker's results (once per process; the launcher's two documented extension
+    points, each calling Lightning's own first)."""
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher as launcher
+
+    if getattr(launcher, "_lalr_handback", False):
+        return
+    collect, recover = launcher.get_extra_results, launcher.update_main_process_results
+
+    def get_extra_results(self, trainer: pl.Trainer) -> dict[str, Any]:
+        extra = collect(self, trainer)
+        states = {cb._handback_token: cb._handback_state() for cb in trainer.callbacks
+                  if isinstance(cb, SpawnHandoff) and hasattr(cb, "_handback_token")}
+        if states:
+            buffer = io.BytesIO()  # as bytes, as Lightning sends its metrics: no shared memory across the queue
+            torch.save(states, buffer)
+            extra[_HANDBACK] = buffer.getvalue()
+        return extra
+
+    def update_main_process_results(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
+        recover(self, trainer, extra)
+        if _HANDBACK not in extra:
             return
-        torch.save({k: _loadable(getattr(self, k)) for k in self.readable if hasattr(self, k)}, self._handoff)
+        # tensors and plain containers only (the readable attributes, numpy turned into them by
+        # _loadable): read as every file is, so nothing in them runs
+        states = torch.load(io.BytesIO(extra[_HANDBACK]), weights_only=True)
+        for cb in trainer.callbacks:
+            if isinstance(cb, SpawnHandoff) and getattr(cb, "_handback_token", None) in states:
+                cb._take_back(states[cb._handback_token])
 
-    def __getattribute__(self, attr: str):
-        d = object.__getattribute__(self, "__dict__")
-        if d.get("_handoff_pending") and attr in type(self).readable:
-            path = d.get("_handoff")
-            if path and os.path.exists(path):
-                d["_handoff_pending"] = False
-                try:  # tensors and plain containers only (the readable attributes): nothing runs
-                    state = torch.load(path, weights_only=True)
-                finally:
-                    _remove_quietly(path)
-                d.update(state)
-        return object.__getattribute__(self, attr)
+    launcher.get_extra_results, launcher.update_main_process_results = get_extra_results, update_main_process_results
+    launcher._lalr_handback = True
+
+
+_carry_readable_back()

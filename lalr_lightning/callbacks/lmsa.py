@@ -26,8 +26,8 @@ from lalr_lightning.callbacks.selection import LayerSelection
 from lalr_lightning.core.model.batch_loss import batch_loss
 from lalr_lightning.core.model.blocks import describe_blocks
 from lalr_lightning.core.model.taps import BlockTaps
+from lalr_lightning.core.runtime.checks import DivergenceError
 from lalr_lightning.core.runtime.control import LayerControl
-from lalr_lightning.core.runtime.errors import DivergenceError
 from lalr_lightning.core.runtime.shards import gather_objects, layer_paths, layers_in
 from lalr_lightning.core.selection import msa, msa_settings
 from lalr_lightning.core.selection.msa_settings import INNER_OPTIMIZERS, SELECT, UPDATE, lmsa_settings

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import pandas as pd
 import torch
 
+from lalr_lightning.core.runtime.checks import DivergenceError
 from lalr_lightning.core.runtime.decision import Decision
 
 __all__ = ["Planner"]
@@ -40,7 +41,7 @@ class _NoFit(_Missing):
     logger). Its ``sharding`` tells ``measure_shards`` the weights are whole."""
 
     world_size, global_rank, is_global_zero, sharding, sharded = 1, 0, True, "none", False
-    current_epoch, global_step = 0, 0
+    current_epoch, global_step, max_epochs, has_data = 0, 0, None, False
 
     def __init__(self, who: str):
         super().__init__(who, "trainer")
@@ -93,10 +94,15 @@ class Planner:
             raise TypeError(f"{who}.plan() takes the model (a torch.nn.Module), got {type(model).__name__}")
         probe = self._probe()
         context = _NoFit(who)
-        with torch.no_grad():
-            probe.configure(context, model)
-            decision = probe.plan_decision(probe.measure(context, model))
-        return probe.plan_frame(decision)
+        try:
+            with torch.no_grad():
+                probe.configure(context, model)
+                decision = probe.plan_decision(probe.measure(context, model))
+        except DivergenceError as err:  # nothing was trained: the model came this way
+            shown = ", ".join(err.layers[:5]) + (", ..." if len(err.layers) > 5 else "")
+            raise ValueError(f"{who}.plan(): {err.what} of {shown} hold NaN or Inf in the model as given (nothing "
+                             "has been trained); check the checkpoint or the code that built the model") from None
+        return probe._plan_frame(decision)
 
     def plan_decision(self, measured: Any) -> Decision:
         """The decision :meth:`plan` reports: :meth:`decide`, unless that does more than decide
@@ -107,7 +113,7 @@ class Planner:
         """Per-layer columns the plan shows after ``layer`` (``{column: {layer: value}}``)."""
         return {}
 
-    def plan_frame(self, decision: Decision) -> pd.DataFrame:
+    def _plan_frame(self, decision: Decision) -> pd.DataFrame:
         """One decision as a table: the rows and columns :meth:`plan` describes."""
         layers = list(decision.values) + [n for n in decision.scores if n not in decision.values]
         columns = {"layer": layers}
@@ -127,8 +133,6 @@ class Planner:
     def _probe(self) -> Planner:
         """A shallow copy to plan with: ``configure`` and ``measure`` set attributes on it, not
         on this callback (which may be about to fit, or hold a finished fit's state)."""
-        _ = self.history  # a ddp_spawn worker's state is read into this object, not the copy
         probe = object.__new__(type(self))
         probe.__dict__.update(self.__dict__)
-        probe._handoff, probe._handoff_pending = None, False
         return probe

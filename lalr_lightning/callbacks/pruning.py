@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
-from lalr_lightning.callbacks.host import Host, warn
-from lalr_lightning.callbacks.planning import _NoFit
+from lalr_lightning.callbacks.host import Cadence, Host, warn
 from lalr_lightning.core.model.layers import DEFAULT_KINDS
 from lalr_lightning.core.pruning import alphapruning as ap
 from lalr_lightning.core.pruning import by_criterion as bc
@@ -28,6 +28,24 @@ from lalr_lightning.core.pruning.settings import PRESETS, check_when, pruning_se
 from lalr_lightning.core.runtime.shards import all_sum, layer_paths, layers_in, local_tensor, shard_layout, sharded
 
 __all__ = ["HTSRPruning", "PRESETS", "PRUNING_METRICS", "DIRECTIONS", "CRITERIA", "pruning_ratios"]
+
+
+@dataclasses.dataclass
+class _Event:
+    """What one pruning event's decision reads, taken from the host by ``measure`` (the decision
+    runs on rank zero with only what ``measure`` returned): the metric (None once the ratios are
+    fixed), the schedule's ``level``, the counters an error names, the world size, and the
+    calibration data (``batches``: the training loader as given; None outside a fit)."""
+
+    metric: dict[str, float] | None
+    level: float
+    current_epoch: int
+    global_step: int
+    world_size: int
+    batches: Callable[[], Any] | None
+    to_device: Callable[[Any], Any]
+    #: the calibration samples, taken once per event: OWL's ratios and the masks share them
+    samples: list | None = None
 
 
 class HTSRPruning(LayerwiseCallback):
@@ -224,21 +242,32 @@ class HTSRPruning(LayerwiseCallback):
         self.masks: dict[str, torch.Tensor] = {}
         self.excluded: dict[str, str] = {}
         self._model: torch.nn.Module | None = None
-        self._trainer: Host | None = None
         self._params: dict[str, torch.nn.Parameter] = {}
-        self._level = 1.0
         self._fresh = False
         self._weights: dict[str, torch.Tensor] = {}  # SparseGPT's updated weights, from rank zero
         self._paths: dict[str, tuple] = {}  # where each layer sits in the model (core.shards.layer_paths)
-        self._batches: list | None = None  # one event's calibration batches: OWL's ratios and the masks share them
 
     metric_values = renamed("scores")  # deprecated name of ``scores`` (the metric per pruned layer)
 
     # ------------------------------------------------------------------ when
 
+    @property
+    def cadence(self) -> Cadence:
+        """The pruning events: at the fit's start (``"fit_start"``), at the start of epoch ``when``
+        (or the first epoch after it a resumed fit starts before pruning), or at the start of each
+        of the ``gradual_epochs`` epochs; each once, a resumed fit too."""
+        if self.when == "fit_start":
+            return Cadence(start=True)
+        if self.when == "gradual":
+            return Cadence(epochs=tuple(range(self.gradual_epochs)))
+        return Cadence(epochs=(int(self.when),))
+
+    def _level(self, epoch: int) -> float:
+        """The fraction of each ratio pruned at an event of ``epoch`` (Zhu & Gupta's cubic schedule)."""
+        return ap.cubic_sparsity(epoch, self.gradual_epochs) if self.when == "gradual" else 1.0
+
     def configure(self, host: Host, module: nn.Module) -> None:
-        if not isinstance(host, _NoFit):  # plan(model) has no fit, hence no max_epochs
-            check_when(type(self).__name__, self.when, self.gradual_epochs, host.max_epochs)
+        check_when(type(self).__name__, self.when, self.gradual_epochs, host.max_epochs)  # plan(): no max_epochs
         self._model = module
         layers, self.excluded = ap.prunable_layers(module, layer_types=self.layer_types, head=self.head,
                                                    min_numel=self.min_numel, min_evals=self.min_evals,
@@ -270,11 +299,7 @@ class HTSRPruning(LayerwiseCallback):
         if self.masks:
             return  # kept from an earlier fit: enforced at fit start
         self._model.to(host.device)  # where the strategy shards it next (and the batches go)
-        self._level, self._trainer = 1.0, host
-        try:
-            decision = self.decide_everywhere(host, self.measure(host, self._model))
-        finally:
-            self._trainer = None
+        decision = self.decide_everywhere(host, self.measure(host, self._model))
         masks, channels, weights = decision.payload
         if weights and not host.is_global_zero:  # SparseGPT moved the kept weights: before the cut
             bc.load_weights(self._params, weights)
@@ -286,19 +311,12 @@ class HTSRPruning(LayerwiseCallback):
         elif self.masks:  # kept from a previous fit: enforce at once
             ap.check_known_masks(self.masks, self._params)
             self.apply(host)
-        elif self.when == "fit_start":
-            self.prune(host, 1.0)
+        else:
+            super().first_decision(host)  # when="fit_start": the cadence's start
 
     def resumed(self, late: bool) -> None:
         if self._params:  # configured: the owner enforces the checkpoint's masks where the strategy's restore is done
             ap.check_known_masks(self.masks, self._params)
-
-    def each_epoch(self, host: Host) -> None:
-        epoch = host.current_epoch
-        if isinstance(self.when, int) and epoch >= self.when and not self.history:
-            self.prune(host, 1.0)
-        elif self.when == "gradual" and epoch < self.gradual_epochs and epoch not in {h["epoch"] for h in self.history}:
-            self.prune(host, ap.cubic_sparsity(epoch, self.gradual_epochs))
 
     def finish(self, host: Host) -> None:
         if not self.masks:
@@ -314,35 +332,33 @@ class HTSRPruning(LayerwiseCallback):
 
     # ------------------------------------------------------------------ what
 
-    def prune(self, host: Host, level: float = 1.0) -> None:
-        """One pruning event: ratios (first time only), masks at ``level`` x ratio, applied."""
-        self._level = float(level)
-        self._trainer = host  # for the calibration data; only during the event
-        try:
-            if self.whole is not None:
-                self._prune_on_copy(host)
-            elif sharded(host):
-                self._prune_sharded(host)
-            else:
-                self.update(host, self._model)
-        finally:
-            self._trainer, self._batches = None, None
+    def update(self, host: Host, module: nn.Module) -> Decision:
+        """One pruning event (each one the cadence makes due): the ratios (the first event only),
+        the masks at the schedule's level x ratio, applied. Where the masks come from depends on
+        how the weights are held: the live model, FSDP shards (:meth:`_prune_sharded`) or rank
+        zero's whole copy (:meth:`_prune_on_copy`)."""
+        if self.whole is not None:
+            return self._prune_on_copy(host)
+        if sharded(host):
+            return self._prune_sharded(host)
+        return super().update(host, self._model)
 
-    def _prune_sharded(self, host: Host) -> None:
+    def _prune_sharded(self, host: Host) -> Decision:
         """A magnitude pruning event during training under FSDP: the ratios decided on rank zero
         from the metric (measured on whole weights, a share of the layers per rank), then each
         rank computes the masks of its share of the layers on their whole weights (one
         threshold per layer, as on one device) and the masks are all-gathered; each rank then
         enforces its piece of every mask (``apply``)."""
         # rank zero decides the ratios alone: the ranks compute the masks after the broadcast
-        decision = self.decide_everywhere(host, self.measure(host, self._model),
-                                          lambda metric: self._decide(metric, self._model, self.layers, masks=False))
+        event = self.measure(host, self._model)
+        decision = self.decide_everywhere(host, event,
+                                          lambda ev: self._decide(ev, self._model, self.layers, masks=False))
         layout = shard_layout(host, self._model)
         shapes = {k: layout.shape(p) for k, p in self._params.items()}
         real = {la.name: la for la in self.layers}
 
         def masks_of(stand_ins):
-            return {s.name: ap.layer_masks([real[s.name]], decision.values, self._level, structured=self.structured,
+            return {s.name: ap.layer_masks([real[s.name]], decision.values, event.level, structured=self.structured,
                                            channel_step=self.channel_step, previous=self.masks,
                                            weights={s.name: s.weight}, shapes=shapes)
                     for s in stand_ins}
@@ -351,28 +367,38 @@ class HTSRPruning(LayerwiseCallback):
         for m, c in self.measure_shards(host, self._model, [[la] for la in self.layers], masks_of).values():
             masks.update(m)
             channels.update(c)
-        self.commit(host, dataclasses.replace(decision, payload=(masks, channels, {})))
+        decision = dataclasses.replace(decision, payload=(masks, channels, {}))
+        self.commit(host, decision)
+        return decision
 
-    def _prune_on_copy(self, host: Host) -> None:
+    def _prune_on_copy(self, host: Host) -> Decision:
         """A Wanda / SparseGPT / N:M pruning event during training under FSDP: the metric measured
         as for magnitude (a share of the layers per rank), then the masks decided on rank zero's
         whole copy of the model (calibration runs block by block and prunes as it goes, which a
         sharded model cannot do) and broadcast with SparseGPT's weights; each rank keeps its
         piece of both (``apply``)."""
-        metric = self.measure(host, self._model)
+        event = self.measure(host, self._model)
 
         def on_copy(whole: torch.nn.Module) -> Decision:
-            decision = self._decide(metric, whole, layers_in(whole, self.layers, self._paths))
+            decision = self._decide(event, whole, layers_in(whole, self.layers, self._paths))
             masks, channels, weights = decision.payload
             return dataclasses.replace(decision, payload=({k: v.cpu() for k, v in masks.items()}, channels, weights))
 
-        self.commit(host, self.with_whole_model(host, on_copy))
+        decision = self.with_whole_model(host, on_copy)
+        self.commit(host, decision)
+        return decision
 
-    def measure(self, host: Host, module: nn.Module) -> dict[str, float] | None:
-        """The metric of every pruned layer on the current weights (block-averaged if asked);
-        None once the ratios are fixed (the first event decides them): the weights are then only
-        checked, as a later gradual event masks what diverged otherwise (under FSDP each rank checks
-        its share of the layers, whole, and an error on one is raised on all)."""
+    def measure(self, host: Host, module: nn.Module) -> _Event:
+        """The event: the metric of every pruned layer on the current weights (block-averaged if
+        asked), None once the ratios are fixed (the first event decides them): the weights are then
+        only checked, as a later gradual event masks what diverged otherwise (under FSDP each rank
+        checks its share of the layers, whole, and an error on one is raised on all); and what the
+        decision needs of the fit (:class:`_Event`)."""
+        batches = functools.partial(host.batches, as_given=True) if host.has_data else None
+        return _Event(self._metric(host, module), self._level(host.current_epoch), host.current_epoch,
+                      host.global_step, host.world_size, batches, host.to_device if host.has_data else None)
+
+    def _metric(self, host: Host, module: nn.Module) -> dict[str, float] | None:
         fixed = bool(self.ratios)
         if not fixed and (self.epsilon == 0 or self.preset == "owl"):  # uniform, or OWL: from the activations
             return {}
@@ -411,76 +437,77 @@ class HTSRPruning(LayerwiseCallback):
         # the sizes the ratios are weighted by, so the table shows the target is met
         return {"numel": {la.name: la.weight.numel() for la in self.layers}}
 
-    def plan_decision(self, metric: dict[str, float] | None) -> Decision:
+    def plan_decision(self, event: _Event) -> Decision:
         """The ratios alone, for :meth:`plan`: no mask is computed (nor, for the data criteria, a
         calibration run), so the model is not touched."""
-        decision = self._decide(metric, self._model, self.layers, masks=False)  # OWL: a forward pass, no more
+        decision = self._decide(event, self._model, self.layers, masks=False)  # OWL: a forward pass, no more
         return Decision(values=decision.values, scores=decision.scores)
 
-    def decide(self, metric: dict[str, float] | None) -> Decision:
-        return self._decide(metric, self._model, self.layers)
+    def decide(self, event: _Event) -> Decision:
+        return self._decide(event, self._model, self.layers)
 
-    def _decide(self, metric: dict[str, float] | None, module: nn.Module, layers: list, masks: bool = True) -> Decision:
+    def _decide(self, event: _Event, module: nn.Module, layers: list, masks: bool = True) -> Decision:
         """The decision on ``module`` (the live model, or rank zero's whole copy of it) and its
         ``layers``; without ``masks``, the ratios alone (the ranks compute the masks)."""
         names = [layer.name for layer in layers]
-        record: dict = {"level": self._level}
+        record: dict = {"level": event.level}
+        metric = event.metric
         if metric is None:  # later events of a gradual schedule: the ratios stand
             metric, ratios = dict(self.scores), dict(self.ratios)
         elif self.preset == "owl":  # on rank zero (its whole copy under FSDP), the dense model
-            ratios, metric = self._owl(module, layers, record)
+            ratios, metric = self._owl(event, module, layers, record)
         else:
             ratios = dict(zip(names, self._ratio_array(metric).tolist()))
         weights: dict[str, torch.Tensor] = {}
         if not masks:
             found, channels = {}, {}
         elif self.criterion == "magnitude" and not self.m:
-            found, channels = ap.layer_masks(layers, ratios, self._level, structured=self.structured,
+            found, channels = ap.layer_masks(layers, ratios, event.level, structured=self.structured,
                                              channel_step=self.channel_step, previous=self.masks)
         else:
-            found, channels = self._criterion_masks(ratios, record, module, layers), {}
-            if self.criterion == "sparsegpt" and self._trainer.world_size > 1:
+            found, channels = self._criterion_masks(event, ratios, record, module, layers), {}
+            if self.criterion == "sparsegpt" and event.world_size > 1:
                 # it moved the kept weights too: the other ranks copy them
                 params = {n: p for la in layers for n, p in la.params.items()}
                 weights = {k: params[k].detach().cpu().clone() for k in found}
         return Decision(values=ratios, scores=metric, record=record, payload=(found, channels, weights))
 
-    def _criterion_masks(self, ratios: dict[str, float], record: dict, module: nn.Module,
+    def _criterion_masks(self, event: _Event, ratios: dict[str, float], record: dict, module: nn.Module,
                          layers: list) -> dict[str, torch.Tensor]:
         """Rank zero: Wanda / SparseGPT / N:M masks. Calibrating block by block needs each block
         pruned before the next is measured, so this prunes rank zero's weights in place as it
         goes; the other ranks get the masks (and SparseGPT's weights) in the broadcast decision."""
-        batches = self._calibration_batches(record) if needs_stats(self.criterion) else None
-        self.check_finite(self._trainer, {la.name: la.weight for la in layers}, "the weights")
+        batches = self._calibration_batches(event, record) if needs_stats(self.criterion) else None
+        self.check_finite(event, {la.name: la.weight for la in layers}, "the weights")
         # blocksize and percdamp: sparsegpt's own (its defaults filled in by the settings), None for the others
         return bc.criterion_prune(module, layers, ratios, self.criterion, batches, n=self.n, m=self.m,
                                   blocksize=self.blocksize, percdamp=self.percdamp,
-                                  forward=functools.partial(self._forward, module), convolutions=True)
+                                  forward=functools.partial(self._forward, event, module), convolutions=True)
 
-    def _owl(self, module: nn.Module, layers: list, record: dict) -> tuple[dict[str, float], dict[str, float]]:
+    def _owl(self, event: _Event, module: nn.Module, layers: list,
+             record: dict) -> tuple[dict[str, float], dict[str, float]]:
         """OWL's ratio and block outlier share ``D`` of every pruned layer (``prune --preset owl``'s
         :func:`~lalr_lightning.core.pruning.owl.owl_layer_ratios`), from the calibration batches the
         masks then use too."""
-        self.check_finite(self._trainer, {la.name: la.weight for la in layers}, "the weights")
-        return owl_layer_ratios(module, layers, self._calibration_batches(record), self.target_sparsity,
+        self.check_finite(event, {la.name: la.weight for la in layers}, "the weights")
+        return owl_layer_ratios(module, layers, self._calibration_batches(event, record), self.target_sparsity,
                                 self.owl_m, self.owl_lambda, who="HTSRPruning(preset='owl')")
 
-    def _calibration_batches(self, record: dict) -> list:
+    def _calibration_batches(self, event: _Event, record: dict) -> list:
         """The first ``n_calibration`` samples of the calibration data, taken once per pruning event:
         ``calibration``, else the training loader as the user gave it (datamodule, module or fit()
         argument), without the DistributedSampler a DDP run adds, so rank zero calibrates on the
         same data at any world size."""
-        if self._batches is None:
+        if event.samples is None:
             who = "preset='owl'" if self.preset == "owl" and not needs_stats(self.criterion) else \
                 f"criterion={self.criterion!r}"
-            loader = None if self._trainer is None else functools.partial(self._trainer.batches, as_given=True)
-            self._batches = bc.calibration_samples(self.calibration, loader, self.n_calibration, who)
-        record["calibration_samples"] = bc.sample_count(self._batches)
-        return self._batches
+            event.samples = bc.calibration_samples(self.calibration, event.batches, self.n_calibration, who)
+        record["calibration_samples"] = bc.sample_count(event.samples)
+        return event.samples
 
-    def _forward(self, module: nn.Module, batch) -> None:
+    def _forward(self, event: _Event, module: nn.Module, batch) -> None:
         """Run a model without transformer blocks on one calibration batch, on the fit's device."""
-        bc.calibration_forward(module, self.device_batch(self._trainer, batch), self.criterion)
+        bc.calibration_forward(module, event.to_device(batch), self.criterion)
 
     def receive(self, decision: Decision) -> None:
         super().receive(decision)

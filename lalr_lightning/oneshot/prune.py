@@ -46,7 +46,9 @@ from lalr_lightning.oneshot.checkpoint import (
     _resolve_dtype,
     _Streamed,
 )
+from lalr_lightning.oneshot.cut import Kept, block_key_test, check_depth_args, depth_record, renamer, write_cut_config
 from lalr_lightning.oneshot.outdir import OutputClaim
+from lalr_lightning.oneshot.ratios import explicit_ratios, read_ratios
 from lalr_lightning.oneshot.text import calibration_samples
 
 # files of a model directory that are weights (never copied: the output has its own shards)
@@ -188,61 +190,6 @@ def _check_prune_args(sparsity: float | None, criterion: str, n: int, m: int, pr
     return sparsity
 
 
-def read_ratios(source) -> list[float] | dict[str, float]:
-    """``--ratios FILE``: JSON, either a list (one ratio per decoder block, in order) or ``{name: ratio}``
-    (names of blocks, ``model.layers.3``, or of matrices, ``model.layers.3.mlp.down_proj``; a ``prune``
-    run's ``pruning.json`` works too: its ``ratios``), or plain text with one number per block a line.
-    A list or dict passes through (checked the same way)."""
-    data = source
-    if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        if not path.is_file():
-            raise FileNotFoundError(f"no such --ratios file: {source}")
-        text = path.read_text()
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError:
-            try:
-                data = [float(x) for x in text.split()]
-            except ValueError:
-                raise ValueError(f"--ratios {source}: expected JSON (a list of per-block ratios, or {{name: ratio}}) "
-                                 "or one number a line") from None
-    if isinstance(data, dict) and isinstance(data.get("ratios"), dict):
-        data = data["ratios"]  # a pruning.json written by prune
-    values = data.values() if isinstance(data, dict) else data if isinstance(data, list) else None
-    if values is None or not data:
-        raise ValueError(f"--ratios: expected a non-empty list of per-block ratios or {{name: ratio}}, got "
-                         f"{type(data).__name__}")
-    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1]
-    if bad:
-        raise ValueError(f"--ratios: every ratio must be a number in [0, 1), got {bad[:3]}")
-    return data
-
-
-def _explicit_ratios(data, groups: list[list[str]], path: str) -> dict[str, float]:
-    """Every matrix's ratio from ``read_ratios``' list (per block) or dict (per block or per matrix)."""
-    if isinstance(data, list):
-        if len(data) != len(groups):
-            raise ValueError(f"--ratios lists {len(data)} ratios, the model has {len(groups)} decoder blocks: give one "
-                             "per block (or {name: ratio})")
-        return {k: float(r) for r, names in zip(data, groups) for k in names}
-    out, missing = {}, []
-    for i, names in enumerate(groups):
-        for k in names:
-            r = data.get(k, data.get(f"{path}.{i}"))
-            if r is None:
-                missing.append(k)
-            else:
-                out[k] = float(r)
-    known = {f"{path}.{i}" for i in range(len(groups))} | {k for g in groups for k in g}
-    unknown = sorted(set(data) - known)
-    if unknown or missing:
-        raise ValueError(f"--ratios: {'no layer named ' + str(unknown[:3]) if unknown else ''}"
-                         f"{'; ' if unknown and missing else ''}{'no ratio for ' + str(missing[:3]) if missing else ''}"
-                         f" (names: {path}.0 ... {path}.{len(groups) - 1}, or their matrices, e.g. {groups[0][0]})")
-    return out
-
-
 def _ratio_settings(preset, metric, epsilon):
     """(metric, epsilon, fit, filter_zeros, block_average) of HT-SR ratios, or None (uniform, OWL or
     explicit ratios)."""
@@ -299,7 +246,7 @@ def _plan_ratios(report: PruneReport, recipe: Recipe, settings, sparsity: float,
     """``report.ratios`` (and ``report.metric``: the HT-SR metric or OWL's ``D`` of each matrix's block)
     from the recipe; ``owl_pass(m)`` measures OWL's shares when the recipe is OWL's."""
     if recipe.ratios is not None:
-        report.ratios = _explicit_ratios(read_ratios(recipe.ratios), groups, path)
+        report.ratios = explicit_ratios(read_ratios(recipe.ratios), groups, path)
     elif recipe.owl:
         from lalr_lightning.core.pruning.owl import owl_ratios
 
@@ -636,7 +583,7 @@ def _check_what(remove_blocks, block_criterion, in_memory, sparsity, criterion, 
                 percdamp):
     """``(depth, unstructured, criterion, sparsity)``: whether blocks are removed, whether the
     (kept) blocks' weights are pruned, and by which criterion to which target (checked)."""
-    depth = _check_depth_args(remove_blocks, block_criterion, in_memory, sparsity, criterion, n, m, recipe, blocksize,
+    depth = check_depth_args(remove_blocks, block_criterion, in_memory, sparsity, criterion, n, m, recipe, blocksize,
                               percdamp)
     unstructured = not depth or sparsity is not None or bool(m) or bool(n) or recipe.ratios is not None
     criterion = (criterion or "wanda") if unstructured else None
@@ -650,8 +597,8 @@ def _finish_cut(model_dir: Path, tmp: Path, sm: _Streamed, report: PruneReport, 
     """A depth prune's config.json (blocks cut), its pruning.json record, the renaming of the source's
     tensors and the cut config for the output check."""
     kept = [i for i in range(len(sm.blocks)) if i not in report.removed_blocks]
-    _write_cut_config(model_dir, tmp, kept, len(sm.blocks))
-    return {**written, **_depth_record(report, kept, k)}, _renamer(sm, kept), _load_config(tmp)
+    write_cut_config(model_dir, tmp, kept, len(sm.blocks))
+    return {**written, **depth_record(report, kept, k)}, renamer(sm, kept), _load_config(tmp)
 
 
 def _recipe_kwargs(recipe: Recipe) -> dict:
@@ -704,7 +651,7 @@ def _stem_inputs(sm: _Streamed, samples, batch_size: int) -> list:
 
 def _prune_streamed(sm: _Streamed, tmp: Path, samples, settings, recipe, sparsity, criterion, n, m, batch_size,
                     blocksize, percdamp, say, prune: bool = True) -> PruneReport:
-    """Prune and write every block of ``sm`` (a :class:`_Streamed`, or a :class:`_Kept` view of the
+    """Prune and write every block of ``sm`` (a :class:`_Streamed`, or a :class:`Kept` view of the
     blocks a depth prune keeps, whose tensors are renamed to their new indices); ``prune=False``:
     copy the blocks' stored tensors as they are."""
     from safetensors.torch import save_file
@@ -758,7 +705,7 @@ def _prune_streamed(sm: _Streamed, tmp: Path, samples, settings, recipe, sparsit
     else:
         for i in range(nb):  # the stored tensors, bit for bit, one block at a time
             write(i + 2, {rename(k): sm.ckpt.get(k) for k in sm.block_keys(i)})
-    in_blocks = _block_key_test(sm)
+    in_blocks = block_key_test(sm)
     write(1, {k: sm.ckpt.get(k) for k in sm.ckpt.where if not in_blocks(k)})
     (tmp / _INDEX).write_text(json.dumps({"metadata": {"total_size": size},
                                           "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
@@ -766,84 +713,6 @@ def _prune_streamed(sm: _Streamed, tmp: Path, samples, settings, recipe, sparsit
 
 
 # ----------------------------------------------------------------------------- removing whole blocks
-
-
-def _check_depth_args(remove_blocks, block_criterion, in_memory, sparsity, criterion, n, m, recipe: Recipe,
-                      blocksize, percdamp) -> bool:
-    """Whether the prune removes blocks (``--remove-blocks``), its arguments checked before any file is
-    read; the pruning flags that need ``--sparsity`` or ``--n``/``--m`` refused without them."""
-    if remove_blocks is None and block_criterion is None:
-        return False
-    from lalr_lightning.core.pruning.depth import check_block_criterion, check_remove_blocks
-
-    if remove_blocks is None:
-        raise ValueError(f"--block-criterion {block_criterion} chooses the blocks --remove-blocks K removes; add "
-                         "--remove-blocks K")
-    check_remove_blocks(remove_blocks, None)
-    if block_criterion is None:
-        raise ValueError("--remove-blocks needs --block-criterion: angular, influence, alpha or last (how the blocks "
-                         "to remove are chosen; docs/llm_pruning.md)")
-    check_block_criterion(block_criterion)
-    if in_memory:
-        raise ValueError("--remove-blocks streams the checkpoint block by block; --in-memory does not apply: leave "
-                         "it out")
-    if sparsity is None and not m and not n and recipe.ratios is None:
-        given = [flag for flag, v in (("--criterion", criterion), ("--preset", recipe.preset),
-                                      ("--metric", recipe.metric), ("--epsilon", recipe.epsilon),
-                                      ("--owl-m", recipe.owl_m), ("--owl-lambda", recipe.owl_lambda),
-                                      ("--blocksize", blocksize), ("--percdamp", percdamp)) if v is not None]
-        if given:
-            raise ValueError(f"{', '.join(given)} prune the kept blocks' weights, which --remove-blocks alone copies "
-                             f"as they are: add --sparsity S (or --n N --m M) to prune them too, or leave "
-                             f"{given[0]} out")
-    return True
-
-
-def _block_key_test(sm):
-    """``key -> bool``: whether a stored key belongs to a decoder block (any, removed or kept)."""
-    pre = sm.key(sm.path) + "."
-    return lambda k: k.startswith(pre) and k[len(pre):].split(".", 1)[0].isdigit()
-
-
-def _renamer(sm, kept: list[int]):
-    """A stored key's name in the cut model: a kept block's renumbered, a removed block's None."""
-    pre = sm.key(sm.path) + "."
-    index = {old: new for new, old in enumerate(kept)}
-    in_blocks = _block_key_test(sm)
-
-    def rename(k: str) -> str | None:
-        if not in_blocks(k):
-            return k
-        head, _, rest = k[len(pre):].partition(".")
-        new = index.get(int(head))
-        return None if new is None else f"{pre}{new}.{rest}"
-
-    return rename
-
-
-class _Kept:
-    """The kept blocks of a :class:`_Streamed` as if they were its only ones (``blocks[j]`` is dense
-    block ``kept[j]``); its stored keys are renamed to the new indices by :attr:`rename`."""
-
-    def __init__(self, sm: _Streamed, kept: list[int]):
-        self._sm, self.kept = sm, list(kept)
-        self.blocks = nn.ModuleList([sm.blocks[i] for i in self.kept])
-        self.rename = _renamer(sm, self.kept)
-
-    def __getattr__(self, name):
-        return getattr(self._sm, name)
-
-    def dense_index(self, j: int) -> int:
-        return self.kept[j]
-
-    def block(self, j: int) -> nn.Module:
-        return self._sm.block(self.kept[j])
-
-    def free(self, j: int) -> None:
-        self._sm.free(self.kept[j])
-
-    def block_keys(self, j: int) -> list[str]:
-        return self._sm.block_keys(self.kept[j])
 
 
 def _block_scores(sm: _Streamed, samples, k: int, block_criterion: str, batch_size: int) -> list:
@@ -888,21 +757,7 @@ def _remove_blocks_streamed(sm: _Streamed, tmp: Path, samples, k: int, block_cri
     removed = choose_removed(block_criterion, scores, k, nb)
     kept = [i for i in range(nb) if i not in removed]
     say(f"removing blocks {removed} of {nb} ({block_criterion}); {len(kept)} stay")
-    report = _prune_streamed(_Kept(sm, kept), tmp, samples, settings, recipe, sparsity, criterion, n, m, batch_size,
+    report = _prune_streamed(Kept(sm, kept), tmp, samples, settings, recipe, sparsity, criterion, n, m, batch_size,
                              *_knobs(blocksize, percdamp), say, prune=unstructured)
     report.removed_blocks, report.block_scores, report.block_criterion = removed, scores, block_criterion
     return report
-
-
-def _write_cut_config(model_dir: Path, tmp: Path, kept: list[int], n_blocks: int) -> None:
-    from lalr_lightning.core.pruning.depth import cut_config
-
-    config = json.loads((model_dir / "config.json").read_text())
-    (tmp / "config.json").write_text(json.dumps(cut_config(config, kept, n_blocks), indent=2) + "\n")
-
-
-def _depth_record(report: PruneReport, kept: list[int], k: int) -> dict:
-    """What pruning.json records of a block removal."""
-    return {"remove_blocks": k, "block_criterion": report.block_criterion, "removed_blocks": report.removed_blocks,
-            "kept_blocks": kept, "block_scores": report.block_scores, "blocks_before": len(report.block_scores),
-            "blocks_after": len(kept)}

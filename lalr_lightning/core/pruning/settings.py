@@ -11,8 +11,7 @@ from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.layers import check_kinds
 from lalr_lightning.core.pruning.alphapruning import DIRECTIONS, OVERFLOW, PRUNING_METRICS
 from lalr_lightning.core.pruning.criteria import CRITERIA, check_nm, needs_stats
-from lalr_lightning.core.runtime.checks import check_min_evals
-from lalr_lightning.core.runtime.errors import reject_stray
+from lalr_lightning.core.runtime.checks import check_min_evals, reject_stray
 from lalr_lightning.core.spectral.powerlaw import check_fit
 
 __all__ = ["FITTED", "OWL_LAMBDA", "OWL_M", "PRESETS", "check_when", "pruning_settings"]

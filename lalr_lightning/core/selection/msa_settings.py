@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from lalr_lightning.choices import unknown
-from lalr_lightning.core.runtime.errors import reject_stray
+from lalr_lightning.core.runtime.checks import reject_stray
 
 __all__ = ["INNER_OPTIMIZERS", "SELECT", "UPDATE", "check_blocks", "check_restored", "lmsa_settings",
            "sharded_refusal"]

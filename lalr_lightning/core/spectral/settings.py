@@ -11,8 +11,7 @@ from typing import Any
 
 from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.layers import Layer, check_kinds
-from lalr_lightning.core.runtime.checks import check_min_evals
-from lalr_lightning.core.runtime.errors import reject_stray
+from lalr_lightning.core.runtime.checks import check_min_evals, reject_stray
 from lalr_lightning.core.spectral.lalr_metrics import GROUPS, METRICS, MODES, check_weights, weight_shape
 from lalr_lightning.core.spectral.powerlaw import check_fit
 from lalr_lightning.core.spectral.tempbalance import ASSIGN, RANGED, SAMPLING, check_first

@@ -16,7 +16,7 @@ from lalr_lightning.core.model.blocks import block_layers, output_layer
 from lalr_lightning.core.model.layers import Layer, matrix_layers, num_eigenvalues
 from lalr_lightning.core.spectral.powerlaw import LayerFit, fit_layers
 
-__all__ = ["ASSIGN", "FIRST", "check_first", "RANGED", "SAMPLING", "assign_multipliers", "eligible_layers", "finite_alphas",
+__all__ = ["ASSIGN", "FIRST", "RANGED", "SAMPLING", "assign_multipliers", "check_first", "eligible_layers", "finite_alphas",
            "fit_alphas"]
 
 
@@ -160,12 +160,13 @@ RANGED = ("linear_map", "step")
 FIRST = (True, False, "block")
 
 
-def check_first(first) -> None:
-    """A ValueError unless ``first`` is one of :data:`FIRST` (the one check, for the settings and
-    for :func:`eligible_layers`' direct callers)."""
+def check_first(first: object) -> bool | str:
+    """``first`` if it is one of :data:`FIRST`, else a one-line ValueError saying what each means
+    (the one check of it: the callback's settings and :func:`eligible_layers` both call it)."""
     if first not in FIRST or not isinstance(first, (bool, str)):
         raise ValueError(f"first must be False (leave the first matrix out, as TempBalance), True (balance it) "
                          f"or 'block' (leave out every matrix of the first block), got {first!r}")
+    return first
 
 
 def _first_block(model: nn.Module, considered: list[Layer], who: str) -> tuple[str, list[Layer]]:
