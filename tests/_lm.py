@@ -109,3 +109,25 @@ def lm_module(family: str = "llama", tied: bool = False, *, lr: float = 0.1, sam
             return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
 
     return TinyLMModule()
+
+
+#: the vocabulary's words without punctuation: calibration and task text
+ALPHA_WORDS = [w for w in WORDS if w.isalpha()]
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """``python -m lalr_lightning ARGV`` in this process: (exit code, stdout, stderr)."""
+    import pytest
+
+    from lalr_lightning.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    out = capsys.readouterr()
+    return info.value.code, out.out, out.err
+
+
+def write_calibration_text(path: Path, rng, lines: int = 30, words: int = 25) -> Path:
+    """A plain-text calibration file: ``lines`` lines of ``words`` words drawn by ``rng``."""
+    path.write_text("\n".join(" ".join(rng.choice(ALPHA_WORDS) for _ in range(words)) for _ in range(lines)))
+    return path

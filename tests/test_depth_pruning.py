@@ -10,29 +10,22 @@ import random
 import pytest
 import torch
 
-from lalr_lightning.cli import main
 from lalr_lightning.core.pruning import depth
 from lalr_lightning.oneshot import calibration_samples
-from tests._lm import WORDS, save_tiny_lm, tiny_tokenizer, vocab_size
+from tests._lm import ALPHA_WORDS, save_tiny_lm, tiny_tokenizer, vocab_size, write_calibration_text
+from tests._lm import run_cli as _run
 
 pytest.importorskip("transformers")
 
-_WORDS = [w for w in WORDS if w.isalpha()]
+_WORDS = ALPHA_WORDS
 N_SAMPLES, SEQ = 5, 16
-
-
-def _run(argv, capsys):
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    out = capsys.readouterr()
-    return info.value.code, out.out, out.err
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("depth")
     rng = random.Random(0)
-    (root / "calib.txt").write_text("\n".join(" ".join(rng.choice(_WORDS) for _ in range(25)) for _ in range(30)))
+    write_calibration_text(root / "calib.txt", rng)
     models = {fam: save_tiny_lm(root / fam, fam, fam != "llama", layers=5, seed=1) for fam in ("llama", "gpt2", "opt")}
     return root, models
 

@@ -81,8 +81,12 @@ def test_the_selection_summary_reaches_lightnings_console(monkeypatch):
         def emit(self, record):
             seen.append(record)
 
+    import lightning.pytorch  # noqa: F401 -- its import sets its logger to INFO: what a plain Trainer shows
+
     lightning_logger = logging.getLogger("lightning.pytorch")
-    assert lightning_logger.getEffectiveLevel() <= logging.INFO  # what a plain Trainer shows
+    # tests/conftest.py (or another test) may have quietened it; the user's process has Lightning's INFO
+    quiet = lightning_logger.level
+    lightning_logger.setLevel(logging.INFO)
     handler = Keep(logging.INFO)
     lightning_logger.addHandler(handler)
     try:
@@ -90,6 +94,7 @@ def test_the_selection_summary_reaches_lightnings_console(monkeypatch):
         make_trainer([cb], max_steps=1).fit(lm_module("llama", False, hidden=32, layers=4))
     finally:
         lightning_logger.removeHandler(handler)
+        lightning_logger.setLevel(quiet)
     lines = [r.getMessage() for r in seen if r.getMessage().startswith("SurgicalBlocks: trainable ")]
     assert lines == [cb.summary] and all(r.levelno == logging.INFO for r in seen if r.getMessage() == cb.summary)
 

@@ -11,25 +11,18 @@ import re
 import pytest
 import torch
 
-from lalr_lightning.cli import main
 from lalr_lightning.oneshot import calibration_samples, perplexity, prune_checkpoint
-from tests._lm import WORDS, save_tiny_lm, tiny_tokenizer
+from tests._lm import ALPHA_WORDS, save_tiny_lm, tiny_tokenizer, write_calibration_text
+from tests._lm import run_cli as _run
 
-_WORDS = [w for w in WORDS if w.isalpha()]
-
-
-def _run(argv, capsys):
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    out = capsys.readouterr()
-    return info.value.code, out.out, out.err
+_WORDS = ALPHA_WORDS
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("oneshot")
     rng = random.Random(0)
-    (root / "calib.txt").write_text("\n".join(" ".join(rng.choice(_WORDS) for _ in range(25)) for _ in range(30)))
+    write_calibration_text(root / "calib.txt", rng)
     with open(root / "calib.jsonl", "w") as f:
         for _ in range(20):
             f.write(json.dumps({"text": " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 40)))}) + "\n")

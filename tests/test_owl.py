@@ -9,25 +9,18 @@ import random
 import pytest
 import torch
 
-from lalr_lightning.cli import main
 from lalr_lightning.core.pruning.owl import outlier_share, owl_ratios
-from tests._lm import WORDS, save_tiny_lm
+from tests._lm import ALPHA_WORDS, save_tiny_lm, write_calibration_text
+from tests._lm import run_cli as _run
 
-_WORDS = [w for w in WORDS if w.isalpha()]
-
-
-def _run(argv, capsys):
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    out = capsys.readouterr()
-    return info.value.code, out.out, out.err
+_WORDS = ALPHA_WORDS
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("owl")
     rng = random.Random(0)
-    (root / "calib.txt").write_text("\n".join(" ".join(rng.choice(_WORDS) for _ in range(25)) for _ in range(30)))
+    write_calibration_text(root / "calib.txt", rng)
     model = save_tiny_lm(root / "llama", "llama", False, layers=4, hidden=32, seed=1)
     return root, model
 

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from lalr_lightning.cli import main
-from tests._lm import WORDS, save_tiny_lm
+from tests._lm import ALPHA_WORDS, save_tiny_lm
+from tests._lm import run_cli as _run
 
 lm_eval = pytest.importorskip("lm_eval")
 
 ROOT = Path(__file__).resolve().parents[1]
-_WORDS = [w for w in WORDS if w.isalpha()]
+_WORDS = ALPHA_WORDS
 
 
 def _task_file(path: Path, n: int = 16, seed: int = 0) -> Path:
@@ -46,13 +46,6 @@ def files(tmp_path_factory):
         'doc_to_choice: "{{choices}}"', 'doc_to_target: "{{label}}"', "metric_list:", "  - metric: acc",
         "  - metric: acc_norm", ""]))
     return root, model, task, tasks
-
-
-def _run(argv, capsys):
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    out = capsys.readouterr()
-    return info.value.code, out.out, out.err
 
 
 def test_zeroshot_equals_lm_evaluation_harness(files, tmp_path, capsys, monkeypatch):

@@ -355,20 +355,42 @@ class LightningHooks(Callback):
         self.__dict__.pop("_lightning_host", None)
 
 
+#: the key that marks a pandas DataFrame carried as plain data (``_loadable`` / ``_unloaded``)
+_FRAME = "__lalr_lightning_dataframe__"
+
+
 def _loadable(value: Any) -> Any:
     """``value`` as ``torch.load(weights_only=True)`` reads it back: numpy scalars as Python
-    numbers, numpy arrays as tensors, containers rebuilt (the main process reads the handed-back
-    bytes that way, so a worker's numpy value must not make them unreadable)."""
+    numbers, numpy arrays as tensors, a pandas DataFrame (LALR's metric table) as its plain
+    ``tight`` dict and dtypes, containers rebuilt (the main process reads the handed-back bytes
+    that way, so a worker's value must not make them unreadable; :func:`_unloaded` undoes it)."""
     import numpy as np
 
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, np.ndarray):
         return torch.from_numpy(value)
+    if type(value).__name__ == "DataFrame" and hasattr(value, "to_dict"):
+        return {_FRAME: _loadable(value.to_dict(orient="tight")), "dtypes": [str(d) for d in value.dtypes]}
     if isinstance(value, Mapping):
         return {k: _loadable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         out = [_loadable(v) for v in value]
+        return tuple(out) if isinstance(value, tuple) else out
+    return value
+
+
+def _unloaded(value: Any) -> Any:
+    """The DataFrames :func:`_loadable` carried as plain data, rebuilt (with their dtypes)."""
+    if isinstance(value, Mapping):
+        if _FRAME in value:
+            import pandas as pd
+
+            frame = pd.DataFrame.from_dict(value[_FRAME], orient="tight")
+            return frame.astype(dict(zip(frame.columns, value["dtypes"])))
+        return {k: _unloaded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        out = [_unloaded(v) for v in value]
         return tuple(out) if isinstance(value, tuple) else out
     return value
 
@@ -395,7 +417,7 @@ class SpawnHandoff:
 
     def _take_back(self, state: Mapping[str, Any]) -> None:
         """In the main process: the worker's readable state, in place of this callback's own."""
-        self.__dict__.update(state)
+        self.__dict__.update(_unloaded(dict(state)))
 
 
 #: the key of the callbacks' readable state in the launcher's ``extra`` results

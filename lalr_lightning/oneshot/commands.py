@@ -225,7 +225,10 @@ def perplexity_main(argv: Sequence[str] | None = None, prog: str = "python -m la
         if args.batch_size < 1 or args.seq_len < 2 or (args.max_windows is not None and args.max_windows < 1):
             raise ValueError(f"--batch-size and --max-windows must be >= 1 and --seq-len >= 2, got {args.batch_size}, "
                              f"{args.max_windows} and {args.seq_len}")
-        if not Path(args.data).is_file():  # before the model's checks: the file is the first thing to fix
+        data = Path(args.data)
+        if data.is_dir():  # before the model's checks: the file is the first thing to fix
+            raise ValueError(f"--data {data} is a directory; give one text file (.txt, .json or .jsonl) in it")
+        if not data.is_file():
             raise FileNotFoundError(f"no such --data file: {args.data}")
         model_dir = Path(args.model)
         config = _load_config(model_dir)

@@ -119,7 +119,7 @@ def group_layers(groups: Mapping[str, Sequence[str]], params: Mapping[str, Tenso
 def head_group(model: nn.Module, groups: Mapping[str, Sequence[str]], trace: Callable[[], Any] | None = None
                ) -> str | None:
     """The group holding the model's output layer (peft's trainable ``modules_to_save`` copy
-    included; ``trace``: :func:`~lalr_lightning.core.model.layers.output_layer`'s), or None."""
+    included; ``trace``: :func:`~lalr_lightning.core.model.blocks.output_layer`'s), or None."""
     out = output_layer(model, trace=trace)
     if out is None:
         return None

@@ -1,7 +1,7 @@
 """Tied parameters in a selection: units that hold one tensor are one unit.
 
 A parameter shared by two modules (``net[4].weight = net[2].weight``) is listed once, under the
-first module that registers it (:func:`~lalr_lightning.core.model.layers.block_layers`). A selection
+first module that registers it (:func:`~lalr_lightning.core.model.blocks.block_layers`). A selection
 that froze ``net.2`` and trained ``net.4`` would then freeze the shared weight (``net.4`` trains
 its bias alone), and training ``net.2`` would move ``net.4`` too: neither the freeze nor the
 training would be what the selection says. So the units that hold one tensor are joined into one
