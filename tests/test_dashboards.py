@@ -8,8 +8,6 @@ renders in a real headless browser."""
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 import lalr_lightning.callbacks as cbs
 from lalr_lightning import report
 from lalr_lightning.dashboards import decision_table, markdown_table
+from tests._browser import CHROMIUM, NO_CHROMIUM, render
 from tests._toys import make_trainer
 from tests.test_contract import _loader, _model
 
@@ -289,15 +288,8 @@ def test_report_with_an_out_it_cannot_write_names_the_fix(tmp_path, capsys, wher
 
 # ----------------------------------------------------------------------------- a real browser
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or (
-    "/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
-
-
-@pytest.mark.skipif(CHROMIUM is None, reason="no chromium installed (.ci/run installs it with apt-get where it can)")
+@pytest.mark.skipif(CHROMIUM is None, reason=NO_CHROMIUM)
 def test_report_renders_in_a_headless_browser(tmp_path):
-    import numpy as np
-    from matplotlib.image import imread
-
     logger = CSVLogger(str(tmp_path), name="", version="csv")
     make_trainer([cbs.TempBalanceCallback(min_evals=5)], max_epochs=2, logger=logger, log_every_n_steps=1).fit(
         _model(), _loader())
@@ -305,16 +297,7 @@ def test_report_renders_in_a_headless_browser(tmp_path):
     n_img = out.read_text().count("<img")
     assert n_img == 5  # 2 heatmaps, 2 curves, lr_eff
     url = out.resolve().as_uri()
-    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
-             "--user-data-dir=" + str(tmp_path / "profile")]
-    shot = tmp_path / "shot.png"
-    res = subprocess.run(flags + ["--window-size=1200,1600", f"--screenshot={shot}", url],
-                         capture_output=True, text=True, timeout=60)
-    assert shot.exists(), res.stderr[-2000:]
-    pixels = imread(shot)
-    assert pixels.shape[:2] == (1600, 1200) and float(np.std(pixels[..., :3])) > 0.05  # not blank
-    dom = subprocess.run(flags + ["--virtual-time-budget=5000", "--dump-dom", url],
-                         capture_output=True, text=True, timeout=60)
-    assert f'data-images="{n_img}/{n_img}"' in dom.stdout  # every image decoded
-    console = [ln for ln in (res.stderr + dom.stderr).splitlines() if "CONSOLE" in ln or "Uncaught" in ln]
+    _, dom, shot_err, dom_err = render(url, tmp_path)
+    assert f'data-images="{n_img}/{n_img}"' in dom  # every image decoded
+    console = [ln for ln in (shot_err + dom_err).splitlines() if "CONSOLE" in ln or "Uncaught" in ln]
     assert console == []

@@ -7,12 +7,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests._browser import CHROMIUM, NO_CHROMIUM, render
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -137,31 +138,15 @@ def test_the_api_reference_shows_links_not_markup_and_no_internal_steps(site):
     assert any(h.endswith("#lalr_lightning.callbacks.LayerSelection") for h in links), links[:10]
 
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or (
-    "/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
-
-
-@pytest.mark.skipif(CHROMIUM is None, reason="no chromium installed (.ci/run installs it with apt-get where it can)")
+@pytest.mark.skipif(CHROMIUM is None, reason=NO_CHROMIUM)
 def test_an_api_page_renders_in_a_headless_browser(site, tmp_path):
     """The Callbacks page in a real browser: drawn (a screenshot that is not blank), its text free of
     raw roles, its cross-references live links, and no script error."""
-    import numpy as np
-    from matplotlib.image import imread
-
     url = (site / "api/callbacks/index.html").resolve().as_uri()
-    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
-             "--user-data-dir=" + str(tmp_path / "profile")]
-    shot = tmp_path / "shot.png"
-    res = subprocess.run(flags + ["--window-size=1200,1600", f"--screenshot={shot}", url],
-                         capture_output=True, text=True, timeout=60)
-    assert shot.exists(), res.stderr[-2000:]
-    pixels = imread(shot)
-    assert pixels.shape[:2] == (1600, 1200) and float(np.std(pixels[..., :3])) > 0.05  # not blank
-    dom = subprocess.run(flags + ["--virtual-time-budget=5000", "--dump-dom", url],
-                         capture_output=True, text=True, timeout=60).stdout
+    _, dom, shot_err, _ = render(url, tmp_path)
     assert "TempBalanceCallback" in dom and not _RAW.findall(dom), _RAW.findall(dom)[:5]
     assert re.search(r'<a class="autorefs autorefs-internal"[^>]*href="[^"]*#lalr_lightning\.callbacks\.LayerSelection"', dom)
-    console = [ln for ln in res.stderr.splitlines() if "Uncaught" in ln]
+    console = [ln for ln in shot_err.splitlines() if "Uncaught" in ln]
     assert console == []
 
 

@@ -422,6 +422,10 @@ class LayerControl:
     def mask(self, p: nn.Parameter) -> torch.Tensor | None:
         """The combined keep-mask of ``p`` (None when no owner masks it), on ``p``'s device."""
         self._place_masks()
+        return self._combined_mask(p)
+
+    def _combined_mask(self, p: nn.Parameter) -> torch.Tensor | None:
+        """Every owner's keep-mask of ``p``, and-ed where they are (None when no owner masks it)."""
         out = None
         for table in self._masks.values():
             keep = table.get(id(p))

@@ -275,12 +275,8 @@ class FlatControl(LayerControl):
                         v.mul_(keep)
 
     def mask(self, p: nn.Parameter) -> torch.Tensor | None:
-        out = None
-        for table in self._masks.values():
-            keep = table.get(id(p))
-            if keep is not None:
-                out = keep if out is None else out & keep
-        return out
+        # the masks live on the partitions, where set_masks put them: nothing to move here
+        return self._combined_mask(p)
 
     def release_state(self, params: Iterable[nn.Parameter]) -> int:
         """A flat partition every piece of which is frozen loses its state (the memory is freed);
