@@ -29,3 +29,22 @@ def pytest_ignore_collect(collection_path, config):
             and collection_path.name.startswith("test_")):
         return "pytest.mark.smoke" not in collection_path.read_text()
     return None
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _logging_restored():
+    """A test that runs a benchmark's ``main`` in-process quietens logging the way the script does
+    (``logging.disable``, logger levels); put it back, or a later test on the same xdist worker
+    sees no info line (the selection summary tests did)."""
+    manager = logging.root.manager
+    disabled = manager.disable
+    levels = {name: lg.level for name, lg in manager.loggerDict.items() if isinstance(lg, logging.Logger)}
+    yield
+    if manager.disable != disabled:
+        logging.disable(disabled)
+    for name, lg in list(manager.loggerDict.items()):
+        if isinstance(lg, logging.Logger) and name in levels and lg.level != levels[name]:
+            lg.setLevel(levels[name])
