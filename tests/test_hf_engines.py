@@ -28,10 +28,11 @@ CASES = ["zero2-none", "zero2-none-resume", "zero2-lisa", "zero2-lisa-resume", "
          "zero2-pruning-resume", "zero2-proximal", "zero2-lmsa", "zero2-ntk", "zero2-lalr", "zero2-rgn", "zero2-eb",
          "zero3-none", "zero3-none-resume", "zero3-tempbalance", "zero3-tempbalance-resume", "zero3-spectrum-init",
          "zero3-spectrum", "zero3-spectrum-resume", "zero3-ntkselect", "zero3-lisa", "zero3-lisa-resume",
-         "zero3-pruning", "zero3-pruning-resume", "zero3-lalr", "zero3-rgn", "zero3-eb", "zero3-wanda"]
+         "zero3-pruning", "zero3-pruning-resume", "zero3-lalr", "zero3-rgn", "zero3-eb", "zero3-wanda", "zero3-tempbalance-init"]
 #: refused in one line: (case, a phrase naming what works)
 REFUSED = {"zero2-proximal": "DDP", "zero2-lmsa": "DDP", "zero2-ntk": "DDP",
-           "zero3-spectrum-init": "create the model before the TrainingArguments", "zero3-wanda": "ZeRO-2"}
+           "zero3-spectrum-init": "create the model before the TrainingArguments", "zero3-wanda": "ZeRO-2",
+           "zero3-tempbalance-init": "create the model before the TrainingArguments"}
 
 
 @pytest.fixture(scope="module")
