@@ -101,6 +101,24 @@ def weights(trainer, model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in params}
 
 
+#: the most elements a measurement held whole at once (HFHost.gathered, ZeRO-3), per case
+GATHERED: list[int] = []
+
+
+def count_gathers() -> None:
+    """Record how much each of the host's gathers holds whole (a layer at a time, not the model)."""
+    import lalr_lightning.hf as hf
+
+    inner = hf.HFHost.gathered
+
+    def gathered(self, params):
+        params = list(params)
+        GATHERED.append(sum(int(getattr(p, "ds_numel", p.numel())) for p in params))
+        return inner(self, params)
+
+    hf.HFHost.gathered = gathered
+
+
 def fit(out: str, case: str) -> None:
     from accelerate.state import AcceleratorState
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -124,6 +142,7 @@ def fit(out: str, case: str) -> None:
     rows = rows[:8] if method in TWO_EPOCHS else rows
     cb = METHODS[method]()
     record: dict = {"steps": [], "grads": []}
+    GATHERED.clear()
 
     class Peek(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
@@ -164,7 +183,7 @@ def fit(out: str, case: str) -> None:
         del held
     if error is None:
         record["end_counts"] = engine_counts(trainer)
-    record.update(error=error, history=getattr(cb, "history", None),
+    record.update(error=error, history=getattr(cb, "history", None), gathered=list(GATHERED),
                   numel={n: int(getattr(p, "ds_numel", p.numel())) for n, p in model.named_parameters()})
     if cb is not None and hasattr(cb, "layers"):
         record["layers"] = {u.name: sorted(n for n, p in model.named_parameters()
@@ -174,6 +193,7 @@ def fit(out: str, case: str) -> None:
 
 def main(out: str, cases: list[str]) -> None:
     cpu_deepspeed()
+    count_gathers()
     # accelerate, DeepSpeed and fit() each run gc.collect() once per case, which walks every
     # object of the imported libraries (1.5 s each on 2 loaded cores): frozen, they are skipped
     import transformers.models.llama.modeling_llama  # noqa: F401
