@@ -31,7 +31,8 @@ Where the timeline's events happen under the Trainer (``Trainer.train`` in trans
   ``<checkpoint>/lalr_lightning.pt`` at ``on_save``.
 
 Under the Trainer's DeepSpeed ZeRO the host hands the methods the engine's torch optimizer with a view of
-its flat partitions (core/runtime/flat.py's FlatControl, docs/sharded.md); the Trainer's FSDP is refused.
+its flat partitions (core/runtime/flat.py's FlatControl, docs/sharded.md), and under ZeRO-3 gathers the
+parameters of one layer at a time for a measurement (``HFHost.gathered``); the Trainer's FSDP is refused.
 """
 
 from __future__ import annotations
