@@ -99,7 +99,8 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     if part is None:
         return t
     size = part.numel()
-    rank = dist.get_rank() if _distributed() else 0
+    # the partition's index is the rank in the parameter's own group (the data-parallel one)
+    rank = dist.get_rank(group=getattr(t, "ds_process_group", None)) if _distributed() else 0
     return part.reshape(-1)[:max(0, min(size, int(t.ds_numel) - rank * size))]
 
 
