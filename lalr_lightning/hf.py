@@ -31,7 +31,8 @@ Where the timeline's events happen under the Trainer (``Trainer.train`` in trans
   ``<checkpoint>/lalr_lightning.pt`` at ``on_save``.
 
 Under the Trainer's DeepSpeed ZeRO the host hands the methods the engine's torch optimizer with a view of
-its flat partitions (core/runtime/flat.py's FlatControl, docs/sharded.md); the Trainer's FSDP is refused.
+its flat partitions (core/runtime/flat.py's FlatControl, docs/sharded.md), and under ZeRO-3 gathers the
+parameters of one layer at a time for a measurement (``HFHost.gathered``); the Trainer's FSDP is refused.
 """
 
 from __future__ import annotations
@@ -175,6 +176,16 @@ class HFHost(Host):
             if patched is not None and original is not None:
                 model.forward = patched
 
+    def gathered(self, params: Iterable[nn.Parameter]) -> contextlib.AbstractContextManager:
+        """Under ZeRO-3, DeepSpeed's ``GatheredParameters`` of ``params`` (read-only: no rank's
+        change is written back); elsewhere nothing to do."""
+        held = [p for p in params if hasattr(p, "ds_tensor")]
+        if self.sharding != "zero3" or not held:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(held, modifier_rank=None)
+
     def batches(self, as_given: bool = False) -> Iterable | None:
         """The training data as the Trainer collates it, in order (its own loader is accelerate's,
         whose iteration drives gradient accumulation: a measurement must not draw from it); under
@@ -269,9 +280,11 @@ def _find_trainer() -> Any:
 _NOT_UNDER_ZERO = {"ProximalRegularizer": "pulls whole parameters toward their pretrained values after every step",
                    "LMSAStepper": "replaces the optimizer's update of whole blocks after every step",
                    "NTKDiagnostics": "differentiates the whole model's outputs at every epoch (torch.func)"}
-#: methods that measure weights or gradients after the engine is built: ZeRO-3 then holds each
-#: rank's partition only (the module's parameters are empty placeholders outside a forward)
-_NOT_UNDER_ZERO3 = ("TempBalanceCallback", "LALRScheduleCallback", "AutoRGN", "HTSRPruning")
+#: methods that find their layers from the weights' shapes, or measure them, before the engine is
+#: built: under ZeRO-3 the model must still be whole then (not partitioned by zero.Init); during
+#: the fit they gather one layer at a time (HFHost.gathered, docs/sharded.md)
+_WHOLE_BEFORE_ZERO3 = ("SpectrumSelect", "NTKSelect", "TempBalanceCallback", "LALRScheduleCallback", "AutoRGN",
+                       "HTSRPruning")
 
 
 def _zero_stage(trainer: Any) -> int:
@@ -320,14 +333,17 @@ def _refuse_engine(trainer: Any, cb: LayerwiseCallback) -> None:
     if who in _NOT_UNDER_ZERO:
         raise RuntimeError(f"{who} {_NOT_UNDER_ZERO[who]}, which DeepSpeed ZeRO holds only in flat partitions; run it "
                            "on one device or DDP, or under Lightning's FSDPStrategy (docs/sharded.md)")
-    if stage == 3 and who in ("SpectrumSelect", "NTKSelect") and any(
+    if stage == 3 and who in _WHOLE_BEFORE_ZERO3 and any(
             hasattr(p, "ds_tensor") for p in trainer.model.parameters()):
-        raise RuntimeError(f"{who} measures the weights before the engine is built, and ZeRO-3 partitioned them when "
+        raise RuntimeError(f"{who} reads the weights before the engine is built, and ZeRO-3 partitioned them when "
                            "the model was created (zero.Init: TrainingArguments made before from_pretrained); create "
                            "the model before the TrainingArguments, or use ZeRO-2")
-    if stage == 3 and who in _NOT_UNDER_ZERO3:
-        raise RuntimeError(f"{who} measures the weights during the fit, which ZeRO-3 keeps partitioned across the "
-                           "ranks; use ZeRO-2 (zero_optimization.stage=2), DDP, or Lightning's FSDPStrategy")
+    if stage == 3 and who == "HTSRPruning" and (getattr(cb, "criterion", "magnitude") != "magnitude"
+                                                 or getattr(cb, "m", None) or getattr(cb, "preset", None) == "owl"):
+        # Wanda, SparseGPT, N:M and OWL calibrate block by block on the whole model, pruning as they go
+        raise RuntimeError("HTSRPruning under ZeRO-3 prunes by magnitude only (criterion='magnitude', no N:M, no "
+                           "preset='owl'): the others calibrate on whole blocks, which ZeRO-3 holds in partitions; "
+                           "use ZeRO-2 (zero_optimization.stage=2) or DDP for them")
 
 
 def _split_for_switching(optimizer: Any, methods: list[LayerwiseCallback]) -> None:

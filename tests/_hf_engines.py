@@ -35,6 +35,8 @@ from tests._lm import tiny_lm  # noqa: E402
 STEPS = 4
 #: the methods whose run is resumed from its step-2 checkpoint (``<case>-resume``)
 RESUMED = ("none", "lisa", "spectrum", "tempbalance", "pruning")
+#: the method measuring at every epoch's start that runs on half the rows: two epochs in the 4 steps
+TWO_EPOCHS = ("eb",)
 
 METHODS = {
     "none": lambda: None,
@@ -45,6 +47,10 @@ METHODS = {
     "tempbalance": lambda: C.TempBalanceCallback(min_evals=5, every_n_steps=2),
     "multiplier": lambda: C.LayerLRMultiplier({"model.layers.1.*": 3.0, "lm_head": 0.5}),
     "pruning": lambda: C.HTSRPruning(target_sparsity=0.5, min_numel=1, min_evals=3),
+    "lalr": lambda: C.LALRScheduleCallback(),
+    "rgn": lambda: C.AutoRGN(n_batches=2),
+    "eb": lambda: C.AutoRGN(criterion="eb", n_batches=2, eb_threshold=1.0),
+    "wanda": lambda: C.HTSRPruning(target_sparsity=0.5, criterion="wanda", min_numel=1, min_evals=3),
     "proximal": lambda: C.ProximalRegularizer(lam=0.5),
     "lmsa": lambda: C.LMSAStepper(update="optimizer", every_n_epochs=1),
     "ntk": lambda: C.NTKDiagnostics(probe_size=4),
@@ -52,7 +58,10 @@ METHODS = {
 
 
 def ds_config(stage: int) -> dict:
-    return {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto",
+    # ZeRO-3 keeps no parameter whole between forwards (by default those under 1e5 elements, all
+    # of the tiny model's, would stay whole and hide a measurement that reads placeholders)
+    zero = {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}
+    return {"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto",
             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "bf16": {"enabled": False}}
 
 
@@ -92,6 +101,24 @@ def weights(trainer, model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in params}
 
 
+#: the most elements a measurement held whole at once (HFHost.gathered, ZeRO-3), per case
+GATHERED: list[int] = []
+
+
+def count_gathers() -> None:
+    """Record how much each of the host's gathers holds whole (a layer at a time, not the model)."""
+    import lalr_lightning.hf as hf
+
+    inner = hf.HFHost.gathered
+
+    def gathered(self, params):
+        params = list(params)
+        GATHERED.append(sum(int(getattr(p, "ds_numel", p.numel())) for p in params))
+        return inner(self, params)
+
+    hf.HFHost.gathered = gathered
+
+
 def fit(out: str, case: str) -> None:
     from accelerate.state import AcceleratorState
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -112,13 +139,17 @@ def fit(out: str, case: str) -> None:
     model = tiny_lm("llama", False, layers=4, hidden=16, seed=0)
     g = torch.Generator().manual_seed(0)
     rows = [{"input_ids": x, "labels": x.clone()} for x in torch.randint(4, 60, (16, 10), generator=g)]
+    rows = rows[:8] if method in TWO_EPOCHS else rows
     cb = METHODS[method]()
     record: dict = {"steps": [], "grads": []}
+    GATHERED.clear()
 
     class Peek(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
             record["start"] = weights(trainer, model)
             record["begin_counts"] = engine_counts(trainer)
+            # ZeRO-3: every parameter an empty placeholder between forwards (what a measurement must gather)
+            record["placeholders"] = sum(p.numel() == 0 for p in model.parameters())
             base = trainer.model_wrapped.optimizer.optimizer
 
             def grads(opt, *_):  # the gradient elements the optimizer gets, per step (per sub-group)
@@ -135,7 +166,7 @@ def fit(out: str, case: str) -> None:
                                     dict(getattr(cb, "multipliers", None) or {})))
 
     run_dir = f"{out}/run_{stage_name}-{method}"
-    args = TrainingArguments(output_dir=run_dir, max_steps=STEPS if stage < 3 else 3, per_device_train_batch_size=2, report_to="none",
+    args = TrainingArguments(output_dir=run_dir, max_steps=STEPS, per_device_train_batch_size=2, report_to="none",
                              use_cpu=True, save_strategy="steps", save_steps=2, save_only_model=False,
                              disable_tqdm=True, seed=0, learning_rate=1e-2, deepspeed=ds_config(stage),
                              accelerator_config={"use_configured_state": True}, lr_scheduler_type="constant",
@@ -152,7 +183,7 @@ def fit(out: str, case: str) -> None:
         del held
     if error is None:
         record["end_counts"] = engine_counts(trainer)
-    record.update(error=error, history=getattr(cb, "history", None),
+    record.update(error=error, history=getattr(cb, "history", None), gathered=list(GATHERED),
                   numel={n: int(getattr(p, "ds_numel", p.numel())) for n, p in model.named_parameters()})
     if cb is not None and hasattr(cb, "layers"):
         record["layers"] = {u.name: sorted(n for n, p in model.named_parameters()
@@ -162,6 +193,14 @@ def fit(out: str, case: str) -> None:
 
 def main(out: str, cases: list[str]) -> None:
     cpu_deepspeed()
+    count_gathers()
+    # accelerate, DeepSpeed and fit() each run gc.collect() once per case, which walks every
+    # object of the imported libraries (1.5 s each on 2 loaded cores): frozen, they are skipped
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    from transformers import Trainer  # noqa: F401
+
+    gc.collect()
+    gc.freeze()
     for case in cases:
         t = time.perf_counter()
         fit(out, case)

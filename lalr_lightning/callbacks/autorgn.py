@@ -36,7 +36,9 @@ Decided here (the paper and the reference are explicit about the rest):
   same: each rank's own gradient of each tensor is read whole in the backward before FSDP
   reduce-scatters it (:func:`~lalr_lightning.core.model.taps.gradient_taps`), with no more gradient
   memory than a training step; each measured batch costs a forward and backward of the
-  strategy's, whose reduced gradients are dropped.
+  strategy's, whose reduced gradients are dropped. Under DeepSpeed ZeRO-3 the model's own forward
+  gathers the weights and ``torch.autograd.grad`` returns each rank's whole gradients without
+  reaching the engine's gradient partitions; ``||theta||`` comes from the ranks' partitions.
 """
 
 from __future__ import annotations
@@ -55,8 +57,15 @@ from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.batch_loss import batch_loss
 from lalr_lightning.core.model.taps import gradient_taps, preserve_buffers
-from lalr_lightning.core.runtime.checks import check_counts, check_loss_fn
-from lalr_lightning.core.runtime.shards import all_sum, backward_discarded, local_tensor, loss_through_root, sharded
+from lalr_lightning.core.runtime.checks import check_counts, check_loss_fn, lora_zero
+from lalr_lightning.core.runtime.shards import (
+    all_sum,
+    backward_discarded,
+    local_tensor,
+    loss_through_root,
+    partitioned,
+    sharded,
+)
 from lalr_lightning.core.selection import surgical
 
 __all__ = ["AutoRGN", "CRITERIA"]
@@ -145,6 +154,8 @@ class AutoRGN(LayerSelection):
         self._weights: list[str] = []  # the conv/linear weight tensors (the degeneracy warning counts them)
         self._zero_scales: list[str] = []
         self._sharded = False  # FSDP: frozen tensors stop requiring grad (apply)
+        self._partitioned = False  # ZeRO-3: the weights' norms from the ranks' partitions
+        self._theta_norms: list[float] = []
 
     @property
     def score_key(self) -> str:
@@ -163,6 +174,7 @@ class AutoRGN(LayerSelection):
             self.block_list = []  # tensors are the units; blocks only label the logs
         self.layers = surgical.tensor_layers(module)
         self._sharded = sharded(host)
+        self._partitioned = partitioned(host)
         self._block_of = {n: b.name for b in self.block_list for n in b.params}
         self._weights = surgical.weight_tensors(module, self.layers, self.exclude)
 
@@ -185,7 +197,15 @@ class AutoRGN(LayerSelection):
         loader = host.batches()
         units = surgical.measured_units(self.criterion, loader, self.layers, self.exclude)
         params = [next(iter(u.params.values())) for u in units]
-        self._zero_scales = surgical.zero_scales(self.layers)  # the degeneracy warning names them
+        if self._partitioned:  # the candidate scales (1-D, LoRA's B) whole; the weights' norms from the partitions
+            small = [p for u in self.layers for n, p in u.params.items()
+                     if len(getattr(p, "ds_shape", p.shape)) == 1 or lora_zero([n])]
+            with host.gathered(small):
+                self._zero_scales = surgical.zero_scales(self.layers)
+            self._theta_norms = [] if self.criterion == "eb" else (
+                all_sum(torch.stack([local_tensor(p).detach().double().square().sum() for p in params])).sqrt().tolist())
+        else:
+            self._zero_scales = surgical.zero_scales(self.layers)  # the degeneracy warning names them
         frozen = [u for u in units if u.name not in set(self.selected)] if self._sharded else []
         self.set_requires_grad(frozen, True)  # FSDP: the tensors frozen now are measured too (see apply)
         check = stop_on_sigterm(host)
@@ -214,6 +234,9 @@ class AutoRGN(LayerSelection):
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         self.check_finite(host, {u.name: g for u, g in zip(units, grads) if g is not None},
                           f"the gradients measured for {self.criterion}")
+        if self._partitioned:  # whole gradients, the weights partitioned: their norms from the measure's start
+            stats = {u.name: surgical.gradient_stat(self.criterion, g) for u, g in zip(units, grads) if g is not None}
+            return surgical.sharded_scores(self.criterion, stats, [u.name for u in units], self._theta_norms)
         return surgical.batch_scores(self.criterion, grads, params)
 
     def _sharded_scores(self, host: Host, module: nn.Module, batch: Any, batch_idx: int,

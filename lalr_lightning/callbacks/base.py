@@ -396,9 +396,10 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         self._wrapped = self._started = self._first_done = False
         self.early = None
         self._configure_checked(host, host.module)
-        # sizes while the weights are whole (before any FSDP wrap), to share work out evenly
-        self._sizes = {la.name: la.weight.numel() for la in self.layers if la.module is not None
-                       and isinstance(getattr(la.module, la.weight_name, None), torch.Tensor)}
+        # sizes while the weights are whole (before any FSDP wrap; ZeRO-3's partitioned ones by
+        # their ds_numel), to share work out evenly
+        self._sizes = {la.name: int(getattr(la.weight, "ds_numel", la.weight.numel())) for la in self.layers
+                       if la.module is not None and isinstance(getattr(la.module, la.weight_name, None), torch.Tensor)}
         # FSDP2 puts new parameters in place of these: everything held follows them after the wrap
         self._names_before_wrap = parameter_names(host.module) if host.sharding == "fsdp2" else None
         self._whole_copy = shards.WholeCopy(host.module, type(self).__name__) \

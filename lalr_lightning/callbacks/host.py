@@ -163,6 +163,12 @@ class Host(ABC):
         Jacobians cannot run under autocast). Lightning measures outside its autocast already."""
         return contextlib.nullcontext()
 
+    def gathered(self, params: Iterable[nn.Parameter]) -> AbstractContextManager:
+        """``params`` whole for the length of the block, read-only, where the engine holds them in
+        partitions outside its forward (DeepSpeed ZeRO-3, ``sharding == "zero3"``; a collective:
+        every rank, the same parameters); elsewhere they are whole already."""
+        return contextlib.nullcontext()
+
     @abstractmethod
     def batches(self, as_given: bool = False) -> Iterable | None:
         """The training loader, to draw measurement batches from (``as_given``: as the user gave

@@ -25,7 +25,15 @@ from lalr_lightning.core.pruning.alphapruning import DIRECTIONS, PRUNING_METRICS
 from lalr_lightning.core.pruning.criteria import CRITERIA, needs_stats
 from lalr_lightning.core.pruning.owl import owl_layer_ratios
 from lalr_lightning.core.pruning.settings import PRESETS, check_when, pruning_settings
-from lalr_lightning.core.runtime.shards import all_sum, layer_paths, layers_in, local_tensor, shard_layout, sharded
+from lalr_lightning.core.runtime.shards import (
+    all_sum,
+    layer_paths,
+    layers_in,
+    local_tensor,
+    partitioned,
+    shard_layout,
+    sharded,
+)
 
 __all__ = ["HTSRPruning", "PRESETS", "PRUNING_METRICS", "DIRECTIONS", "CRITERIA", "pruning_ratios"]
 
@@ -335,16 +343,16 @@ class HTSRPruning(LayerwiseCallback):
     def update(self, host: Host, module: nn.Module) -> Decision:
         """One pruning event (each one the cadence makes due): the ratios (the first event only),
         the masks at the schedule's level x ratio, applied. Where the masks come from depends on
-        how the weights are held: the live model, FSDP shards (:meth:`_prune_sharded`) or rank
-        zero's whole copy (:meth:`_prune_on_copy`)."""
+        how the weights are held: the live model, FSDP shards or ZeRO-3 partitions
+        (:meth:`_prune_sharded`) or rank zero's whole copy (:meth:`_prune_on_copy`)."""
         if self.whole is not None:
             return self._prune_on_copy(host)
-        if sharded(host):
+        if sharded(host) or partitioned(host):
             return self._prune_sharded(host)
         return super().update(host, self._model)
 
     def _prune_sharded(self, host: Host) -> Decision:
-        """A magnitude pruning event during training under FSDP: the ratios decided on rank zero
+        """A magnitude pruning event during training under FSDP or ZeRO-3: the ratios decided on rank zero
         from the metric (measured on whole weights, a share of the layers per rank), then each
         rank computes the masks of its share of the layers on their whole weights (one
         threshold per layer, as on one device) and the masks are all-gathered; each rank then
@@ -536,10 +544,10 @@ class HTSRPruning(LayerwiseCallback):
     # ------------------------------------------------------------------ reporting
 
     def _measure(self, host: Host) -> dict[str, float]:
-        # the zeros of every layer, read in one transfer; under FSDP each rank counts those of its shards,
-        # and the counts are summed over the ranks
-        zeros = torch.stack([(local_tensor(la.weight.detach()) == 0).sum() for la in self.layers]).double()
-        if sharded(host):
+        # the zeros of every layer, read in one transfer; under FSDP (ZeRO-3) each rank counts those of
+        # its shards (partitions), and the counts are summed over the ranks
+        zeros = torch.stack([(local_tensor(la.weight).detach() == 0).sum() for la in self.layers]).double()
+        if sharded(host) or partitioned(host):
             zeros = all_sum(zeros)
         return {la.name: float(z) / self._numel(la) for la, z in zip(self.layers, zeros.tolist())}
 

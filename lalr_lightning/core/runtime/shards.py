@@ -41,7 +41,7 @@ from lalr_lightning.core.runtime.decision import Decision
 
 __all__ = ["ShardLayout", "WholeCopy", "all_sum", "assign_shares", "backward_discarded", "decide_on_zero",
            "fsdp_units", "gather_objects", "is_dtensor", "layer_paths", "layers_in", "local_tensor",
-           "loss_through_root", "materialize", "measure_shards", "model_root", "on_rank_zero", "parameter_names",
+           "loss_through_root", "materialize", "measure_shards", "model_root", "on_rank_zero", "parameter_names", "partitioned",
            "rebind", "replaces_parameters", "shard_layout", "sharded", "skeleton", "whole_weights"]
 
 
@@ -90,8 +90,18 @@ def is_dtensor(t: Any) -> bool:
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The part of ``t`` this rank holds: an FSDP2 ``DTensor``'s local shard (sharing its
-    storage), anything else itself (an FSDP1 parameter is its own piece already)."""
-    return t.to_local() if is_dtensor(t) else t
+    storage); a DeepSpeed ZeRO-3 parameter's partition (``ds_tensor``, read by attribute), 1-D,
+    without the padding of the last rank's; anything else itself (an FSDP1 parameter is its own
+    piece already). Pass the parameter itself: ``detach()`` drops ZeRO-3's attributes."""
+    if is_dtensor(t):
+        return t.to_local()
+    part = getattr(t, "ds_tensor", None)
+    if part is None:
+        return t
+    size = part.numel()
+    # the partition's index is the rank in the parameter's own group (the data-parallel one)
+    rank = dist.get_rank(group=getattr(t, "ds_process_group", None)) if _distributed() else 0
+    return part.reshape(-1)[:max(0, min(size, int(t.ds_numel) - rank * size))]
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
@@ -190,6 +200,23 @@ def _fsdp2_whole(units, layers, mine, weight_of) -> list[Layer]:
             if unit is not None:
                 unit.reshard()
     return [out[layer.name] for layer in layers if layer.name in out]
+
+
+def _gathered_whole(host: Any, layers: Sequence[Layer], mine: set[str],
+                    weight_of: Callable[[Layer], torch.Tensor]) -> list[Layer]:
+    """:func:`whole_weights` where the engine partitions every parameter (:func:`partitioned`):
+    each layer's parameters (its module's too: LoRA's base weight and adapters) gathered whole in
+    turn through ``host.gathered`` (a collective: every rank, the same layers in the same order),
+    copied by the rank that measures it and released, so a rank holds its share plus one layer."""
+    out = []
+    for layer in layers:
+        params = {id(p): p for p in layer.params.values()}
+        if layer.module is not None:
+            params.update({id(p): p for p in layer.module.parameters()})
+        with host.gathered(list(params.values())):
+            if layer.name in mine:
+                out.append(_stand_in(layer, weight_of(layer).clone()))
+    return out
 
 
 def _stored(module: nn.Module) -> list[tuple[nn.Module, str, str, torch.Tensor]]:
@@ -302,10 +329,10 @@ class ShardLayout:
         return id(p) in self._fsdp1 or is_dtensor(p)
 
     def shape(self, p: torch.Tensor) -> tuple[int, ...]:
-        """The whole shape of ``p``."""
+        """The whole shape of ``p`` (a ZeRO-3 parameter's ``ds_shape``: its tensor is a placeholder)."""
         if id(p) in self._fsdp1:
             return tuple(self._fsdp1[id(p)][1])
-        return tuple(p.shape)
+        return tuple(getattr(p, "ds_shape", p.shape))
 
     def local(self, p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of ``full`` (``p``'s whole shape), laid out as ``p`` holds its own:
@@ -364,6 +391,14 @@ def rebind(obj: Any, names: Mapping[int, str], module: nn.Module) -> Any:
 def sharded(host: Any) -> bool:
     """Whether the strategy holds the parameters in shards across the ranks (FSDP1 or FSDP2)."""
     return getattr(host, "sharding", "none") in ("fsdp1", "fsdp2")  # None: no host (a bare configure)
+
+
+def partitioned(host: Any) -> bool:
+    """Whether the engine keeps each parameter whole only inside its forward and backward, and in
+    partitions across the ranks otherwise (DeepSpeed ZeRO-3: the module's parameters are empty
+    placeholders). :func:`measure_shards` then gathers each layer whole through
+    ``host.gathered``, and :func:`local_tensor` reads a rank's partition."""
+    return getattr(host, "sharding", "none") == "zero3"
 
 
 def replaces_parameters(host: Any) -> bool:
@@ -431,13 +466,14 @@ def measure_shards(host: Any, module: nn.Module, units: list[list[Layer]],
     all-gathered: the same dict on every rank. An error on any rank is raised on all of them."""
     everything = [layer for unit in units for layer in unit]
     world = host.world_size
-    if world == 1 and not sharded(host):
+    if world == 1 and not sharded(host) and not partitioned(host):
         return fn(everything)
     sizes = sizes or {}
     owner = assign_shares([sum(sizes.get(la.name, 1) for la in unit) for unit in units], world)
     mine = {la.name for unit, o in zip(units, owner) if o == host.global_rank for la in unit}
     try:
-        layers = whole_weights(model_root(host, module), everything, mine, weight_of)
+        layers = _gathered_whole(host, everything, mine, weight_of) if partitioned(host) else \
+            whole_weights(model_root(host, module), everything, mine, weight_of)
         part = ("ok", fn(layers) if layers else {})
     except Exception as err:  # noqa: BLE001 -- raised on every rank below
         part = ("error", err)

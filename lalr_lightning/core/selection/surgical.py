@@ -151,8 +151,10 @@ def zero_scales(units: Sequence[Layer]) -> list[str]:
     """The tensor units that are norm-layer scales at zero (timm's ``zero_init_last``), and peft
     LoRA ``lora_B`` matrices at zero (a fresh adapter): they block the gradient of what feeds them
     (:func:`zero_gradient_warning` names them)."""
+    # an empty tensor is no scale: a placeholder of a weight ZeRO-3 holds in partitions
     return [u.name for u in units if u.name.endswith("weight") and all(
-        (p.ndim == 1 or lora_zero([u.name])) and not bool(p.detach().any()) for p in u.params.values())]
+        p.numel() > 0 and (p.ndim == 1 or lora_zero([u.name])) and not bool(p.detach().any())
+        for p in u.params.values())]
 
 
 def weight_tensors(model: nn.Module, units: Sequence[Layer], exclude: Sequence[str]) -> list[str]:
