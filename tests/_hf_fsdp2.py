@@ -32,11 +32,13 @@ from tests._lm import tiny_lm  # noqa: E402
 
 STEPS = 4
 #: the methods whose run is resumed from its step-2 checkpoint (``<method>-resume``)
-RESUMED = ("none", "lisa", "spectrum", "tempbalance", "pruning")
+RESUMED = ("none", "lisa", "lisakeep", "spectrum", "tempbalance", "pruning")
 
 METHODS = {
     "none": lambda: None,
     "lisa": lambda: C.BlockSchedule("lisa", gamma=1, every_n_steps=1, seed=0),
+    # the optimizer state of a block switched off kept: saved for parameters frozen when it loads
+    "lisakeep": lambda: C.BlockSchedule("lisa", gamma=1, every_n_steps=1, seed=0, optimizer_state="keep"),
     "spectrum": lambda: C.SpectrumSelect(top_percent=25),
     "surgical": lambda: C.SurgicalBlocks(select="block:1"),
     "multiplier": lambda: C.LayerLRMultiplier({"model.layers.1.*": 3.0, "lm_head": 0.5}),
