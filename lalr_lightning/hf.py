@@ -275,8 +275,6 @@ _NOT_UNDER_ZERO = {"ProximalRegularizer": "pulls whole parameters toward their p
 #: methods that measure weights or gradients after the engine is built: ZeRO-3 then holds each
 #: rank's partition only (the module's parameters are empty placeholders outside a forward)
 _NOT_UNDER_ZERO3 = ("TempBalanceCallback", "LALRScheduleCallback", "AutoRGN", "HTSRPruning")
-#: methods not yet run under the Trainer's FSDP2 (they run under Lightning's FSDP2): why
-_NOT_UNDER_HF_FSDP2: dict[str, str] = {}
 
 
 def _zero_stage(trainer: Any) -> int:
@@ -332,9 +330,6 @@ def _refuse_engine(trainer: Any, cb: LayerwiseCallback) -> None:
         refusal = cb.fsdp_refusal  # what no sharded model can run (as under Lightning's FSDP2)
         if refusal:
             raise RuntimeError(f"{who} under the Trainer's FSDP2: {refusal}")
-        if who in _NOT_UNDER_HF_FSDP2:
-            raise RuntimeError(f"{who} under the Trainer's FSDP2 {_NOT_UNDER_HF_FSDP2[who]}; run it under "
-                               "Lightning's ModelParallelStrategy (FSDP2), FSDPStrategy or DDP (docs/sharded.md)")
         return
     if not getattr(trainer, "is_deepspeed_enabled", False):
         return

@@ -26,7 +26,7 @@ pytest.importorskip("accelerate")
 
 #: run in this order in one launch: a resume reads the checkpoint its uninterrupted run wrote
 CASES = ["none", "none-resume", "lisa", "lisa-resume", "lisakeep-dcp", "lisakeep-dcp-resume", "spectrum",
-         "spectrum-resume", "surgical", "multiplier", "tempbalance", "pruning", "pruning-resume", "lmsa"]
+         "spectrum-resume", "surgical", "multiplier", "tempbalance", "tempbalance-resume", "pruning", "pruning-resume", "lmsa"]
 #: refused in one line: (case, a phrase naming what works)
 REFUSED = {"lmsa": "update='optimizer'"}
 
@@ -154,7 +154,7 @@ def test_pruning_masks_hold_on_the_shards_and_after_a_resume(runs):
                 assert (w[n] != start[n]).any()
 
 
-@pytest.mark.parametrize("method", ["none", "lisa", "lisakeep-dcp", "spectrum", "pruning"])
+@pytest.mark.parametrize("method", ["none", "lisa", "lisakeep-dcp", "spectrum", "tempbalance", "pruning"])
 def test_resume_from_the_fsdp2_checkpoint_continues_exactly(runs, method):
     """``lisakeep``: the state of blocks switched off is kept, so the checkpoint holds state for
     parameters frozen when it loads (torch's loader would bring it back whole, the resumed run would
