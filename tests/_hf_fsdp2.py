@@ -13,6 +13,7 @@ Each rank writes, per case, what FSDP2 held (the model's type, each parameter's 
 of its local shard, the optimizer state and gradient elements on this rank), the weights after every
 step (gathered whole) and the callback's history, for the test to compare. A fallback to DDP fails
 there: the model must be an ``FSDPModule`` whose parameters are DTensors, each rank holding its half.
+A case ``<method>-ddp`` runs the same fit under plain DDP, to compare.
 """
 
 from __future__ import annotations
@@ -45,18 +46,27 @@ METHODS = {
     "tempbalance": lambda: C.TempBalanceCallback(min_evals=5, every_n_steps=2),
     "pruning": lambda: C.HTSRPruning(target_sparsity=0.5, min_numel=1, min_evals=3),
     "lmsa": lambda: C.LMSAStepper(),
+    # not in CI's cases (each equals its DDP run, checked once: docs/sharded.md gives the command)
+    "ntk": lambda: C.NTKDiagnostics(probe_size=4),
+    "proximal": lambda: C.ProximalRegularizer(lam=0.5, every_n_epochs=None),
+    "proximalo": lambda: C.ProximalRegularizer(lam=0.5, every_n_epochs=1, probe_size=4),
+    "autorgn": lambda: C.AutoRGN(n_batches=2),
+    "lmsaopt": lambda: C.LMSAStepper(update="optimizer", every_n_epochs=1),
+    "lalr": lambda: C.LALRScheduleCallback(),
+    "ntkselect": lambda: C.NTKSelect(probe_size=4, max_layers=1, kappa_max=1e12),
+    "lift": lambda: C.BlockSchedule("lift", every_n_steps=2),
 }
 
 
-def cpu_fsdp2() -> None:
+def cpu_fsdp2(fsdp: bool = True) -> None:
     """Build accelerate's state so that the next Trainer's ``Accelerator`` takes its FSDP plugin on
-    a CPU (module docstring); once per Trainer."""
+    a CPU (module docstring); once per Trainer (``fsdp=False``: plain DDP over gloo, to compare)."""
     from accelerate.state import AcceleratorState, DistributedType, PartialState
 
     AcceleratorState._reset_state()
     PartialState(backend="gloo")
     # accelerate's check is for GPU-like types only; it sets FSDP itself once it takes the plugin
-    PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+    PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU if fsdp else DistributedType.MULTI_CPU
 
 
 def held(trainer) -> dict:
@@ -89,7 +99,8 @@ def fit(out: str, case: str) -> None:
 
     method, *mode = case.split("-")
     resume, dcp = "resume" in mode, "dcp" in mode  # dcp: sharded checkpoints (torch.distributed.checkpoint)
-    cpu_fsdp2()
+    ddp = "ddp" in mode  # the same fit under DDP, to compare
+    cpu_fsdp2(fsdp=not ddp)
     model = tiny_lm("llama", False, layers=4, hidden=16, seed=0)
     g = torch.Generator().manual_seed(0)
     rows = [{"input_ids": x, "labels": x.clone()} for x in torch.randint(4, 60, (16, 10), generator=g)]
@@ -112,19 +123,19 @@ def fit(out: str, case: str) -> None:
             opt.register_step_pre_hook(grads)
 
         def on_step_end(self, args, state, control, **kwargs):
-            control.should_save = state.global_step == 2 and method in RESUMED and not resume
+            control.should_save = state.global_step == 2 and method in RESUMED and not (resume or ddp)
             record["steps"].append((state.global_step, list(getattr(cb, "selected", []) or []),
                                     weights(trainer.model), held(trainer),
                                     dict(getattr(cb, "multipliers", None) or {})))
 
-    run_dir = f"{out}/run_{method}{'-dcp' if dcp else ''}"
+    run_dir = f"{out}/run_{method}{'-dcp' if dcp else ''}{'-ddp' if ddp else ''}"
+    sharding = {} if ddp else {"fsdp": True, "fsdp_config": {
+        "version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+        "state_dict_type": "SHARDED_STATE_DICT" if dcp else "FULL_STATE_DICT"}}
     args = TrainingArguments(output_dir=run_dir, max_steps=STEPS, per_device_train_batch_size=2, report_to="none",
                              use_cpu=True, save_strategy="steps", save_steps=2, disable_tqdm=True, seed=0,
                              learning_rate=1e-2, lr_scheduler_type="constant", weight_decay=0.1,
-                             fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-                                                     "state_dict_type": "SHARDED_STATE_DICT" if dcp
-                                                     else "FULL_STATE_DICT"},
-                             accelerator_config={"use_configured_state": True})
+                             accelerator_config={"use_configured_state": True}, **sharding)
     callbacks = ([] if cb is None else [trainer_callback(cb)]) + [Peek()]
     trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=callbacks)
     error = None

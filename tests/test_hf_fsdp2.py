@@ -26,7 +26,7 @@ pytest.importorskip("accelerate")
 
 #: run in this order in one launch: a resume reads the checkpoint its uninterrupted run wrote
 CASES = ["none", "none-resume", "lisa", "lisa-resume", "lisakeep-dcp", "lisakeep-dcp-resume", "spectrum",
-         "spectrum-resume", "surgical", "multiplier", "tempbalance", "tempbalance-resume", "pruning", "pruning-resume", "lmsa"]
+         "spectrum-resume", "surgical", "multiplier", "tempbalance", "tempbalance-resume", "pruning", "pruning-resume", "lmsa", "lisa-ddp", "tempbalance-ddp"]
 #: refused in one line: (case, a phrase naming what works)
 REFUSED = {"lmsa": "update='optimizer'"}
 
@@ -74,7 +74,7 @@ def test_a_bare_trainer_really_trains_under_fsdp2_on_two_ranks(runs):
         assert torch.equal(w, recs[1]["steps"][-1][2][n])
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c not in REFUSED])
+@pytest.mark.parametrize("case", [c for c in CASES if c not in REFUSED and not c.endswith("-ddp")])
 def test_each_case_runs_on_the_real_fsdp2_model(runs, case):
     for rank in (0, 1):
         rec = runs(case, rank)
@@ -140,6 +140,20 @@ def test_per_layer_learning_rates_reach_the_fsdp2_update(runs, case):
             torch.testing.assert_close(first[n] - start[n], m * (base[n] - plain["start"][n]), rtol=1e-4, atol=1e-7)
             checked += m != 1.0
     assert checked
+
+
+@pytest.mark.parametrize("method", ["lisa", "tempbalance"])
+def test_fsdp2_makes_the_decisions_and_reaches_the_weights_of_ddp(runs, method):
+    for rank in (0, 1):
+        sharded, ddp = runs(method, rank), runs(f"{method}-ddp", rank)
+        assert not ddp["steps"][-1][3]["fsdp"] and sharded["steps"][-1][3]["fsdp"]
+        for a, b in zip(sharded["steps"], ddp["steps"], strict=True):
+            assert a[0] == b[0] and a[1] == b[1]  # the step, LISA's selection
+            assert a[4].keys() == b[4].keys()
+            for k, m in a[4].items():  # TempBalance's multipliers
+                assert m == pytest.approx(b[4][k], rel=1e-5), k
+            for n in a[2]:  # FSDP2 reduce-scatters where DDP all-reduces: another order of the sums
+                torch.testing.assert_close(a[2][n], b[2][n], rtol=0, atol=1e-5)
 
 
 def test_pruning_masks_hold_on_the_shards_and_after_a_resume(runs):
