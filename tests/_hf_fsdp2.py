@@ -144,7 +144,9 @@ def fit(out: str, case: str) -> None:
     except RuntimeError as err:
         error = str(err)
     rank = trainer.args.process_index
-    record.update(error=error, history=getattr(cb, "history", None))
+    # after the fit every flag is the user's again (all trained here)
+    record.update(error=error, history=getattr(cb, "history", None),
+                  frozen_after=[n for n, p in trainer.model.named_parameters() if not p.requires_grad])
     if cb is not None and hasattr(cb, "layers"):
         # the method's units by name, as it holds them after the wrap (its parameters are the model's DTensors)
         live = {id(p): n for n, p in trainer.model.named_parameters()}

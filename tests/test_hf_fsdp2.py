@@ -84,6 +84,7 @@ def test_each_case_runs_on_the_real_fsdp2_model(runs, case):
                                       for kind, local, whole in counts["params"].values())
         # the method holds the model's DTensor parameters, found by name after the swap
         assert not [n for names in rec.get("layers", {}).values() for n in names if n.startswith("?")]
+        assert rec["frozen_after"] == []  # and gives their flags back at the fit's end
 
 
 @pytest.mark.parametrize("case", ["spectrum", "surgical"])
