@@ -475,8 +475,11 @@ class _Session:
                 _split_for_switching(optimizer, self.methods)
             return optimizer
         finally:
-            for p in model.parameters():
-                p.requires_grad_(after[id(p)])
+            # FSDP2: the user's flags go into fully_shard's new parameters (which copy them, and
+            # which the owners would take as the user's); the selections set theirs after the wrap
+            if self.host.sharding != "fsdp2":
+                for p in model.parameters():
+                    p.requires_grad_(after[id(p)])
 
     def _wrap_model(self, inner, *args, **kwargs):
         options = self.host._ddp_options
