@@ -370,17 +370,32 @@ def run_arm_hf(args, arm: str, out_dir: str) -> dict:
 ENGINE_ARMS = ("full", "lora8", "spectrum25", "lisa", "surgical")
 
 
+def _local_bytes(t: torch.Tensor) -> int:
+    """The bytes this rank holds of ``t`` (a DTensor: its local shard)."""
+    return _nbytes(t.to_local() if hasattr(t, "to_local") else t)
+
+
 def _engine_arm(args, engine: str, arm: str) -> dict:
     """One arm under one engine (:func:`engine_child`)."""
     from accelerate.state import AcceleratorState
     from transformers import Trainer, TrainerCallback, TrainingArguments
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     from lalr_lightning.hf import trainer_callback
-    from tests._hf_engines import ds_config
 
-    AcceleratorState._reset_state()
-    unset_hf_deepspeed_config()
+    fsdp2 = engine == "fsdp2"
+    if fsdp2:
+        from tests._hf_fsdp2 import cpu_fsdp2
+
+        cpu_fsdp2()
+        where = {"fsdp": True, "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}
+    else:
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        from tests._hf_engines import ds_config
+
+        AcceleratorState._reset_state()
+        unset_hf_deepspeed_config()
+        where = {"deepspeed": ds_config(int(engine[-1]))}
     model = build_module(args, "full").model
     if arm.startswith("lora"):
         from peft import LoraConfig, get_peft_model
@@ -399,15 +414,18 @@ def _engine_arm(args, engine: str, arm: str) -> dict:
 
         cb.apply = timed
 
+    def torch_optimizer():  # the one that steps: ZeRO's inside its engine, else accelerate's wrapped one
+        return trainer.optimizer.optimizer if fsdp2 else trainer.model_wrapped.optimizer.optimizer
+
     class Count(TrainerCallback):
         def on_train_begin(self, a, state, control, **kw):
             seen["build_s"] = time.perf_counter() - seen["t0"]
 
             def grads(opt, *_):  # ZeRO steps its torch optimizer once per group: summed per step
-                seen["cur"] += sum(_nbytes(p.grad) for g in opt.param_groups for p in g["params"]
+                seen["cur"] += sum(_local_bytes(p.grad) for g in opt.param_groups for p in g["params"]
                                    if p.grad is not None)
 
-            trainer.model_wrapped.optimizer.optimizer.register_step_pre_hook(grads)
+            torch_optimizer().register_step_pre_hook(grads)
 
         def on_step_begin(self, a, state, control, **kw):
             seen["cur"] = 0
@@ -421,32 +439,37 @@ def _engine_arm(args, engine: str, arm: str) -> dict:
                               max_steps=args.steps, learning_rate=args.lr, weight_decay=0.0,
                               lr_scheduler_type="constant", per_device_train_batch_size=1, report_to="none",
                               save_strategy="no", disable_tqdm=True, use_cpu=True,
-                              deepspeed=ds_config(int(engine[-1])),
-                              accelerator_config={"use_configured_state": True})
+                              accelerator_config={"use_configured_state": True}, **where)
     trainer = Trainer(model=model, args=targs, train_dataset=rows, data_collator=lambda items: items[0],
                       callbacks=[*trainer_callback(cbs), Count()])
     seen["t0"] = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.train()
-    zero = trainer.model_wrapped.optimizer
-    flats = list(getattr(zero, "fp32_partitioned_groups_flat", None) or zero.single_partition_of_fp32_groups)
-    state = sum(_nbytes(v) for st in zero.optimizer.state.values() for v in st.values()
-                if isinstance(v, torch.Tensor))
-    return dict(engine=engine, arm=arm, fp32=sum(_nbytes(f) for f in flats), state=state,
-                grads=seen["grads"], params=sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters()),
+    opt = torch_optimizer()
+    state = sum(_local_bytes(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+    if fsdp2:  # every parameter's shard, frozen or not (FSDP2 shards them all)
+        fp32 = sum(_local_bytes(p) for p in trainer.model.parameters())
+    else:  # the engine's fp32 partitions (what trains)
+        zero = trainer.model_wrapped.optimizer
+        flats = list(getattr(zero, "fp32_partitioned_groups_flat", None) or zero.single_partition_of_fp32_groups)
+        fp32 = sum(_nbytes(f) for f in flats)
+    return dict(engine=engine, arm=arm, fp32=fp32, state=state, grads=seen["grads"],
+                params=sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters()),
                 build_s=seen.get("build_s"), switch_s=seen["switch_s"][1:])  # after the first
 
 
 def engine_child(args) -> None:
     """One rank of ``--engines``: every arm in turn on the Hugging Face Trainer under each engine
-    (DeepSpeed ZeRO-2 / ZeRO-3 on CPU: tests/_hf_engines.py's workarounds), counting from the
-    engine's own tensors per rank: the fp32 partitions, the optimizer state after the last step, the
-    largest partition gradient the optimizer got, and the time of each LISA switch."""
+    (DeepSpeed ZeRO-2 / ZeRO-3 on CPU: tests/_hf_engines.py's workarounds; FSDP2: tests/_hf_fsdp2.py's),
+    counting from the engine's own tensors per rank: the fp32 partitions (FSDP2: the parameters'
+    shards), the optimizer state after the last step, the largest gradient (partition or shard) the
+    optimizer got, and the time of each LISA switch."""
     sys.path.insert(0, str(ROOT))
-    from tests._hf_engines import cpu_deepspeed
+    if any(e.startswith("zero") for e in args.engines):
+        from tests._hf_engines import cpu_deepspeed
 
-    cpu_deepspeed()
+        cpu_deepspeed()
     results = [_engine_arm(args, engine, arm) for engine in args.engines for arm in args.arms]
     rank = int(os.environ.get("RANK", 0))
     with open(os.path.join(args.engine_out, f"rank{rank}.json"), "w") as f:
@@ -454,14 +477,20 @@ def engine_child(args) -> None:
 
 
 def engines_main(args, argv: list[str]) -> list[dict]:
-    """``--engines``: the arms on 2 ranks under each engine, in one ``torch.distributed.run``."""
-    out = tempfile.mkdtemp()
+    """``--engines``: the arms on 2 ranks under each engine, DeepSpeed's in one ``torch.distributed.run``,
+    FSDP2 in another (importing DeepSpeed's helper makes accelerate pick DeepSpeed)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2)), "DS_ACCELERATOR": "cpu"}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(Path(__file__)),
-                    *argv, "--engine-out", out], env=env, check=True)
-    ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in (0, 1)]
-    lines = ["| engine | arm | fp32 partitions / rank | optimizer state / rank | gradients / rank | "
-             "engine build s | LISA switch s |", "|---|---|---|---|---|---|---|"]
+    launches = [[e for e in args.engines if e.startswith("zero")], [e for e in args.engines if e == "fsdp2"]]
+    drop = _drop_option(argv, "--engines")
+    ranks: list[list[dict]] = [[], []]
+    for engines in [e for e in launches if e]:
+        out = tempfile.mkdtemp()
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(Path(__file__)),
+                        *drop, "--engines", *engines, "--engine-out", out], env=env, check=True)
+        for r in (0, 1):
+            ranks[r] += json.loads(Path(out, f"rank{r}.json").read_text())
+    lines = ["| engine | arm | fp32 partitions (FSDP2: parameter shards) / rank | optimizer state / rank | "
+             "gradients / rank | engine build s | LISA switch s |", "|---|---|---|---|---|---|---|"]
     for a, b in zip(*ranks):
         switch = f"{statistics.median(a['switch_s']):.4f}" if a["switch_s"] else "-"
         lines.append(f"| {a['engine']} | {a['arm']} | {_mb(a['fp32'])} / {_mb(b['fp32'])} | "
@@ -469,6 +498,20 @@ def engines_main(args, argv: list[str]) -> list[dict]:
                      f"{a['build_s']:.2f} | {switch} |")
     print("\n".join(lines))
     return ranks[0]
+
+
+def _drop_option(argv: list[str], name: str) -> list[str]:
+    """``argv`` without the option ``name`` and its values (up to the next option)."""
+    out, skipping = [], False
+    for a in argv:
+        if a == name:
+            skipping = True
+        elif skipping and a.startswith("--"):
+            skipping = False
+            out.append(a)
+        elif not skipping:
+            out.append(a)
+    return out
 
 
 def run_arm(args, arm: str, mode: str, out_dir: str) -> dict:
@@ -632,8 +675,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--json", default=None, help="also write the per-arm figures as JSON here")
     p.add_argument("--from-json", nargs="+", default=None, metavar="FILE",
                    help="run nothing: write the table of earlier runs' --json files (arms in the order given)")
-    p.add_argument("--engines", nargs="+", choices=["zero2", "zero3"], default=None,
-                   help="instead: the Hugging Face Trainer under DeepSpeed ZeRO-2 / ZeRO-3 on 2 CPU ranks, arms "
+    p.add_argument("--engines", nargs="+", choices=["zero2", "zero3", "fsdp2"], default=None,
+                   help="instead: the Hugging Face Trainer under DeepSpeed ZeRO-2 / ZeRO-3 or FSDP2 on 2 CPU ranks, arms "
                         f"{', '.join(ENGINE_ARMS)} (docs/sharded.md)")
     p.add_argument("--engine-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child", choices=ARMS, help=argparse.SUPPRESS)

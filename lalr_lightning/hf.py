@@ -32,7 +32,10 @@ Where the timeline's events happen under the Trainer (``Trainer.train`` in trans
 
 Under the Trainer's DeepSpeed ZeRO the host hands the methods the engine's torch optimizer with a view of
 its flat partitions (core/runtime/flat.py's FlatControl, docs/sharded.md), and under ZeRO-3 gathers the
-parameters of one layer at a time for a measurement (``HFHost.gathered``); the Trainer's FSDP is refused.
+parameters of one layer at a time for a measurement (``HFHost.gathered``). Under accelerate's FSDP2
+(``fsdp_config={"version": 2}``) the Trainer creates the optimizer on the whole model and then
+``fully_shard`` puts DTensor parameters in place of the model's: the methods follow them by name at the
+wrap, as under Lightning's FSDP2; accelerate's FSDP1 is refused.
 """
 
 from __future__ import annotations
@@ -292,10 +295,20 @@ def _zero_stage(trainer: Any) -> int:
     return int(getattr(plugin, "zero_stage", 0) or 0)
 
 
+def _fsdp_version(trainer: Any) -> int:
+    """accelerate's FSDP version under the Trainer's FSDP (``fsdp_config={"version": ...}``), else 0."""
+    if not getattr(trainer, "is_fsdp_enabled", False):
+        return 0
+    return int(getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1) or 1)
+
+
 def _sharding_of(trainer: Any) -> str:
-    """The host's ``sharding``: ``zero1``..``zero3`` under the Trainer's DeepSpeed, else DDP or one process."""
+    """The host's ``sharding``: ``zero1``..``zero3`` under the Trainer's DeepSpeed, ``fsdp2`` under
+    accelerate's FSDP2, else DDP or one process."""
     if getattr(trainer, "is_deepspeed_enabled", False) and _zero_stage(trainer) in (1, 2, 3):
         return f"zero{_zero_stage(trainer)}"
+    if _fsdp_version(trainer) == 2:
+        return "fsdp2"
     return "ddp" if trainer.args.world_size > 1 else "none"
 
 
@@ -321,9 +334,16 @@ def _zero_optimizers(trainer: Any) -> list[torch.optim.Optimizer]:
 def _refuse_engine(trainer: Any, cb: LayerwiseCallback) -> None:
     """One line for what the Trainer's engines cannot run (docs/sharded.md)."""
     who = type(cb).__name__
-    if getattr(trainer, "is_fsdp_enabled", False):
-        raise RuntimeError(f"{who} under the Trainer's FSDP is not supported yet; use the Trainer's DeepSpeed ZeRO-2 "
-                           "or ZeRO-3 (deepspeed=...), or Lightning's FSDPStrategy (docs/sharded.md)")
+    version = _fsdp_version(trainer)
+    if version == 1:
+        raise RuntimeError(f"{who} under the Trainer's FSDP1 follows no flat parameter; use FSDP2 "
+                           "(fsdp_config={'version': 2}, transformers' default), DeepSpeed ZeRO-2 or ZeRO-3 "
+                           "(deepspeed=...), or Lightning's FSDPStrategy (docs/sharded.md)")
+    if version == 2:
+        refusal = cb.fsdp_refusal  # what no sharded model can run (as under Lightning's FSDP2)
+        if refusal:
+            raise RuntimeError(f"{who} under the Trainer's FSDP2: {refusal}")
+        return
     if not getattr(trainer, "is_deepspeed_enabled", False):
         return
     stage = _zero_stage(trainer)
@@ -332,7 +352,8 @@ def _refuse_engine(trainer: Any, cb: LayerwiseCallback) -> None:
                            "zero_optimization.stage, or train with DDP")
     if who in _NOT_UNDER_ZERO:
         raise RuntimeError(f"{who} {_NOT_UNDER_ZERO[who]}, which DeepSpeed ZeRO holds only in flat partitions; run it "
-                           "on one device or DDP, or under Lightning's FSDPStrategy (docs/sharded.md)")
+                           "on one device or DDP, under the Trainer's FSDP2 (fsdp_config={'version': 2}) or "
+                           "Lightning's FSDPStrategy (docs/sharded.md)")
     if stage == 3 and who in _WHOLE_BEFORE_ZERO3 and any(
             hasattr(p, "ds_tensor") for p in trainer.model.parameters()):
         raise RuntimeError(f"{who} reads the weights before the engine is built, and ZeRO-3 partitioned them when "
@@ -471,8 +492,11 @@ class _Session:
                 _split_for_switching(optimizer, self.methods)
             return optimizer
         finally:
-            for p in model.parameters():
-                p.requires_grad_(after[id(p)])
+            # FSDP2: the user's flags go into fully_shard's new parameters (which copy them, and
+            # which the owners would take as the user's); the selections set theirs after the wrap
+            if self.host.sharding != "fsdp2":
+                for p in model.parameters():
+                    p.requires_grad_(after[id(p)])
 
     def _wrap_model(self, inner, *args, **kwargs):
         options = self.host._ddp_options
@@ -508,9 +532,19 @@ class _Session:
             if not cb.is_wrapped:
                 cb._wrapped_now(self.host, final=True)
 
-    def _load_optimizer(self, inner, *args, **kwargs):
+    def _load_optimizer(self, inner, checkpoint=None, *args, **kwargs):
         self._wrapped()  # as Lightning: the decision is applied before the optimizer state comes back
-        return inner(*args, **kwargs)
+        if self.host.sharding != "fsdp2" or checkpoint is None:
+            return inner(checkpoint, *args, **kwargs)
+        from lalr_lightning.core.runtime.control import LayerControl
+
+        # torch's set_optimizer_state_dict takes its template from the flags when it loads (as
+        # under Lightning's FSDP2: OptimizerResume): exactly the parameters with saved state, or,
+        # with none saved yet, every one, its made-up state dropped after
+        saved = _fsdp2_saved(checkpoint, self.trainer.model)
+        on, made_up = ((lambda p: id(p) in saved), None) if saved else ((lambda p: True), (lambda p: True))
+        with LayerControl.grad_flags_of(self.host.optimizers, on, made_up=made_up):
+            return inner(checkpoint, *args, **kwargs)
 
     def _training_step(self, inner, model, inputs, *args, **kwargs):
         for cb in self.methods:
@@ -543,6 +577,26 @@ class _Session:
     def save(self, folder: str) -> None:
         if self.host.is_global_zero and os.path.isdir(folder):
             torch.save({cb.state_key: cb.state_dict() for cb in self.methods}, os.path.join(folder, STATE_FILE))
+
+
+def _fsdp2_saved(folder: str, model: nn.Module) -> set[int]:
+    """``id`` of every parameter of ``model`` with optimizer state in the Trainer's FSDP2 checkpoint
+    ``folder`` (accelerate's ``optimizer.bin``, a full state dict by name, or ``optimizer_0/``, a
+    distributed checkpoint whose metadata names every entry)."""
+    from lalr_lightning.callbacks.lightning_host import OptimizerResume
+
+    named = [(OptimizerResume._bare(n), p) for n, p in model.named_parameters()]
+    one, dcp = os.path.join(folder, "optimizer.bin"), os.path.join(folder, "optimizer_0")
+    if os.path.isdir(dcp):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        keys = FileSystemReader(dcp).read_metadata().state_dict_metadata
+        states = [k.split(".state.", 1)[1] for k in keys if ".state." in k]
+        return {id(p) for n, p in named if any(k.startswith(n + ".") for k in states)}
+    if not os.path.isfile(one):
+        return set()
+    state = torch.load(one, map_location="cpu", mmap=True, weights_only=True).get("state", {})
+    return {id(p) for n, p in named if n in state}
 
 
 def _say_unclaimed(states: dict, methods: list[LayerwiseCallback]) -> None:
