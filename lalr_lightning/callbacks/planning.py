@@ -15,6 +15,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from lalr_lightning.callbacks.host import Host
 from lalr_lightning.core.runtime.checks import DivergenceError
 from lalr_lightning.core.runtime.decision import Decision
 
@@ -47,6 +48,8 @@ class _NoFit(_Missing):
     def __init__(self, who: str):
         super().__init__(who, "trainer")
         self.strategy = _Missing(who, "trainer.strategy")
+
+    controls = Host.controls  # as every host: it reads ``optimizers``, which only a fit has (the error names it)
 
 
 def _planners(root: type) -> list[str]:

@@ -83,10 +83,10 @@ class Runner:
         broadcast, record, apply, log: one decision."""
         m = self.method
         if not m.plain_forward:
-            return self.conclude(host, m.measure(host, module))
+            return m.conclude(host, m.measure(host, module))
         with host.plain_forward():
             measured = m.measure(host, module)
-        return self.conclude(host, measured)
+        return m.conclude(host, measured)
 
     def conclude(self, host: Host, measured: Any) -> Decision:
         decision = self.decide_everywhere(host, measured)
