@@ -15,10 +15,13 @@ This class does the rest, the same way for all of them:
 5. keep it all in a versioned ``state_dict`` that knows it was restored and refuses a
    checkpoint written with other settings (naming the setting; ``strict_resume=False`` opts out).
 
-What happens across ranks (sharded measurement, deciding on rank zero, the whole copy under FSDP)
-is :mod:`lalr_lightning.core.runtime.shards`; strategy checks and the ``ddp_spawn`` hand-back are
-:mod:`lalr_lightning.callbacks.lightning_host`; ``plan(model)`` is
-:mod:`lalr_lightning.callbacks.planning`.
+The timeline (which step runs when, for every host and strategy) and this cycle's plumbing are the
+method's runner, :mod:`lalr_lightning.callbacks.runner`, which the hosts drive and which holds the
+method by composition; what happens across ranks (sharded measurement, deciding on rank zero, the
+whole copy under FSDP) is :mod:`lalr_lightning.core.runtime.shards`; strategy checks and the
+``ddp_spawn`` hand-back are :mod:`lalr_lightning.callbacks.lightning_host`; ``plan(model)`` is
+:mod:`lalr_lightning.callbacks.planning`. None of them is imported here: reading a method loads
+only what the method itself uses.
 
 The constructor convention (as scikit-learn's): every constructor argument is kept under its
 own name, so ``settings()`` can read them back for the checkpoint check and for loggers.
