@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from lalr_lightning.choices import unknown
-from lalr_lightning.core.runtime.decision import Decision
+from lalr_lightning.core.runtime.decision import Decision, history_table
 
 __all__ = ["decision_table", "esd_figures", "markdown_table", "publish"]
 
@@ -258,7 +258,7 @@ def _decision(trainer, cb, decision) -> None:
         lg.experiment.add_text(f"{cb.prefix}/decisions", markdown_table(columns, rows), global_step=step)
     log = _log_of(cb, trainer)
     if _figures_due(cb, trainer, log):
-        cb.log_heatmap(trainer)
+        log_heatmap(trainer, cb)
         log.heatmap_at_entry = len(cb.history)
         names = list(decision.scores or decision.values)
         _log_esds(trainer, cb, names, wb, tb, f"decision at epoch {trainer.current_epoch}, step {trainer.global_step}")
@@ -271,7 +271,7 @@ def _end(trainer, cb) -> None:
         return
     drawn = getattr(cb, "figures", "never") != "never"
     if drawn and log.heatmap_at_entry != len(cb.history):
-        cb.log_heatmap(trainer)
+        log_heatmap(trainer, cb)
     if not (wb or tb):
         return
     if drawn and log.esd_at_entry != len(cb.history):  # the last decision's ESDs were not shown
@@ -299,3 +299,39 @@ def _final_table(cb) -> tuple[list[str], list[list]] | None:
         return None
     return decision_table(cb, Decision(values=dict(values), scores=dict(cb.scores),
                                        measurements={k: dict(v) for k, v in cb.measurements.items()}))
+
+
+def log_heatmap(trainer, cb) -> None:
+    """The layers x decisions heatmap (``cb.heatmap``: key, title, colour-bar label), once the history
+    has ``heatmap_min_entries``; a method shapes it with ``heatmap_values()``, ``heatmap_columns()``,
+    ``heatmap_xlabel()`` where it defines them, and adds figures of its own with ``log_heatmap(trainer)``."""
+    if not trainer.is_global_zero or not trainer.loggers:
+        return
+    if cb.heatmap is not None and len(cb.history) >= cb.heatmap_min_entries:
+        from lalr_lightning import viz
+
+        key, title, label = cb.heatmap
+        own = getattr(cb, "heatmap_values", None)
+        names, values = own() if own is not None else history_table(cb.history, cb.decision_attr)
+        fig = viz.plot_heatmap(values, names, heatmap_columns(cb)[-values.shape[1]:], title=title.format(self=cb),
+                               cbar_label=label, xlabel=heatmap_xlabel(cb))
+        viz.log_figure(trainer, f"{cb.prefix}/{key}", fig)
+    extra = getattr(cb, "log_heatmap", None)
+    if extra is not None:
+        extra(trainer)
+
+
+def heatmap_columns(cb) -> list[str]:
+    """Column labels of the heatmap, one per history entry (the method's ``heatmap_columns()`` if any)."""
+    own = getattr(cb, "heatmap_columns", None)
+    if own is not None:
+        return own()
+    by_step = getattr(cb, "every_n_steps", None) is not None
+    return [str(h["step"] if by_step else h["epoch"]) for h in cb.history]
+
+
+def heatmap_xlabel(cb) -> str:
+    own = getattr(cb, "heatmap_xlabel", None)
+    if own is not None:
+        return own()
+    return "step" if getattr(cb, "every_n_steps", None) is not None else "epoch"

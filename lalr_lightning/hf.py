@@ -10,18 +10,18 @@
 
 :func:`trainer_callback` wraps any callback of the package (or a list: a list back, whose
 multipliers multiply as under Lightning) in a ``transformers.TrainerCallback`` that drives the
-same method object through the owner's timeline events (``callbacks/base.py``) on an
+same method object through its runner's timeline events (``callbacks/runner.py``) on an
 :class:`HFHost`. No method file knows which trainer runs it.
 
 Where the timeline's events happen under the Trainer (``Trainer.train`` in transformers 5):
 
-* ``_begin`` (configure, prepare: a static selection freezes) and the checkpoint's state
-  (``_restore``) run when the Trainer creates its optimizer (``create_optimizer``, wrapped for the
+* ``begin`` (configure, prepare: a static selection freezes) and the checkpoint's state
+  (``restore``) run when the Trainer creates its optimizer (``create_optimizer``, wrapped for the
   fit): after the model's checkpoint is loaded, before the optimizer exists and before the model
   is wrapped in DDP, so frozen parameters get no optimizer state and no DDP bucket. The optimizer
   is built over the parameters the user left trainable (a switching selection needs all of
   them in it), the selection's flags put back right after;
-* the wrap (``_wrapped_now``): before the Trainer loads the optimizer state on a resume, else at
+* the wrap (``wrapped_now``): before the Trainer loads the optimizer state on a resume, else at
   ``on_train_begin``;
 * every micro-batch (``training_step``, wrapped): the batch's start before, ``after_backward``
   after; ``after_batch`` at ``on_substep_end`` / ``on_step_end``;
@@ -56,6 +56,7 @@ from torch import nn
 from lalr_lightning.callbacks import keys
 from lalr_lightning.callbacks.base import LayerwiseCallback
 from lalr_lightning.callbacks.host import Host
+from lalr_lightning.callbacks.runner import Runner
 from lalr_lightning.core.model.batch_loss import to_device
 from lalr_lightning.core.runtime.shards import gather_objects
 
@@ -466,9 +467,9 @@ class _Session:
         if not self.begun:
             return
         self.begun = False
-        LayerwiseCallback._abandon_steps(self.host)  # the optimizers' controllers, once for all methods
+        Runner.abandon_steps(self.host)  # the optimizers' controllers, once for all methods
         for cb in self.methods:
-            cb._teardown(self.host)
+            Runner.of(cb).teardown(self.host)
 
     def _create_optimizer(self, inner, *args, **kwargs):
         if self.begun:
@@ -479,7 +480,7 @@ class _Session:
         model = self.trainer.model
         before = {id(p): p.requires_grad for p in model.parameters()}
         for cb in self.methods:
-            cb._begin(self.host)
+            Runner.of(cb).begin(self.host)
         self._restore()
         # the optimizer holds every parameter the user left trainable (a switching selection turns
         # them on later); those the selection froze get no gradient, hence no optimizer state
@@ -524,13 +525,13 @@ class _Session:
         for cb in self.methods:
             keys.adopt(cb, owners, {"callbacks": states})  # an entry written under an earlier key
             if cb.state_key in states:
-                cb._restore(states[cb.state_key])
+                Runner.of(cb).restore(states[cb.state_key])
         _say_unclaimed(states, self.methods)
 
     def _wrapped(self) -> None:
         for cb in self.methods:
-            if not cb.is_wrapped:
-                cb._wrapped_now(self.host, final=True)
+            if not Runner.of(cb).wrapped:
+                Runner.of(cb).wrapped_now(self.host, final=True)
 
     def _load_optimizer(self, inner, checkpoint=None, *args, **kwargs):
         self._wrapped()  # as Lightning: the decision is applied before the optimizer state comes back
@@ -548,10 +549,10 @@ class _Session:
 
     def _training_step(self, inner, model, inputs, *args, **kwargs):
         for cb in self.methods:
-            cb._batch_start(self.host, inputs)
+            Runner.of(cb).batch_start(self.host, inputs)
         loss = inner(model, inputs, *args, **kwargs)
         for cb in self.methods:
-            cb._after_backward(self.host)
+            Runner.of(cb).after_backward(self.host)
         self.last = (loss, inputs)
         return loss
 
@@ -561,7 +562,7 @@ class _Session:
         self.stepped = True
         for opt in self.host.optimizers:
             for cb in self.methods:
-                cb._before_step(self.host, opt)
+                Runner.of(cb).before_step(self.host, opt)
 
     def _clip_grad_norm(self, inner, *args, **kwargs):
         self.before_step()  # gradients final (accelerate unscales in the clip), not yet clipped
@@ -570,7 +571,7 @@ class _Session:
     def after_batch(self, step_end: bool) -> None:
         loss, inputs = self.last
         for cb in self.methods:
-            cb.after_batch(self.host, loss, inputs)
+            Runner.of(cb).step("after_batch", self.host, loss, inputs)
         if step_end:
             self.stepped = False
 
@@ -677,16 +678,17 @@ class LayerwiseTrainerCallback(_callback_base()):
             raise RuntimeError(f"trainer_callback({type(self.method).__name__}) joined the Trainer after it was "
                                "built (add_callback), too late to freeze before the optimizer exists; pass it as "
                                "Trainer(..., callbacks=[trainer_callback(...)])")
-        if not self.method.is_wrapped:
-            self.method._wrapped_now(self.session.host, final=True)
-        self.method._train_start(self.session.host)
+        runner = Runner.of(self.method)
+        if not runner.wrapped:
+            runner.wrapped_now(self.session.host, final=True)
+        runner.train_start(self.session.host)
 
     @_event
     def on_epoch_begin(self, args, state, control, **kwargs):
         host = self.session.host
         if self.session.methods[0] is self.method:
             host.epoch = int(math.floor(state.epoch or 0))
-        self.method._epoch_start(host)
+        Runner.of(self.method).epoch_start(host)
 
     @_event
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -704,7 +706,7 @@ class LayerwiseTrainerCallback(_callback_base()):
 
     @_event
     def on_epoch_end(self, args, state, control, **kwargs):
-        self.method.after_epoch(self.session.host)
+        Runner.of(self.method).epoch_end(self.session.host)
 
     @_event
     def on_save(self, args, state, control, **kwargs):
@@ -716,8 +718,8 @@ class LayerwiseTrainerCallback(_callback_base()):
     @_event
     def on_train_end(self, args, state, control, **kwargs):
         host = self.session.host
-        self.method._end(host)
-        self.method._teardown(host)
+        Runner.of(self.method).end(host)
+        Runner.of(self.method).teardown(host)
         self.session.begun = False
 
 

@@ -343,8 +343,8 @@ def test_blocks_found_in_setup_from_the_example_input_or_a_clear_error():
 
 
 def test_forward_trace_runs_the_example_input_or_a_training_batch_or_says_what_to_set():
-    from lalr_lightning.core.model.blocks import forward_trace
     from lalr_lightning.core.model.forward_blocks import forward_units, trace_modules
+    from lalr_lightning.core.model.probe import forward_trace
 
     def no_loader():
         raise RuntimeError("setup first")

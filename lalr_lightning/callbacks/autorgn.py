@@ -227,7 +227,7 @@ class AutoRGN(LayerSelection):
                       check: Callable[[], None]) -> torch.Tensor:
         """One batch's score per measured tensor, from its gradients (under FSDP: :meth:`_sharded_scores`)."""
         check()
-        batch = self.device_batch(host, batch)
+        batch = host.to_device(batch)
         if self._sharded:
             return self._sharded_scores(host, module, batch, batch_idx, units, params)
         loss = batch_loss(module, batch, self.loss_fn, batch_idx=batch_idx)

@@ -15,10 +15,13 @@ This class does the rest, the same way for all of them:
 5. keep it all in a versioned ``state_dict`` that knows it was restored and refuses a
    checkpoint written with other settings (naming the setting; ``strict_resume=False`` opts out).
 
-What happens across ranks (sharded measurement, deciding on rank zero, the whole copy under FSDP)
-is :mod:`lalr_lightning.core.runtime.shards`; strategy checks and the ``ddp_spawn`` hand-back are
-:mod:`lalr_lightning.callbacks.lightning_host`; ``plan(model)`` is
-:mod:`lalr_lightning.callbacks.planning`.
+The timeline (which step runs when, for every host and strategy) and this cycle's plumbing are the
+method's runner, :mod:`lalr_lightning.callbacks.runner`, which the hosts drive and which holds the
+method by composition; what happens across ranks (sharded measurement, deciding on rank zero, the
+whole copy under FSDP) is :mod:`lalr_lightning.core.runtime.shards`; strategy checks and the
+``ddp_spawn`` hand-back are :mod:`lalr_lightning.callbacks.lightning_host`; ``plan(model)`` is
+:mod:`lalr_lightning.callbacks.planning`. None of them is imported here: reading a method loads
+only what the method itself uses.
 
 The constructor convention (as scikit-learn's): every constructor argument is kept under its
 own name, so ``settings()`` can read them back for the checkpoint check and for loggers.
@@ -26,23 +29,18 @@ own name, so ``settings()`` can read them back for the checkpoint check and for 
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 from torch import nn
 
 from lalr_lightning.callbacks import keys
 from lalr_lightning.callbacks.host import Cadence, Host
-from lalr_lightning.callbacks.lightning_host import LightningHooks, SpawnHandoff, check_strategy
-from lalr_lightning.callbacks.planning import Planner
-from lalr_lightning.core.model.blocks import forward_trace
+from lalr_lightning.callbacks.lightning_host import LightningHooks, SpawnHandoff
 from lalr_lightning.core.model.layers import Layer
-from lalr_lightning.core.runtime import shards
 from lalr_lightning.core.runtime.checks import (
     DEFAULT_FIGURES,
     FIGURES,
@@ -52,20 +50,16 @@ from lalr_lightning.core.runtime.checks import (
     check_settings,
     constructor_settings,
     deprecated_alias,
-    lazy_error,
-    lazy_parameters,
     non_finite,
     reject_stray,
     renamed,
     warn_deprecated,
     with_figures,
 )
-from lalr_lightning.core.runtime.control import LayerControl
 from lalr_lightning.core.runtime.decision import Decision
-from lalr_lightning.core.runtime.shards import parameter_names, rebind
 
 __all__ = ["DEFAULT_FIGURES", "FIGURES", "Decision", "LayerwiseCallback", "SettingsMismatchError", "check_figures",
-           "check_strategy", "renamed", "stop_on_sigterm", "warn_deprecated"]
+           "renamed", "stop_on_sigterm", "warn_deprecated"]
 
 
 def stop_on_sigterm(host: Host) -> Callable[[], None]:
@@ -75,7 +69,7 @@ def stop_on_sigterm(host: Host) -> Callable[[], None]:
     return host.stop_check()
 
 
-class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
+class LayerwiseCallback(SpawnHandoff, LightningHooks):
     """Base of every callback of this package (module docstring: the cycle it owns).
 
     Subclasses set the class attributes below, call ``super().__init__(name=..., strict_resume=...)``
@@ -127,12 +121,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         self.measurements: dict[str, dict[str, float]] = {}
         self.history: list[dict] = []
         self.restored = False
-        self._sizes: dict[str, int] | None = None
-        self._names_before_wrap: dict[int, str] | None = None  # FSDP2: the parameters setup saw, by name
         self.early: Decision | None = None  # decided in ``prepare``, committed at the start
-        # the timeline's own: the model is wrapped; the start ran; a fresh fit's first decision ran
-        self._wrapped = self._started = self._first_done = False
-        self._whole_copy: shards.WholeCopy | None = None
 
     # ------------------------------------------------------------------ identity
 
@@ -163,6 +152,14 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         reject_stray(type(self).__name__, mode_arg, mode, given, valid)
 
     # ------------------------------------------------------------------ the cycle
+    # A method writes ``configure``, ``measure``, ``decide`` and (unless it sets multipliers)
+    # ``apply``; the optional steps it may add are listed in ``callbacks.runner.STEPS``. The runner
+    # (``callbacks.runner``) calls them; what the method calls back is below.
+
+    def configure(self, host: Host, module: nn.Module) -> None:
+        """Find ``self.layers`` (and anything else that depends on the model) at the start of a
+        fit, before the model is wrapped: a function of the architecture and the settings only,
+        so it is the same on every rank and after resume."""
 
     def measure(self, host: Host, module: nn.Module) -> Any:
         """Per-layer numbers for ``decide`` (see ``measures`` for where it runs)."""
@@ -187,57 +184,54 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         self.measurements = {k: dict(v) for k, v in decision.measurements.items()}
         setattr(self, self.decision_attr, dict(decision.values))
 
+    @property
+    def _runner(self) -> Any:
+        # the runner that drives this method (made by the host at setup; here on first use, as
+        # for a method called outside a fit): imported on use, so reading a method loads none of it
+        runner = self.__dict__.get("_runner")
+        if runner is None or runner.method is not self:
+            from lalr_lightning.callbacks.runner import Runner
+
+            runner = Runner.of(self)
+        return runner
+
     def update(self, host: Host, module: nn.Module) -> Decision:
         """Measure (every rank: a share of the weights each, or its data), decide on rank zero,
         broadcast, record, apply, log: one decision."""
-        if not self.plain_forward:
-            return self.conclude(host, self.measure(host, module))
-        with host.plain_forward():
-            measured = self.measure(host, module)
-        return self.conclude(host, measured)
-
-    def weight_of(self, layer: Layer) -> torch.Tensor:
-        """The weight ``measure_shards`` hands to the measurement (LALR: LoRA's merged weight)."""
-        return layer.weight.detach()
-
-    def measure_shards(self, host: Host, module: nn.Module, units: list[list[Layer]],
-                       fn) -> dict:
-        """``fn(layers) -> {name: value}`` over every unit of layers, shared out among the ranks
-        (:func:`~lalr_lightning.core.runtime.shards.measure_shards`): the same dict on every rank."""
-        return shards.measure_shards(host, module, units, fn, self._sizes, self.weight_of)
+        return self._runner.update(host, module)
 
     def conclude(self, host: Host, measured: Any) -> Decision:
-        """Decide on rank zero from ``measured``, broadcast, record, apply and log. An error on
-        rank zero is raised on every rank."""
-        decision = self.decide_everywhere(host, measured)
-        self.commit(host, decision)
-        return decision
+        """Decide on rank zero from ``measured``, broadcast, then :meth:`commit`. An error on rank
+        zero is raised on every rank."""
+        return self._runner.conclude(host, measured)
+
+    def commit(self, host: Host, decision: Decision) -> None:
+        """Store ``decision`` (``receive``), apply it, append the history entry, log it."""
+        self._runner.commit(host, decision)
 
     def decide_everywhere(self, host: Host, measured: Any, decide: Callable[[Any], Decision] | None = None) -> Decision:
         """Decide on rank zero from ``measured`` (with ``decide``, else :meth:`decide`) and broadcast:
         the same decision on every rank (not yet stored or applied). An error on rank zero is
         raised on every rank."""
-        return shards.decide_on_zero(host, decide or self.decide, measured)
+        return self._runner.decide_everywhere(host, measured, decide)
 
-    def commit(self, host: Host, decision: Decision) -> None:
-        self.receive(decision)
-        achieved = self.apply(host) or {}
-        entry = {"epoch": host.current_epoch, "step": host.global_step,
-                 self.decision_attr: dict(decision.values)}
-        if decision.scores:
-            entry["scores"] = dict(decision.scores)
-        entry.update(decision.record)
-        entry.update(achieved)
-        self.record(entry)
-        self.log_decision(host, decision, achieved)
-        host.publish(self, "decision", decision)
+    def measure_shards(self, host: Host, module: nn.Module, units: list[list[Layer]], fn) -> dict:
+        """``fn(layers) -> {name: value}`` over every unit of layers, shared out among the ranks
+        (:func:`~lalr_lightning.core.runtime.shards.measure_shards`; each measured on
+        ``weight_of(layer)``, LALR's the merged LoRA weight): the same dict on every rank."""
+        return self._runner.measure_shards(host, module, units, fn)
 
-    def record(self, entry: dict) -> None:
-        self.history.append(entry)
-        if len(self.history) > self.history_limit:
-            del self.history[: len(self.history) - self.history_limit]
+    def weight_of(self, layer: Layer) -> torch.Tensor:
+        return layer.weight.detach()
 
-    # ------------------------------------------------------------------ divergence
+    @property
+    def whole(self) -> Any:
+        """Under FSDP, the whole copy the runner keeps for ``needs_whole_model`` (None elsewhere);
+        ``with_whole_model(host, fn)`` runs ``fn`` on it (or on the live model where there is none)."""
+        return self._runner.whole_copy
+
+    def with_whole_model(self, host: Host, fn: Callable[[nn.Module], Any], frozen: bool = False) -> Any:
+        return self._runner.with_whole_model(host, fn, frozen)
 
     def check_finite(self, host: Host | None, named: Mapping[str, Any], what: str) -> None:
         """Raise :class:`DivergenceError` naming the entries of ``named`` (a tensor, a list of
@@ -251,17 +245,9 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
 
     # ------------------------------------------------------------------ control
 
-    def controls(self, host: Host) -> list[LayerControl]:
-        if not host.optimizers:
-            raise RuntimeError(f"{type(self).__name__}: the LightningModule configured no optimizer")
-        return [LayerControl.of(opt) for opt in host.optimizers]
-
-    @staticmethod
-    def device_batch(host: Host, batch: Any) -> Any:
-        """A batch the callback drew from a loader itself, as Lightning hands batches to
-        ``training_step``: on the strategy's device, its floating tensors in the precision's input
-        dtype (bf16-true: a bfloat16 conv refuses a float32 input)."""
-        return host.to_device(batch)
+    def controls(self, host: Host) -> list:
+        """The layer control of every optimizer (:class:`~lalr_lightning.core.runtime.control.LayerControl`)."""
+        return host.controls(type(self).__name__)
 
     def _per_param(self, per_layer: Mapping[str, Any]) -> tuple[dict, dict]:
         values, names = {}, {}
@@ -285,246 +271,31 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
             ctl.name_params(names)
             ctl.set_frozen(self.state_key, list(params), names)
 
-    # ------------------------------------------------------------------ the timeline
-
-    #: why the callback cannot work where the strategy shards the weights (FSDP), and what to use
-    #: instead (``check_strategy`` raises it); None: it can
-    fsdp_refusal: ClassVar[str | None] = None
-    #: when it decides (the owner calls ``update`` at each point due, once per point)
-    cadence: ClassVar[Cadence] = Cadence()
-    #: whether a measurement runs the whole model (``with_whole_model``): under FSDP a skeleton of
-    #: it is kept from before the wrap, filled on rank zero for each measurement
-    needs_whole_model: ClassVar[bool] = False
-
-    def configure(self, host: Host, module: nn.Module) -> None:
-        """Find ``self.layers`` (and anything else that depends on the model) at the start of a
-        fit, before the model is wrapped: a function of the architecture and the settings only,
-        so it is the same on every rank and after resume."""
-
-    def forward_order(self, host: Host, module: nn.Module) -> Callable[[], Any] | None:
-        """One forward pass of ``module`` on a probe batch, run when first asked (side-effect free:
-        :func:`~lalr_lightning.core.model.blocks.forward_trace`), for finding the output layer of a
-        model with no Hugging Face / timm getter by what runs last; outside a fit (``plan()``) only
-        on the module's ``example_input_array`` (None without one: the registration order decides)."""
-        if not host.has_data and getattr(module, "example_input_array", None) is None:
-            return None
-        # host.batches is looked up only when no example input is there (plan()'s host has none)
-        return functools.cache(lambda: forward_trace(module, lambda: host.batches(), getattr(self, "loss_fn", None)))
-
-    def _lazy_guarded(self, module: nn.Module, fn: Callable[[], Any]) -> dict:
-        """Run ``fn``; where the model has lazy parameters and ``fn`` fails, one line naming them and
-        the fix (:func:`~lalr_lightning.core.runtime.checks.lazy_error`). Returns the lazy parameters."""
-        lazy = lazy_parameters(module)
-        try:
-            fn()
-        except (ValueError, RuntimeError) as err:
-            if lazy:
-                raise lazy_error(type(self).__name__, lazy) from err
-            raise
-        return lazy
-
-    def _configure_checked(self, host: Host, module: nn.Module) -> None:
-        """:meth:`configure`, and where the model has lazy parameters (``nn.LazyLinear`` before its
-        first forward) that this callback's layers need, one line naming them and the fix instead
-        of torch's error from deep inside (a callback whose layers leave them out works)."""
-        lazy = self._lazy_guarded(module, lambda: self.configure(host, module))
-        if not lazy:
-            return
-        held = getattr(self, "_params", None)
-        used = {id(p) for la in self.layers for p in la.params.values()}
-        used |= {id(p) for p in held.values()} if isinstance(held, dict) else set()
-        mine = {n: t for n, t in lazy.items() if id(module.get_parameter(n)) in used}
-        if mine and not self.lazy_ok:
-            raise lazy_error(type(self).__name__, mine)
-
-    # The method's steps on the timeline; each a no-op unless a method needs it. The owner calls
-    # them at the right point for every host and strategy (docs/design.md, "The timeline").
-
-    def prepare(self, host: Host) -> None:
-        """Right after ``configure``, before the strategy wraps the model (static decisions)."""
-
-    def after_wrap(self, host: Host) -> None:
-        """The model is wrapped and the optimizers exist; the checkpoint's state may come later."""
-
-    def resumed(self, late: bool) -> None:
-        """The checkpoint's state is back (``late``: after the wrap, before the optimizer state)."""
-
-    def first_decision(self, host: Host) -> None:
-        """A fresh fit's first decision (at the train start, nothing restored): the one made in
-        ``prepare`` (``self.early``), or a measurement where the cadence starts at the fit's start."""
-        if self.early is not None:
-            self.commit(host, self.early)
-        elif self.cadence.start:
-            self.update(host, host.module)
-
-    def after_start(self, host: Host) -> None:
-        """After the first decision, or the checkpoint's applied."""
-
-    def each_epoch(self, host: Host) -> None:
-        """At every epoch's start, after any decision due there."""
-
-    def each_batch(self, host: Host, batch: Any) -> None:
-        """At every batch's start, after any decision due there."""
-
-    def after_backward(self, host: Host) -> None:
-        """After every backward."""
-
-    def before_step(self, host: Host, optimizer: Any) -> None:
-        """Before every optimizer step (gradients final; masked entries already dropped)."""
-
-    def after_batch(self, host: Host, outputs: Any, batch: Any) -> None:
-        """After every training batch."""
-
-    def after_epoch(self, host: Host) -> None:
-        """At every training epoch's end."""
-
-    def finish(self, host: Host) -> None:
-        """At the end of a fit that ran to its end."""
-
-    def release(self, host: Host) -> None:
-        """At teardown, after the layer control was given back: drop what the fit held."""
-
-    # The owner's events (LightningHooks maps Lightning's hooks to these; another host maps its own).
-
-    @property
-    def is_wrapped(self) -> bool:
-        """Whether the strategy has wrapped the model (``requires_grad`` changes then reach DDP's
-        buckets no more)."""
-        return self._wrapped
-
-    def _begin(self, host: Host) -> None:
-        self._wrapped = self._started = self._first_done = False
-        self.early = None
-        self._configure_checked(host, host.module)
-        # sizes while the weights are whole (before any FSDP wrap; ZeRO-3's partitioned ones by
-        # their ds_numel), to share work out evenly
-        self._sizes = {la.name: int(getattr(la.weight, "ds_numel", la.weight.numel())) for la in self.layers
-                       if la.module is not None and isinstance(getattr(la.module, la.weight_name, None), torch.Tensor)}
-        # FSDP2 puts new parameters in place of these: everything held follows them after the wrap
-        self._names_before_wrap = parameter_names(host.module) if host.sharding == "fsdp2" else None
-        self._whole_copy = shards.WholeCopy(host.module, type(self).__name__) \
-            if self.needs_whole_model and host.sharded else None
-        self._lazy_guarded(host.module, lambda: self.prepare(host))  # a static selection freezes here
-        host.publish(self, "start")  # settings into the run config, W&B's step axis
-
-    def _wrapped_now(self, host: Host, final: bool) -> None:
-        """The model is wrapped; ``final``: the checkpoint's state (if any) is already back."""
-        names, self._names_before_wrap = self._names_before_wrap, None
-        if names:
-            rebind(self.__dict__, names, host.module)
-        self._wrapped = True
-        self.after_wrap(host)
-        if final:
-            self._start(host)
-
-    def _train_start(self, host: Host) -> None:
-        if not self._started:  # the checkpoint's state came after the wrap, or never came
-            self._start(host)
-        if not self.restored and not self._first_done:
-            # a fresh fit's first decision: here, where the host can stop a long measurement
-            self._first_done = True
-            self.first_decision(host)
-            self.early = None
-            self.after_start(host)
-
-    def _start(self, host: Host) -> None:
-        """The checkpoint's state is final: a resumed fit continues with its decision (before the
-        optimizer state loads where the host restores it before the wrap)."""
-        self._started = True
-        if self.restored:
-            self.early = None
-            self.apply(host)
-            self.after_start(host)
-
-    def _due(self, host: Host, where: str) -> bool:
-        now = host.current_epoch if where == "epoch" else host.global_step
-        return self.cadence.due(where, now, self.history[-1] if self.history else None)
-
-    def _epoch_start(self, host: Host) -> None:
-        if self._due(host, "epoch"):
-            self.update(host, host.module)
-        self.each_epoch(host)
-
-    def _batch_start(self, host: Host, batch: Any) -> None:
-        if self._due(host, "step"):
-            self.update(host, host.module)
-        self.each_batch(host, batch)
-        if self.logs_lr:
-            self._log_effective_lrs(host)
-
-    def _after_backward(self, host: Host) -> None:
-        for opt in host.optimizers or []:  # new gradients: masked entries go again before the next step
-            ctl = LayerControl.existing(opt)
-            if ctl is not None:
-                ctl.gradients_changed()
-        self.after_backward(host)
-
-    def _before_step(self, host: Host, optimizer: Any) -> None:
-        # gradients are final (unscaled, all-reduced) and not yet clipped: masked entries go now
-        ctl = LayerControl.existing(optimizer)
-        if ctl is not None:
-            ctl.mask_gradients()
-        self.before_step(host, optimizer)
-
-    def _batch_end(self, host: Host, outputs: Any, batch: Any) -> None:
-        # a step that raised and was caught (manual optimization) gives the groups back before the
-        # schedulers step them
-        self._abandon_steps(host)
-        self.after_batch(host, outputs, batch)
-
-    @staticmethod
-    def _abandon_steps(host: Host) -> None:
-        for opt in host.optimizers or []:
-            ctl = LayerControl.existing(opt)
-            if ctl is not None:
-                ctl.abandon_step()
-
-    def _end(self, host: Host) -> None:
-        self.finish(host)
-        host.publish(self, "end")  # the heatmap (unless the last decision logged it), last ESDs, summary
-
-    def _teardown(self, host: Host) -> None:
-        for opt in host.optimizers or []:
-            ctl = LayerControl.existing(opt)
-            if ctl is not None:
-                ctl.clear(self.state_key)
-        LayerControl.restore_requires_grad(self.state_key)
-        self.release(host)
-        self._whole_copy = None
-
-    @property
-    def whole(self) -> shards.WholeCopy | None:
-        """Under FSDP, the whole copy the owner keeps for ``needs_whole_model`` (None elsewhere)."""
-        return self._whole_copy
-
-    def with_whole_model(self, host: Host, fn: Callable[[nn.Module], Any], frozen: bool = False) -> Any:
-        """``fn(module)`` on the whole model: the live one, or under FSDP a whole copy on rank zero,
-        the result broadcast (``needs_whole_model``; ``frozen``: the copy does not require grad)."""
-        if self._whole_copy is None:
-            return fn(host.module)
-        return self._whole_copy.run(host, host.module, fn, frozen)
-
-    # ------------------------------------------------------------------ logging
-
-
     def log_values(self, host: Host, metrics: Mapping[str, float], step: int | None = None) -> None:
         """Send per-layer values straight to every logger (rank zero only, as loggers are);
         non-finite values are left out."""
         host.log({k: float(v) for k, v in metrics.items() if math.isfinite(float(v))}, step)
 
-    def decision_metrics(self, decision: Decision, achieved: Mapping[str, Any] | None = None) -> dict[str, float]:
-        """``<prefix>/<quantity>/<layer>`` for the scores, the measurements and the decision, and
-        ``<prefix>/<key>`` for the summary."""
-        p = self.prefix
-        out = {f"{p}/{self.score_key}/{k}": v for k, v in decision.scores.items()}
-        for quantity, values in decision.measurements.items():
-            out.update({f"{p}/{quantity}/{k}": v for k, v in values.items()})
-        out.update({f"{p}/{self.decision_key}/{k}": v for k, v in decision.values.items()})
-        out.update({f"{p}/{k}": v for k, v in decision.summary.items()})
-        return out
+    def plan(self, model: nn.Module) -> Any:
+        """The decision this callback would make next for ``model`` from the weights alone: no
+        Trainer, no data (a pandas DataFrame, one row per layer; :func:`lalr_lightning.callbacks.planning.plan`).
+        Callbacks that decide from anything else raise a ``ValueError`` saying so."""
+        from lalr_lightning.callbacks.planning import plan
 
-    def log_decision(self, host: Host, decision: Decision, achieved: Mapping[str, Any]) -> None:
-        self.log_values(host, self.decision_metrics(decision, achieved))
+        return plan(self, model, LayerwiseCallback)
+
+    #: when it decides (the runner calls ``update`` at each point due, once per point)
+    cadence: ClassVar[Cadence] = Cadence()
+    #: why the callback cannot work where the strategy shards the weights (FSDP), and what to use
+    #: instead (the host refuses the strategy with it); None: it can
+    fsdp_refusal: ClassVar[str | None] = None
+    #: whether a measurement runs the whole model (``with_whole_model``): under FSDP a skeleton of
+    #: it is kept from before the wrap, filled on rank zero for each measurement
+    needs_whole_model: ClassVar[bool] = False
+    #: whether ``configure`` + ``measure`` + ``decide`` need the model's weights alone (and change
+    #: nothing): then :meth:`plan` gives the decision without a fit
+    decides_from_weights: ClassVar[bool] = False
+
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # every callback takes ``figures`` and the deprecated ``plot_every_n_epochs`` without
@@ -534,50 +305,6 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         if init is not None and "figures" not in inspect.signature(init).parameters:
             cls.deprecated = {**cls.deprecated, "plot_every_n_epochs": "figures"}
             cls.__init__ = with_figures(init)
-
-    def _log_effective_lrs(self, host: Host) -> None:
-        """``lr_eff/<layer>`` for every controlled layer, once per logging step even when
-        several callbacks share an optimizer."""
-        if not host.should_log():
-            return
-        step = host.log_step
-        out: dict[str, float] = {}
-        for ctl in self.controls(host):
-            if ctl.take_report(step):
-                out.update({f"lr_eff/{k}": v for k, v in ctl.effective_lrs().items()})
-        self.log_values(host, out, step)
-
-    def heatmap_columns(self) -> list[str]:
-        """Column labels of the heatmap, one per history entry."""
-        by_step = getattr(self, "every_n_steps", None) is not None
-        return [str(h["step"] if by_step else h["epoch"]) for h in self.history]
-
-    def heatmap_xlabel(self) -> str:
-        return "step" if getattr(self, "every_n_steps", None) is not None else "epoch"
-
-    def heatmap_values(self) -> tuple[list[str], np.ndarray]:
-        """(row labels, layers x history values) of the decisions."""
-        names: list[str] = []
-        for h in self.history:
-            names += [n for n in h[self.decision_attr] if n not in names]
-        values = np.array([[h[self.decision_attr].get(n, np.nan) for h in self.history] for n in names], dtype=float)
-        return names, values
-
-    def log_heatmap(self, trainer: Any) -> None:
-        if (self.heatmap is None or len(self.history) < self.heatmap_min_entries or not trainer.is_global_zero
-                or not trainer.loggers):
-            return
-        from lalr_lightning import viz
-
-        key, title, label = self.heatmap
-        names, values = self.heatmap_values()
-        fig = viz.plot_heatmap(values, names, self.heatmap_columns()[-values.shape[1]:],
-                               title=title.format(self=self), cbar_label=label, xlabel=self.heatmap_xlabel())
-        viz.log_figure(trainer, f"{self.prefix}/{key}", fig)
-
-    # Lightning assigns ``callback.log_dict = lightning_module.log_dict`` on every callback at fit
-    # start; this property keeps ``log_dict`` meaning ``log_values`` here and ignores that write.
-    log_dict = property(lambda self: self.log_values, lambda self, value: None)
 
     # ------------------------------------------------------------------ state
 
@@ -595,8 +322,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
                 self.decision_attr: list(decision) if isinstance(decision, list) else dict(decision), **self._state()}
 
     def _restore(self, state_dict: dict) -> None:
-        """The checkpoint's state, restored once, where the strategy brings it (before the wrap
-        under one device and DDP, after it under FSDP: ``resumed(late=True)``)."""
+        """The checkpoint's state (the runner's ``restore`` calls this where the host brings it)."""
         version = state_dict.get("version")
         if version is not None and version > self.state_version:
             raise SettingsMismatchError(
@@ -614,7 +340,3 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
             setattr(self, self.decision_attr, list(saved) if isinstance(saved, list) else dict(saved))
         self._load_state(state_dict)
         self.restored = True
-        self.resumed(late=self._wrapped)
-        # a host that restores after the start (a state loaded by hand after on_fit_start): the
-        # checkpoint's state is applied at the train start instead
-        self._started = False

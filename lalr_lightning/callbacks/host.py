@@ -190,6 +190,16 @@ class Host(ABC):
     def stop_check(self) -> Callable[[], None]:
         """A check a long measurement calls between chunks: raises once the loop was asked to stop."""
 
+    def controls(self, who: str) -> list:
+        """The layer control of every optimizer (:class:`~lalr_lightning.core.runtime.control.LayerControl`,
+        made on first use), for the method ``who``; a one-line error without an optimizer."""
+        if not self.optimizers:
+            raise RuntimeError(f"{who}: the LightningModule configured no optimizer")
+        # imported here: a method's module reads the layer control only through its host
+        from lalr_lightning.core.runtime.control import LayerControl
+
+        return [LayerControl.of(opt) for opt in self.optimizers]
+
     def info(self, message: str) -> None:
         """A line the user should see, shown as the loop shows its own (Lightning: its rank-zero info,
         as its model summary); here the package's logger, rank zero only (:func:`say`)."""

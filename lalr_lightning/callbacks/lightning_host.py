@@ -25,8 +25,6 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
 from lalr_lightning.callbacks.host import Host
-from lalr_lightning.core.runtime.control import LayerControl
-from lalr_lightning.core.runtime.shards import gather_objects
 
 __all__ = ["LightningHooks", "LightningHost", "OptimizerResume", "SpawnHandoff", "check_strategy", "sharding_of"]
 
@@ -82,6 +80,8 @@ class LightningHost(Host):
         return self.trainer.strategy.broadcast(obj, src=src)
 
     def gather_objects(self, obj: Any) -> list[Any]:
+        from lalr_lightning.core.runtime.shards import gather_objects
+
         return gather_objects(obj)
 
     # ---------------------------------------------------------------- batches
@@ -232,6 +232,7 @@ class OptimizerResume:
         if not isinstance(strategy, ModelParallelStrategy) or "load_checkpoint" in vars(strategy):
             return
         load = type(strategy).load_checkpoint
+        from lalr_lightning.core.runtime.control import LayerControl
 
         def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
             cls.forget(trainer)
@@ -273,9 +274,11 @@ class _HFEvent:
 
 
 class LightningHooks(Callback):
-    """Lightning's hooks, each one event of the timeline (``_begin``, ``_wrapped``, ``_restore``,
-    ``_train_start``, ``_epoch_start``, ``_batch_start``, ...; base.py). Mixed into the base of
-    every method; a method overrides none of these."""
+    """Lightning's hooks, each one event of the method's runner
+    (:class:`~lalr_lightning.callbacks.runner.Runner`: ``begin``, ``wrapped_now``, ``restore``,
+    ``train_start``, ``epoch_start``, ``batch_start``, ...). Mixed into the base of every method; a
+    method overrides none of these. The restore order of each strategy is read here
+    (``restores_after_wrap``), nowhere else."""
 
     on_init_end = _HFEvent()
     on_train_begin = _HFEvent()
@@ -286,19 +289,31 @@ class LightningHooks(Callback):
             host = self.__dict__["_lightning_host"] = LightningHost(trainer, pl_module)
         return host
 
+    def _run(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[Any, LightningHost]:
+        """(this method's runner, the host of this fit)."""
+        runner = self.__dict__.get("_runner")
+        if runner is None or runner.method is not self:
+            # the runner's module loads on the first hook, not when a method's module is read
+            from lalr_lightning.callbacks.runner import Runner
+
+            runner = Runner.of(self)
+        return runner, self._host(trainer, pl_module)
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
-            host = self._host(trainer, pl_module)
+            runner, host = self._run(trainer, pl_module)
             check_strategy(host, type(self).__name__, refusal=self.fsdp_refusal)
-            self._begin(host)
+            runner.begin(host)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         OptimizerResume.prepare(trainer)  # FSDP2 loads the optimizer state right after this
-        host = self._host(trainer, pl_module)
-        self._wrapped_now(host, final=not host.restores_after_wrap)
+        runner, host = self._run(trainer, pl_module)
+        runner.wrapped_now(host, final=not host.restores_after_wrap)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self._restore(state_dict)
+        from lalr_lightning.callbacks.runner import Runner
+
+        Runner.of(self).restore(state_dict)
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         from lalr_lightning.callbacks import keys
@@ -319,38 +334,47 @@ class LightningHooks(Callback):
                 rank_zero_warn(msg, category=UserWarning)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._train_start(self._host(trainer, pl_module))
+        runner, host = self._run(trainer, pl_module)
+        runner.train_start(host)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._epoch_start(self._host(trainer, pl_module))
+        runner, host = self._run(trainer, pl_module)
+        runner.epoch_start(host)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        self._batch_start(self._host(trainer, pl_module), batch)
+        runner, host = self._run(trainer, pl_module)
+        runner.batch_start(host, batch)
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._after_backward(self._host(trainer, pl_module))
+        runner, host = self._run(trainer, pl_module)
+        runner.after_backward(host)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
-        self._before_step(self._host(trainer, pl_module), optimizer)
+        runner, host = self._run(trainer, pl_module)
+        runner.before_step(host, optimizer)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self._batch_end(self._host(trainer, pl_module), outputs, batch)
+        runner, host = self._run(trainer, pl_module)
+        runner.batch_end(host, outputs, batch)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # an optimizer step that raised: its groups back before OnExceptionCheckpoint saves them
-        self._abandon_steps(self._host(trainer, pl_module))
+        runner, host = self._run(trainer, pl_module)
+        runner.abandon_steps(host)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.after_epoch(self._host(trainer, pl_module))
+        runner, host = self._run(trainer, pl_module)
+        runner.epoch_end(host)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._end(self._host(trainer, pl_module))
+        runner, host = self._run(trainer, pl_module)
+        runner.end(host)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        host = self._host(trainer, pl_module)
-        self._teardown(host)
+        runner, host = self._run(trainer, pl_module)
+        runner.teardown(host)
         OptimizerResume.forget(trainer)
         self.__dict__.pop("_lightning_host", None)
 

@@ -261,7 +261,8 @@ class LMSAStepper(LayerSelection):
             msa_settings.check_restored(self.selected, self.block_names)
 
     def first_decision(self, host: Host) -> None:
-        super().first_decision(host)
+        if self.early is not None:  # a static selection, decided in prepare (its cadence never starts the fit)
+            self.commit(host, self.early)
         self.apply(host)
 
     def after_wrap(self, host: Host) -> None:
@@ -371,16 +372,15 @@ class LMSAStepper(LayerSelection):
             self._stepping = False
             self.taps.clear()
 
-    def log_heatmap(self, trainer: Any) -> None:
-        super().log_heatmap(trainer)
+    def log_heatmap(self, trainer: Any) -> None:  # beside the selection's heatmap (dashboards.log_heatmap)
         if not self.history or not trainer.is_global_zero or not trainer.loggers:
             return
-        from lalr_lightning import viz
+        from lalr_lightning import dashboards, viz
 
         names = self.block_names
         j = np.array([[h["scores"].get(n, np.nan) for h in self.history] for n in names], dtype=float)
-        fig = viz.plot_heatmap(j, names, self.heatmap_columns(), title="L-MSA metric J_hat",
-                               cbar_label="J_hat (lower is better)", xlabel=self.heatmap_xlabel())
+        fig = viz.plot_heatmap(j, names, dashboards.heatmap_columns(self), title="L-MSA metric J_hat",
+                               cbar_label="J_hat (lower is better)", xlabel=dashboards.heatmap_xlabel(self))
         viz.log_figure(trainer, f"{self.prefix}/j_hat", fig)
 
     # ------------------------------------------------------------------ co-states
@@ -422,7 +422,7 @@ class LMSAStepper(LayerSelection):
             total: dict[str, list] = {}
             try:
                 for batch in batches:
-                    batch = self.device_batch(host, batch)
+                    batch = host.to_device(batch)
                     run = functools.partial(self._loss, whole, batch)
                     taps.context, taps.seed = batch, self.seed * 1_000_003 + host.global_step
                     if not taps.discovered:

@@ -153,7 +153,7 @@ class NTKDiagnostics(LayerwiseCallback):
     def _measure_on(self, host: Host, module: nn.Module,
                     live: dict[str, torch.Tensor]) -> dict[str, Any]:
         x, _ = probe_inputs(module, host.batches(), self.probe_size,
-                            to_device=lambda b: self.device_batch(host, b))
+                            to_device=lambda b: host.to_device(b))
         params = {n: p.detach() for n, p in live.items()}
         # the size and time of J, stated before the first measurement computes it
         k, self._chosen = ntk.sized_ntk(module, x, params, self._groups, say_or_warn, who=type(self).__name__,

@@ -17,7 +17,7 @@ from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
 from lalr_lightning.callbacks.host import Cadence, Host, say, say_or_warn
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.core.linearization import ntk, ntk_groups, ntk_spectra
-from lalr_lightning.core.model.probe import fixed_batch, probe_inputs
+from lalr_lightning.core.model.probe import fixed_batch, forward_order, probe_inputs
 from lalr_lightning.core.runtime.checks import check_counts, check_number
 from lalr_lightning.core.runtime.shards import sharded
 
@@ -109,7 +109,8 @@ class NTKSelect(LayerSelection):
 
     def configure(self, host: Host, module: nn.Module) -> None:
         self._params, self._groups = ntk.trainable_groups(module, type(self).__name__)
-        self.head_layer = ntk_groups.selectable_head(module, self._groups, self.head, self.forward_order(host, module))
+        trace = forward_order(host, module, getattr(self, "loss_fn", None))
+        self.head_layer = ntk_groups.selectable_head(module, self._groups, self.head, trace)
         self.layers = ntk_groups.group_layers(self._groups, self._params)
         self.block_list = self.layers  # the units label the per-step log and own their norm layers
 

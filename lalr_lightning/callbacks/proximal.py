@@ -308,7 +308,7 @@ class ProximalRegularizer(LayerwiseCallback):
         return self._unit_lambda_o / r if r > 0 else math.nan
 
     def _unit_lambda_o_on(self, host: Host, module: nn.Module, anchor: dict[str, torch.Tensor]) -> float:
-        batch = self.device_batch(host, fixed_batch(host.batches(), self.probe_size))
+        batch = host.to_device(fixed_batch(host.batches(), self.probe_size))
         live = dict(module.named_parameters())
         value, own_loss = unit_lambda_o(module, batch, {n: placed(a, live[n]) for n, a in anchor.items()},
                                         self.loss_fn, check=stop_on_sigterm(host))

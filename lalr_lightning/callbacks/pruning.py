@@ -19,6 +19,7 @@ from torch import nn
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
 from lalr_lightning.callbacks.host import Cadence, Host, warn
 from lalr_lightning.core.model.layers import DEFAULT_KINDS
+from lalr_lightning.core.model.probe import forward_order
 from lalr_lightning.core.pruning import alphapruning as ap
 from lalr_lightning.core.pruning import by_criterion as bc
 from lalr_lightning.core.pruning.alphapruning import DIRECTIONS, PRUNING_METRICS, pruning_ratios
@@ -279,7 +280,7 @@ class HTSRPruning(LayerwiseCallback):
         self._model = module
         layers, self.excluded = ap.prunable_layers(module, layer_types=self.layer_types, head=self.head,
                                                    min_numel=self.min_numel, min_evals=self.min_evals,
-                                                   trace=self.forward_order(host, module))
+                                                   trace=forward_order(host, module, getattr(self, "loss_fn", None)))
         ap.refuse_lora_parts(module, layers, type(self).__name__, self.n, self.m)
         self.layers, packed = bc.readable_layers(layers, self.criterion, self.n, self.m)
         self.excluded.update(packed)
@@ -287,6 +288,8 @@ class HTSRPruning(LayerwiseCallback):
         if note:
             warn(note, category=UserWarning)
         self._params = {n: p for layer in self.layers for n, p in layer.params.items()}
+        # the whole weights' sizes, read here, before any FSDP wrap (then each rank holds a piece)
+        self._whole_numel = {la.name: int(getattr(la.weight, "ds_numel", la.weight.numel())) for la in self.layers}
 
     @property
     def needs_whole_model(self) -> bool:  # under FSDP, masks from whole layers, run during training
@@ -315,12 +318,12 @@ class HTSRPruning(LayerwiseCallback):
 
     def first_decision(self, host: Host) -> None:
         if self.early is not None:
-            super().first_decision(host)  # decided in setup (FSDP): recorded, enforced and logged now
+            self.commit(host, self.early)  # decided in setup (FSDP): recorded, enforced and logged now
         elif self.masks:  # kept from a previous fit: enforce at once
             ap.check_known_masks(self.masks, self._params)
             self.apply(host)
-        else:
-            super().first_decision(host)  # when="fit_start": the cadence's start
+        elif self.cadence.start:
+            self.update(host, host.module)  # when="fit_start": the cadence's start
 
     def resumed(self, late: bool) -> None:
         if self._params:  # configured: the owner enforces the checkpoint's masks where the strategy's restore is done
@@ -553,7 +556,7 @@ class HTSRPruning(LayerwiseCallback):
 
     def _numel(self, layer) -> int:
         """The whole weight's size (under FSDP1 ``layer.weight`` is this rank's piece)."""
-        return (self._sizes or {}).get(layer.name) or layer.weight.numel()
+        return self._whole_numel.get(layer.name) or layer.weight.numel()
 
     def overall_sparsity(self) -> float:
         """Zero fraction over all pruned layers' weights (the quantity the target is about)."""
@@ -561,9 +564,9 @@ class HTSRPruning(LayerwiseCallback):
         return sum(self.sparsity.get(layer.name, 0.0) * self._numel(layer) for layer in self.layers) / max(n, 1)
 
     def _sparsity_metrics(self) -> dict[str, float]:  # <prefix>/{ratio,sparsity,metric}/<layer>, overall_sparsity
-        return self.decision_metrics(Decision(values=self.ratios, scores=self.scores,
-                                              measurements={"sparsity": self.sparsity},
-                                              summary={"overall_sparsity": self.overall_sparsity()}))
+        return Decision(values=self.ratios, scores=self.scores, measurements={"sparsity": self.sparsity},
+                        summary={"overall_sparsity": self.overall_sparsity()}).metrics(
+            self.prefix, self.score_key, self.decision_key)
 
     def log_decision(self, host: Host, decision: Decision, achieved) -> None:
         self.log_values(host, self._sparsity_metrics())

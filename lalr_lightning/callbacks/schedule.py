@@ -26,7 +26,9 @@ from lalr_lightning.callbacks.host import Cadence, Host, say, warn
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.blocks import describe_blocks, output_layer, suggest_blocks
+from lalr_lightning.core.model.probe import forward_order
 from lalr_lightning.core.runtime.checks import check_counts
+from lalr_lightning.core.runtime.decision import history_table
 from lalr_lightning.core.selection.surgical import LIFT_ORDERS, lisa_warnings, scheduled_blocks
 
 __all__ = ["BlockSchedule", "SCHEDULES"]
@@ -138,7 +140,7 @@ class BlockSchedule(LayerSelection):
         say(f"{self.title} blocks of {type(module).__name__}: {describe_blocks(self.layers)}")
         if self.schedule == "lisa":  # errors for a LISA that cannot sample, warnings for one that cannot switch
             hint = f"e.g. blocks={suggest_blocks(module)!r}" if self.blocks is not None else ""
-            out = output_layer(module, self.layers, self.forward_order(host, module))
+            out = output_layer(module, self.layers, forward_order(host, module, getattr(self, "loss_fn", None)))
             for line in lisa_warnings(self.layers, self.gamma, out, hint):
                 warn(line)
 
@@ -172,7 +174,7 @@ class BlockSchedule(LayerSelection):
         return [str(h["step"]) for h in self.history]
 
     def heatmap_values(self):
-        names, values = super().heatmap_values()
+        names, values = history_table(self.history, self.decision_attr)
         return names, values[:, -200:]  # a readable width; the full history is in state_dict
 
     # ------------------------------------------------------------------ state

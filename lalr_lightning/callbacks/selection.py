@@ -35,9 +35,10 @@ from lalr_lightning.callbacks.host import Host, say
 from lalr_lightning.callbacks.lightning_host import LightningHooks
 from lalr_lightning.callbacks.summary import selection_counts, selection_summary
 from lalr_lightning.choices import unknown
-from lalr_lightning.core.model.blocks import block_layers, forward_trace
+from lalr_lightning.core.model.blocks import block_layers
 from lalr_lightning.core.model.layers import Layer
 from lalr_lightning.core.model.norm_modes import NORM_EVAL, norm_layers, set_norm_modes
+from lalr_lightning.core.model.probe import forward_trace
 from lalr_lightning.core.model.tied import join_tied
 from lalr_lightning.core.runtime.checks import check_taken, union_signature
 from lalr_lightning.core.runtime.control import LayerControl
@@ -98,6 +99,7 @@ class LayerSelection(LayerwiseCallback):
         self._ctls: list[LayerControl] | None = None
         self._held: set[int] = set()  # ids of the parameters some optimizer holds
         self._toggle = False  # requires_grad may change after the wrap
+        self._past_wrap = False  # the strategy has wrapped the model (requires_grad no longer reaches DDP)
         self._handsync: HandSync | None = None  # DDP: the switching units' gradients averaged by hand
         self.summary: str | None = None  # the last decision's trainable / total parameters (callbacks/summary.py)
         self.summary_counts: dict[str, int | str] = {}  # the numbers of that line
@@ -126,7 +128,7 @@ class LayerSelection(LayerwiseCallback):
                     host: Host | None = None) -> list[Layer]:
         """The model's blocks (``blocks`` patterns, or found: timm groups / repeated children / with
         ``host``, the forward pass on a probe batch,
-        :func:`~lalr_lightning.core.model.blocks.forward_trace`); a clear error when
+        :func:`~lalr_lightning.core.model.probe.forward_trace`); a clear error when
         there are fewer than ``min_blocks`` to choose between."""
         trace = None if host is None else (lambda: forward_trace(module, host.batches, getattr(self, "loss_fn", None)))
         self.block_list = block_layers(module, self.blocks, join_stem=self.join_stem, head=head, trace=trace)
@@ -157,7 +159,7 @@ class LayerSelection(LayerwiseCallback):
         return None
 
     def prepare(self, host: Host) -> None:
-        self._module, self._summarized = host.module, False
+        self._module, self._summarized, self._past_wrap = host.module, False, False
         if self._handsync is not None:  # a fit that ended without teardown
             self._handsync.stop()
         self._handsync = None
@@ -198,6 +200,7 @@ class LayerSelection(LayerwiseCallback):
         return True
 
     def after_wrap(self, host: Host) -> None:
+        self._past_wrap = True
         if self._handsync is not None:  # wrapped now: equal starting values, averaging from here on
             self._handsync.start(host.root)
         self._norms = norm_layers(host.module, self.block_list)
@@ -265,7 +268,7 @@ class LayerSelection(LayerwiseCallback):
         want = {id(p) for u in off for p in u.params.values()}
         if want == {id(p) for p in LayerControl.grad_off_by(self.state_key)}:
             return
-        if self.is_wrapped and not self._toggle:
+        if self._past_wrap and not self._toggle:
             if strict:
                 raise RuntimeError(
                     f"{type(self).__name__}: the checkpoint's selection differs from the one made in setup from the "

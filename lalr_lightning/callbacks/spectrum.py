@@ -17,6 +17,7 @@ from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.blocks import output_layer
 from lalr_lightning.core.model.layers import MATRIX_KINDS, check_kinds, matrix_layers
+from lalr_lightning.core.model.probe import forward_order
 from lalr_lightning.core.spectral import spectrum_snr
 
 __all__ = ["SpectrumSelect"]
@@ -114,7 +115,7 @@ class SpectrumSelect(LayerSelection):
         if not self.layers:
             raise ValueError(f"SpectrumSelect found no matrices of kinds {self.layer_types} in "
                              f"{type(module).__name__}; widen layer_types")
-        out = output_layer(module, every, self.forward_order(host, module))
+        out = output_layer(module, every, forward_order(host, module, getattr(self, "loss_fn", None)))
         self._always = spectrum_snr.always_trained(self.layers, out, self.head, self.embeddings)
         self._groups, self.module_types = spectrum_snr.ranked_types(self.layers, self._always, self.types,
                                                                     self.grouping)

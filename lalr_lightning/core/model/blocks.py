@@ -9,23 +9,19 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from torch import nn
 
 from lalr_lightning.choices import unknown
-from lalr_lightning.core.model.batch_loss import batch_loss, to_device
-from lalr_lightning.core.model.forward_blocks import Trace, forward_blocks, trace_modules
+from lalr_lightning.core.model.forward_blocks import Trace, forward_blocks
 from lalr_lightning.core.model.layers import Layer, clean_name, is_matrix_module, matrix_layers
-from lalr_lightning.core.model.probe import fixed_batch
 
 __all__ = [
     "block_layers",
     "suggest_blocks",
     "describe_blocks",
     "find_layers",
-    "forward_trace",
     "output_layer",
 ]
 
@@ -464,44 +460,6 @@ def find_layers(model: nn.Module, granularity: str = "matrix", **kwargs) -> list
     if granularity == "block":
         return block_layers(model, **kwargs)
     raise unknown("granularity", granularity, ("matrix", "block"), show=repr)
-
-
-def forward_trace(module: nn.Module, batches: Callable[[], Any], loss_fn=None) -> Trace:
-    """One forward pass of ``module`` with every module hooked (:mod:`~lalr_lightning.core.model.forward_blocks`),
-    for :func:`block_layers`' ``trace`` in a callback's ``setup``: on its ``example_input_array`` when
-    it has one, else on two samples of the training loader ``batches()`` gives, run through the
-    module's own loss (:func:`~lalr_lightning.core.model.batch_loss.batch_loss`: ``loss_fn``, its
-    ``loss(output, target)`` or its ``training_step``, logging silenced). A one-line ValueError
-    naming what to set instead when there is no batch or the pass fails."""
-    example = getattr(module, "example_input_array", None)
-    device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    if example is not None:
-        example = to_device(example, device)
-
-        def run():  # as Lightning's model summary calls it
-            if isinstance(example, dict):
-                return module(**example)
-            return module(*example) if isinstance(example, (tuple, list)) else module(example)
-    else:
-        try:
-            batch = fixed_batch(batches(), 2)
-        except Exception as err:  # noqa: BLE001 -- any failure: say what to add instead
-            raise _no_blocks(module, "no batch to run its forward pass on in setup", err) from None
-        batch = to_device(batch, device)
-
-        def run():
-            return batch_loss(module, batch, loss_fn)
-    try:
-        return trace_modules(module, run)
-    except Exception as err:  # noqa: BLE001 -- the forward pass was for the blocks: say what else works
-        raise _no_blocks(module, "its forward pass on a training batch failed", err) from err
-
-
-def _no_blocks(module: nn.Module, why: str, err: Exception) -> ValueError:
-    name, first = type(module).__name__, str(err).splitlines()[0][:120] if str(err) else ""
-    return ValueError(f"cannot find the blocks of {name}: no timm group_matcher, repeated children or Sequential "
-                      f"trunk, and {why} ({type(err).__name__}: {first}); set {name}.example_input_array, or pass "
-                      f"blocks=[...], e.g. blocks={suggest_blocks(module)!r}")
 
 
 # --------------------------------------------------------------------------- output layer

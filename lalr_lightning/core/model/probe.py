@@ -8,6 +8,7 @@ indices chosen by ``seed``, collated by the loader's own ``collate_fn``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -15,9 +16,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from lalr_lightning.core.model.batch_loss import split_batch
+from lalr_lightning.core.model.batch_loss import batch_loss, split_batch, to_device
+from lalr_lightning.core.model.blocks import suggest_blocks
+from lalr_lightning.core.model.forward_blocks import Trace, trace_modules
 
-__all__ = ["fixed_batch", "probe_inputs", "take"]
+__all__ = ["fixed_batch", "forward_order", "forward_trace", "probe_inputs", "take"]
 
 
 def take(batch: Any, n: int) -> Any:
@@ -99,3 +102,52 @@ def probe_inputs(module: nn.Module, loader: Any, n: int, seed: int = 0,
     ``split_batch`` (:func:`~lalr_lightning.core.model.batch_loss.split_batch`), after ``to_device``."""
     batch = fixed_batch(loader, n, seed)
     return split_batch(module, batch if to_device is None else to_device(batch))
+
+
+def forward_trace(module: nn.Module, batches: Callable[[], Any], loss_fn=None) -> Trace:
+    """One forward pass of ``module`` with every module hooked (:mod:`~lalr_lightning.core.model.forward_blocks`),
+    for :func:`~lalr_lightning.core.model.blocks.block_layers`' ``trace`` in a callback's ``setup``: on its ``example_input_array`` when
+    it has one, else on two samples of the training loader ``batches()`` gives, run through the
+    module's own loss (:func:`~lalr_lightning.core.model.batch_loss.batch_loss`: ``loss_fn``, its
+    ``loss(output, target)`` or its ``training_step``, logging silenced). A one-line ValueError
+    naming what to set instead when there is no batch or the pass fails."""
+    example = getattr(module, "example_input_array", None)
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    if example is not None:
+        example = to_device(example, device)
+
+        def run():  # as Lightning's model summary calls it
+            if isinstance(example, dict):
+                return module(**example)
+            return module(*example) if isinstance(example, (tuple, list)) else module(example)
+    else:
+        try:
+            batch = fixed_batch(batches(), 2)
+        except Exception as err:  # noqa: BLE001 -- any failure: say what to add instead
+            raise _no_blocks(module, "no batch to run its forward pass on in setup", err) from None
+        batch = to_device(batch, device)
+
+        def run():
+            return batch_loss(module, batch, loss_fn)
+    try:
+        return trace_modules(module, run)
+    except Exception as err:  # noqa: BLE001 -- the forward pass was for the blocks: say what else works
+        raise _no_blocks(module, "its forward pass on a training batch failed", err) from err
+
+
+def _no_blocks(module: nn.Module, why: str, err: Exception) -> ValueError:
+    name, first = type(module).__name__, str(err).splitlines()[0][:120] if str(err) else ""
+    return ValueError(f"cannot find the blocks of {name}: no timm group_matcher, repeated children or Sequential "
+                      f"trunk, and {why} ({type(err).__name__}: {first}); set {name}.example_input_array, or pass "
+                      f"blocks=[...], e.g. blocks={suggest_blocks(module)!r}")
+
+
+def forward_order(host: Any, module: nn.Module, loss_fn: Any = None) -> Callable[[], Trace] | None:
+    """One forward pass of ``module`` on a probe batch, run when first asked (side-effect free:
+    :func:`forward_trace`), for finding the output layer of a model with no Hugging Face / timm
+    getter by what runs last; outside a fit (``host.has_data`` False: ``plan()``) only on the
+    module's ``example_input_array`` (None without one: the registration order decides)."""
+    if not host.has_data and getattr(module, "example_input_array", None) is None:
+        return None
+    # host.batches is looked up only when no example input is there (plan()'s host has none)
+    return functools.cache(lambda: forward_trace(module, lambda: host.batches(), loss_fn))
