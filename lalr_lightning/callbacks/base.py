@@ -20,16 +20,19 @@ is :mod:`lalr_lightning.core.runtime.shards`; strategy checks and the ``ddp_spaw
 :mod:`lalr_lightning.callbacks.lightning_host`; ``plan(model)`` is
 :mod:`lalr_lightning.callbacks.planning`.
 
-The constructor convention (as scikit-learn's): every constructor argument is kept under its
-own name, so ``settings()`` can read them back for the checkpoint check and for loggers.
+Settings are declared once: every method is a dataclass (``@dataclass(eq=False, repr=False)``)
+whose fields are its constructor arguments, with their types and defaults. The fields this base
+declares (``name``, ``strict_resume``, ``figures``) are keyword-only; ``validate()`` checks the
+settings (in one place per method), ``settings()`` and the checkpoint's check read the fields,
+and the state key of an unnamed instance is its settings that differ from the defaults.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -50,22 +53,24 @@ from lalr_lightning.core.runtime.checks import (
     SettingsMismatchError,
     check_figures,
     check_settings,
-    constructor_settings,
-    deprecated_alias,
+    coerce_fields,
+    deprecated_arg,
     lazy_error,
     lazy_parameters,
     non_finite,
     reject_stray,
     renamed,
+    resolve_deprecated,
+    setting_fields,
+    settings_of,
     warn_deprecated,
-    with_figures,
 )
 from lalr_lightning.core.runtime.control import LayerControl
 from lalr_lightning.core.runtime.decision import Decision
 from lalr_lightning.core.runtime.shards import parameter_names, rebind
 
 __all__ = ["DEFAULT_FIGURES", "FIGURES", "Decision", "LayerwiseCallback", "SettingsMismatchError", "check_figures",
-           "check_strategy", "renamed", "stop_on_sigterm", "warn_deprecated"]
+           "check_strategy", "dataclass", "deprecated_arg", "renamed", "stop_on_sigterm", "warn_deprecated"]
 
 
 def stop_on_sigterm(host: Host) -> Callable[[], None]:
@@ -75,12 +80,22 @@ def stop_on_sigterm(host: Host) -> Callable[[], None]:
     return host.stop_check()
 
 
+def _plot_every(value: Any) -> dict[str, Any]:
+    # the deprecated ``plot_every_n_epochs=N`` is ``figures=N``
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"plot_every_n_epochs must be None (first and last decision only) or an integer >= 1, "
+                         f"got {value!r}")
+    return {"figures": value}
+
+
+@dataclass(eq=False, repr=False)
 class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
     """Base of every callback of this package (module docstring: the cycle it owns).
 
-    Subclasses set the class attributes below, call ``super().__init__(name=..., strict_resume=...)``
-    and implement ``measure``, ``decide`` and ``apply``; ``_state`` / ``_load_state`` carry
-    anything else a resumed run needs.
+    Subclasses are dataclasses (``@dataclass(eq=False, repr=False)``) that declare their settings
+    as fields, check them in ``validate()``, set the class attributes below, and implement
+    ``measure``, ``decide`` and ``apply``; ``_state`` / ``_load_state`` carry anything else a
+    resumed run needs, and ``__post_init__`` (calling the base's first) makes what they hold.
     """
 
     log_prefix: ClassVar[str] = "layerwise"
@@ -106,8 +121,6 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
     logs_lr: ClassVar[bool] = True
     #: settings that may differ between the run that wrote a checkpoint and the one resuming
     volatile_settings: ClassVar[tuple[str, ...]] = ()
-    #: deprecated constructor argument -> the argument that replaces it (kept for one release)
-    deprecated: ClassVar[dict[str, str]] = {}
     state_version: ClassVar[int] = 1
     #: at most this many history entries are kept (and checkpointed), the newest
     history_limit: ClassVar[int] = 1000
@@ -117,11 +130,19 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
     #: attributes a user reads after ``fit``; brought back to the main process after ddp_spawn
     readable: ClassVar[tuple[str, ...]] = ("scores", "measurements", "history")
 
-    def __init__(self, *, name: str | None = None, strict_resume: bool = True):
-        super().__init__()
-        self.figures: str | int = DEFAULT_FIGURES  # set by the subclass's constructor (__init_subclass__)
-        self.name = name
-        self.strict_resume = bool(strict_resume)
+    # The settings every method has (keyword-only, after the method's own).
+    _: KW_ONLY
+    #: distinguishes several instances: the checkpoint's state key and the log prefix
+    name: str | None = None
+    #: refuse a checkpoint written with other settings (False: continue with the new ones)
+    strict_resume: bool = True
+    #: when figures are drawn (ESD plots, heatmaps): ``"every"``, ``"first_last"``, ``"never"``, or every N epochs
+    figures: int | str = DEFAULT_FIGURES
+    #: deprecated name of ``figures=N``
+    plot_every_n_epochs: int | None = deprecated_arg("figures", _plot_every)
+
+    def __post_init__(self) -> None:
+        self._settle()
         self.layers: list[Layer] = []
         self.scores: dict[str, float] = {}
         self.measurements: dict[str, dict[str, float]] = {}
@@ -133,6 +154,38 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         # the timeline's own: the model is wrapped; the start ran; a fresh fit's first decision ran
         self._wrapped = self._started = self._first_done = False
         self._whole_copy: shards.WholeCopy | None = None
+
+    def _settle(self) -> None:
+        """The settings as given, made final: numbers checked against their annotations (a word
+        where a number is due fails naming it), deprecated names resolved, ``validate()``. The
+        state key settles the declared defaults the same way (callbacks.keys)."""
+        if type(self).__hash__ is None:  # a subclass decorated with a plain @dataclass (eq=True)
+            raise TypeError(f"{type(self).__name__}: decorate it with @dataclass(eq=False, repr=False); a callback "
+                            "compares by identity (the trainer and the layer control hold it by identity)")
+        coerce_fields(self)
+        resolve_deprecated(self)
+        self.strict_resume = bool(self.strict_resume)
+        self.figures = check_figures(self.figures)
+        self.validate()
+
+    def validate(self) -> None:
+        """Check the method's settings and bring them to their final form (``None`` defaults
+        filled in): the one place a method checks them, each failure one line naming the fix.
+        Runs at construction (and on the declared defaults, for the state key): it reads and sets
+        only the fields."""
+
+    def _given(self, *skip: str) -> dict[str, Any]:
+        """This method's own settings as they stand (not the base's ``figures``, nor ``skip``), for
+        a pure check of ``core`` that takes them by name and returns them final (:meth:`_final`)."""
+        return {f.name: getattr(self, f.name) for f in setting_fields(type(self)) if f.name not in ("figures", *skip)}
+
+    def _final(self, settings: Mapping[str, Any]) -> None:
+        """Set the fields to their final values (``validate``): only declared settings."""
+        names = {f.name for f in setting_fields(type(self))}
+        for arg, value in settings.items():
+            if arg not in names:
+                raise AttributeError(f"{type(self).__name__} declares no setting {arg!r}")
+            setattr(self, arg, value)
 
     # ------------------------------------------------------------------ identity
 
@@ -152,10 +205,9 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         return self.name or self.log_prefix
 
     def settings(self) -> dict[str, Any]:
-        """The constructor settings (plain Python), as stored in checkpoints and logger configs."""
-        return constructor_settings(self, ("name", "strict_resume", *self.deprecated))
-
-    _alias = staticmethod(deprecated_alias)  # resolve a deprecated argument (core.runtime.checks)
+        """The settings (the fields but ``name``, ``strict_resume`` and deprecated names; plain
+        Python), as stored in checkpoints and logger configs."""
+        return settings_of(self, last=("figures",))
 
     def reject(self, mode_arg: str, mode: str, given: Mapping[str, Any], valid: Mapping[str, Iterable[str]]) -> None:
         """ValueError for arguments given (not None) that the chosen mode does not use, listing
@@ -505,7 +557,6 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
 
     # ------------------------------------------------------------------ logging
 
-
     def log_values(self, host: Host, metrics: Mapping[str, float], step: int | None = None) -> None:
         """Send per-layer values straight to every logger (rank zero only, as loggers are);
         non-finite values are left out."""
@@ -524,15 +575,6 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
 
     def log_decision(self, host: Host, decision: Decision, achieved: Mapping[str, Any]) -> None:
         self.log_values(host, self.decision_metrics(decision, achieved))
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        # every callback takes ``figures`` and the deprecated ``plot_every_n_epochs`` without
-        # repeating them in its constructor; its signature shows them (settings(), LightningCLI)
-        super().__init_subclass__(**kwargs)
-        init = cls.__dict__.get("__init__")
-        if init is not None and "figures" not in inspect.signature(init).parameters:
-            cls.deprecated = {**cls.deprecated, "plot_every_n_epochs": "figures"}
-            cls.__init__ = with_figures(init)
 
     def _log_effective_lrs(self, host: Host) -> None:
         """``lr_eff/<layer>`` for every controlled layer, once per logging step even when
@@ -617,3 +659,9 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         # a host that restores after the start (a state loaded by hand after on_fit_start): the
         # checkpoint's state is applied at the train start instead
         self._started = False
+
+
+# The class carries no value of the base's settings (they live on the instance, as the dataclass
+# sets them): the names a method author sees on the class are its methods and declarations.
+for _field in ("name", "strict_resume", "figures", "plot_every_n_epochs"):
+    delattr(LayerwiseCallback, _field)
