@@ -70,7 +70,7 @@ from lalr_lightning.core.runtime.decision import Decision
 from lalr_lightning.core.runtime.shards import parameter_names, rebind
 
 __all__ = ["DEFAULT_FIGURES", "FIGURES", "Decision", "LayerwiseCallback", "SettingsMismatchError", "check_figures",
-           "check_strategy", "dataclass", "deprecated_arg", "renamed", "stop_on_sigterm", "warn_deprecated"]
+           "check_strategy", "deprecated_arg", "renamed", "stop_on_sigterm", "warn_deprecated"]
 
 
 def stop_on_sigterm(host: Host) -> Callable[[], None]:
