@@ -347,6 +347,35 @@ def test_settings_and_distinct_settings_read_the_fields_back():
     assert differing(made.settings(), {"width": 4, "tags": ["a"]}, ("tags", "figures")) == {"width": 8}
 
 
+def test_the_state_key_compares_with_the_settled_defaults_without_building_an_instance():
+    """The key of an unnamed instance: its settings that differ from the class's defaults as the
+    constructor settles them (None -> 0.5, a preset's metric), and no default instance is built."""
+    from dataclasses import dataclass
+
+    from lalr_lightning.callbacks import HTSRPruning, TempBalanceCallback
+    from lalr_lightning.callbacks.base import LayerwiseCallback
+
+    built = []
+
+    @dataclass(eq=False, repr=False)
+    class Counted(LayerwiseCallback):
+        ratio: float | None = None
+
+        def validate(self) -> None:
+            super().validate()
+            self.ratio = 0.5 if self.ratio is None else float(self.ratio)
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            built.append(self)
+
+    assert Counted(ratio=0.5).state_key == "Counted" and Counted(ratio=2).state_key == "Counted{'ratio': 2.0}"
+    assert len(built) == 2  # the two above: the defaults were settled on no instance
+    assert TempBalanceCallback(lr_min_ratio=0.5, lr_max_ratio=1.5).state_key == "TempBalanceCallback"
+    assert HTSRPruning(metric="alpha", min_evals=10, fit="ks").state_key == "HTSRPruning"  # the preset's own values
+    assert HTSRPruning(min_evals=3).state_key == "HTSRPruning{'min_evals': 3}"
+
+
 def test_a_method_decorated_as_a_plain_dataclass_is_refused():
     from dataclasses import dataclass
 
