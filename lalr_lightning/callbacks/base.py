@@ -168,11 +168,17 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
         self.figures = check_figures(self.figures)
         self.validate()
 
+    #: a pure check of ``core`` that takes the method's own settings by name (after the class's
+    #: name) and returns them final, for the default ``validate()``
+    _checked_by: ClassVar[Callable[..., Mapping[str, Any]] | None] = None
+
     def validate(self) -> None:
         """Check the method's settings and bring them to their final form (``None`` defaults
         filled in): the one place a method checks them, each failure one line naming the fix.
         Runs at construction (and on the declared defaults, for the state key): it reads and sets
-        only the fields."""
+        only the fields. The default hands them to ``_checked_by`` where a method names one."""
+        if self._checked_by is not None:
+            self._final(type(self)._checked_by(type(self).__name__, **self._given()))
 
     def _given(self, *skip: str) -> dict[str, Any]:
         """This method's own settings as they stand (not the base's ``figures``, nor ``skip``), for

@@ -110,9 +110,7 @@ class LALRScheduleCallback(LayerwiseCallback):
     layer_types: Sequence[str] = DEFAULT_LAYER_TYPES
     trainable_only: bool = True
 
-    def validate(self) -> None:
-        super().validate()
-        self._final(lalr_settings(type(self).__name__, **self._given()))
+    _checked_by = staticmethod(lalr_settings)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -225,9 +225,7 @@ class HTSRPruning(LayerwiseCallback):
     owl_lambda: float | None = None
     exclude_head: bool | None = deprecated_arg("head", lambda v: {"head": not v})
 
-    def validate(self) -> None:
-        super().validate()  # the preset's values and the defaults filled in (core.pruning.settings)
-        self._final(pruning_settings(type(self).__name__, **self._given()))
+    _checked_by = staticmethod(pruning_settings)  # the preset's values and the defaults filled in
 
     def __post_init__(self) -> None:
         super().__post_init__()

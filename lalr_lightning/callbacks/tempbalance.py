@@ -109,9 +109,7 @@ class TempBalanceCallback(LayerwiseCallback):
     _: KW_ONLY
     exclude_first_last: bool | None = deprecated_arg("first, head", lambda v: {"first": not v, "head": not v})
 
-    def validate(self) -> None:
-        super().validate()
-        self._final(tempbalance_settings(type(self).__name__, **self._given()))
+    _checked_by = staticmethod(tempbalance_settings)
 
     def __post_init__(self) -> None:
         super().__post_init__()
