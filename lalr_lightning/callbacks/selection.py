@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from torch import nn
@@ -95,10 +95,8 @@ class LayerSelection(LayerwiseCallback):
         if self.optimizer_state not in OPTIMIZER_STATE:
             raise unknown("optimizer_state", self.optimizer_state, OPTIMIZER_STATE,
                           note=" ('keep' matches LMFlow's LISA callback)")
-        declared = {f.name for f in fields(self)}
-        self._final({k: v for k, v in (("blocks", None if self.blocks is None else list(self.blocks)),
-                                       ("join_stem", bool(self.join_stem)), ("save_compute", bool(self.save_compute)))
-                     if k in declared})
+        self.blocks = None if self.blocks is None else list(self.blocks)
+        self.join_stem, self.save_compute = bool(self.join_stem), bool(self.save_compute)
 
     def __post_init__(self) -> None:
         super().__post_init__()
