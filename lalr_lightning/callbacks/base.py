@@ -142,6 +142,7 @@ class LayerwiseCallback(Planner, SpawnHandoff, LightningHooks):
     plot_every_n_epochs: int | None = deprecated_arg("figures", _plot_every)
 
     def __post_init__(self) -> None:
+        super().__init__()  # the bases' own (SpawnHandoff's hand-back token); the dataclass's __init__ calls none
         self._settle()
         self.layers: list[Layer] = []
         self.scores: dict[str, float] = {}
