@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lalr_lightning.callbacks as cbs
 from lalr_lightning import DivergenceError
 from lalr_lightning.callbacks import LayerwiseCallback, SettingsMismatchError
+from lalr_lightning.core.runtime.checks import deprecated_names
 from lalr_lightning.models.cnn import SmallResNet
 from tests._toys import make_trainer
 
@@ -67,12 +68,12 @@ def test_constructor_follows_the_naming_table(name):
     params = inspect.signature(cls).parameters
     for arg, p in params.items():
         if arg in OLD_NAMES:  # an old name survives only as a deprecated, keyword-only alias
-            assert arg in cls.deprecated and p.kind is p.KEYWORD_ONLY, arg
+            assert arg in deprecated_names(cls) and p.kind is p.KEYWORD_ONLY, arg
         elif "every" in arg:
             assert arg in ("every_n_epochs", "every_n_steps", "plot_every_n_epochs"), arg
         elif "batches" in arg:
             assert arg == "n_batches", arg
-        assert not arg.startswith("exclude_") or arg == "exclude" or arg in cls.deprecated, arg
+        assert not arg.startswith("exclude_") or arg == "exclude" or arg in deprecated_names(cls), arg
     if "blocks" in params:
         assert "Sequence" in str(params["blocks"].annotation)  # blocks are always patterns
     assert "name" in params and "strict_resume" in params
@@ -81,7 +82,7 @@ def test_constructor_follows_the_naming_table(name):
     assert cls.decision_attr in ("multipliers", "selected", "ratios", "regularized_fraction", "etas")
     cb = cls(**CASES[name][0])
     settings = cb.settings()  # every argument readable under its own name, as plain Python
-    assert set(settings) == {a for a in params if a not in ("name", "strict_resume") and a not in cls.deprecated}
+    assert set(settings) == {a for a in params if a not in ("name", "strict_resume") and a not in deprecated_names(cls)}
     for attr in ("scores", "history", "restored", cls.decision_attr):
         assert hasattr(cb, attr), attr
     assert cls.__doc__ and ">>>" in cls.__doc__  # opens with a runnable example (tests/test_docs.py runs it)

@@ -302,45 +302,91 @@ def test_fit_alphas_and_the_error_for_a_layer_with_no_fit():
 # ---------------------------------------------------------------------------- constructor plumbing
 
 
-class _Plain:
-    def __init__(self, width: int = 4, tags: tuple = ("a",), name: str | None = None):
-        self.width, self.tags, self.name = width, tags, name
+def _plain_method():
+    """A method declaring two settings, the way every callback of the package does."""
+    from dataclasses import dataclass
 
-    def settings(self):
-        from lalr_lightning.core.runtime.checks import constructor_settings
+    from lalr_lightning.callbacks.base import LayerwiseCallback
 
-        return constructor_settings(self, ("name",))
+    @dataclass(eq=False, repr=False)
+    class Plain(LayerwiseCallback):
+        width: int = 4
+        tags: tuple = ("a",)
+
+    return Plain
 
 
-def test_with_figures_adds_checked_figures_and_the_deprecated_alias():
+def test_every_method_takes_checked_figures_and_the_deprecated_alias():
     import inspect
 
-    from lalr_lightning.core.runtime.checks import with_figures
-
-    class Made(_Plain):
-        __init__ = with_figures(_Plain.__init__)
-
-    params = inspect.signature(Made.__init__).parameters
+    made = _plain_method()
+    params = inspect.signature(made).parameters
     assert list(params)[-2:] == ["figures", "plot_every_n_epochs"]
-    assert Made(width=2).figures == "never" and Made(figures="3").figures == 3  # a command line's "3"
+    assert params["figures"].kind is params["plot_every_n_epochs"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert made(width=2).figures == "never" and made(figures="3").figures == 3  # a command line's "3"
     with pytest.raises(ValueError, match="figures must be 'every'"):
-        Made(figures="sometimes")
+        made(figures="sometimes")
     with pytest.raises(ValueError, match="width"):
-        Made(width="wide")  # checked against the annotation
+        made(width="wide")  # checked against the annotation
+    assert made(width="8").width == 8
     with pytest.warns(DeprecationWarning, match="plot_every_n_epochs= is deprecated"):
-        assert Made(plot_every_n_epochs=2).figures == 2
+        assert made(plot_every_n_epochs=2).figures == 2
     with pytest.raises(ValueError, match="integer >= 1"):
-        Made(plot_every_n_epochs=0)
+        made(plot_every_n_epochs=0)
 
 
-def test_constructor_and_distinct_settings_read_the_arguments_back():
-    from lalr_lightning.core.runtime.checks import distinct_settings
+def test_settings_and_distinct_settings_read_the_fields_back():
+    from lalr_lightning.callbacks.keys import distinct_settings
+    from lalr_lightning.core.runtime.checks import distinct_settings as differing
 
-    made = _Plain(width=8, tags=("a", "b"), name="x")
-    assert made.settings() == {"width": 8, "tags": ["a", "b"]}  # plain Python, name skipped
+    made = _plain_method()(width=8, tags=("a", "b"), name="x")
+    # plain Python, name and strict_resume skipped, the shared figures last
+    assert made.settings() == {"width": 8, "tags": ["a", "b"], "figures": "never"}
     assert distinct_settings(made) == {"width": 8, "tags": ["a", "b"]}
-    assert distinct_settings(_Plain()) == {}
-    assert distinct_settings(made, ("tags",)) == {"width": 8}
+    assert distinct_settings(_plain_method()()) == {}
+    assert differing(made.settings(), {"width": 4, "tags": ["a"]}, ("tags", "figures")) == {"width": 8}
+
+
+def test_the_state_key_compares_with_the_settled_defaults_without_building_an_instance():
+    """The key of an unnamed instance: its settings that differ from the class's defaults as the
+    constructor settles them (None -> 0.5, a preset's metric), and no default instance is built."""
+    from dataclasses import dataclass
+
+    from lalr_lightning.callbacks import HTSRPruning, TempBalanceCallback
+    from lalr_lightning.callbacks.base import LayerwiseCallback
+
+    built = []
+
+    @dataclass(eq=False, repr=False)
+    class Counted(LayerwiseCallback):
+        ratio: float | None = None
+
+        def validate(self) -> None:
+            super().validate()
+            self.ratio = 0.5 if self.ratio is None else float(self.ratio)
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            built.append(self)
+
+    assert Counted(ratio=0.5).state_key == "Counted" and Counted(ratio=2).state_key == "Counted{'ratio': 2.0}"
+    assert len(built) == 2  # the two above: the defaults were settled on no instance
+    assert TempBalanceCallback(lr_min_ratio=0.5, lr_max_ratio=1.5).state_key == "TempBalanceCallback"
+    assert HTSRPruning(metric="alpha", min_evals=10, fit="ks").state_key == "HTSRPruning"  # the preset's own values
+    assert HTSRPruning(min_evals=3).state_key == "HTSRPruning{'min_evals': 3}"
+
+
+def test_a_method_decorated_as_a_plain_dataclass_is_refused():
+    from dataclasses import dataclass
+
+    from lalr_lightning.callbacks.base import LayerwiseCallback
+
+    @dataclass
+    class Compared(LayerwiseCallback):
+        width: int = 4
+
+    with pytest.raises(TypeError, match=r"@dataclass\(eq=False, repr=False\)"):
+        Compared()
 
 
 def test_substituted_parameters_follow_ties_only_where_an_override_names_a_tied_tensor():

@@ -46,6 +46,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -73,6 +74,7 @@ __all__ = ["AutoRGN", "CRITERIA"]
 CRITERIA = surgical.CRITERIA
 
 
+@dataclass(eq=False, repr=False)
 class AutoRGN(LayerSelection):
     """Per-tensor learning rates (``rgn``) or per-tensor freezing (``eb``) from gradients
     measured at every N-th epoch start (module docstring).
@@ -116,39 +118,37 @@ class AutoRGN(LayerSelection):
     readable = LayerSelection.readable + ("multipliers",)
     multipliers = None  # a per-tensor dict here (set in __init__), not the base's 0/1 view
 
-    def __init__(
-        self,
-        criterion: str = "rgn",
-        n_batches: int = 5,
-        every_n_epochs: int = 1,
-        exclude: Sequence[str] = ("bn",),
-        excluded_multiplier: float = 0.0,
-        eb_threshold: float | None = None,
-        loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-        blocks: Sequence[str | Sequence[str]] | None = None,
-        join_stem: bool = True,
-        norm_eval: str = "frozen",
-        name: str | None = None,
-        strict_resume: bool = True,
-    ):
-        super().__init__(blocks=blocks, join_stem=join_stem, norm_eval=norm_eval, save_compute=False, name=name,
-                         strict_resume=strict_resume)
-        if criterion not in CRITERIA:
-            raise unknown("criterion", criterion, CRITERIA)
-        self.reject("criterion", criterion, {"eb_threshold": eb_threshold}, {"rgn": (), "eb": ("eb_threshold",)})
-        check_counts({"n_batches": n_batches, "every_n_epochs": every_n_epochs})
-        eb_threshold = 0.95 if eb_threshold is None else eb_threshold
+    criterion: str = "rgn"
+    n_batches: int = 5
+    every_n_epochs: int = 1
+    exclude: Sequence[str] = ("bn",)
+    excluded_multiplier: float = 0.0
+    eb_threshold: float | None = None
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None
+    blocks: Sequence[str | Sequence[str]] | None = None
+    join_stem: bool = True
+    norm_eval: str = "frozen"
+    save_compute = False  # (no setting) it measures every tensor's gradient: nothing is left out of the backward
+
+    def validate(self) -> None:
+        super().validate()
+        if self.criterion not in CRITERIA:
+            raise unknown("criterion", self.criterion, CRITERIA)
+        self.reject("criterion", self.criterion, {"eb_threshold": self.eb_threshold},
+                    {"rgn": (), "eb": ("eb_threshold",)})
+        check_counts({"n_batches": self.n_batches, "every_n_epochs": self.every_n_epochs})
+        eb_threshold = 0.95 if self.eb_threshold is None else self.eb_threshold
         if not math.isfinite(eb_threshold):
             raise ValueError(f"eb_threshold must be finite, got {eb_threshold}")
-        if not (math.isfinite(excluded_multiplier) and excluded_multiplier >= 0):
-            raise ValueError(f"excluded_multiplier must be finite and >= 0, got {excluded_multiplier}")
-        self.loss_fn = check_loss_fn(loss_fn)
-        self.criterion = criterion
-        self.n_batches = n_batches
-        self.every_n_epochs = every_n_epochs
-        self.exclude = (exclude,) if isinstance(exclude, str) else tuple(exclude)
-        self.excluded_multiplier = float(excluded_multiplier)
+        if not (math.isfinite(self.excluded_multiplier) and self.excluded_multiplier >= 0):
+            raise ValueError(f"excluded_multiplier must be finite and >= 0, got {self.excluded_multiplier}")
+        self.loss_fn = check_loss_fn(self.loss_fn)
+        self.exclude = (self.exclude,) if isinstance(self.exclude, str) else tuple(self.exclude)
+        self.excluded_multiplier = float(self.excluded_multiplier)
         self.eb_threshold = float(eb_threshold)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         self.multipliers: dict[str, float] = {}
         self._block_of: dict[str, str] = {}
         self._weights: list[str] = []  # the conv/linear weight tensors (the degeneracy warning counts them)

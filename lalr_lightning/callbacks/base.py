@@ -23,15 +23,18 @@ whole copy under FSDP) is :mod:`lalr_lightning.core.runtime.shards`; strategy ch
 :mod:`lalr_lightning.callbacks.planning`. None of them is imported here: reading a method loads
 only what the method itself uses.
 
-The constructor convention (as scikit-learn's): every constructor argument is kept under its
-own name, so ``settings()`` can read them back for the checkpoint check and for loggers.
+Settings are declared once: every method is a dataclass (``@dataclass(eq=False, repr=False)``)
+whose fields are its constructor arguments, with their types and defaults. The fields this base
+declares (``name``, ``strict_resume``, ``figures``) are keyword-only; ``validate()`` checks the
+settings (in one place per method), ``settings()`` and the checkpoint's check read the fields,
+and the state key of an unnamed instance is its settings that differ from the defaults.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -48,18 +51,20 @@ from lalr_lightning.core.runtime.checks import (
     SettingsMismatchError,
     check_figures,
     check_settings,
-    constructor_settings,
-    deprecated_alias,
+    coerce_fields,
+    deprecated_arg,
     non_finite,
     reject_stray,
     renamed,
+    resolve_deprecated,
+    setting_fields,
+    settings_of,
     warn_deprecated,
-    with_figures,
 )
 from lalr_lightning.core.runtime.decision import Decision
 
 __all__ = ["DEFAULT_FIGURES", "FIGURES", "Decision", "LayerwiseCallback", "SettingsMismatchError", "check_figures",
-           "renamed", "stop_on_sigterm", "warn_deprecated"]
+           "deprecated_arg", "renamed", "stop_on_sigterm", "warn_deprecated"]
 
 
 def stop_on_sigterm(host: Host) -> Callable[[], None]:
@@ -69,12 +74,22 @@ def stop_on_sigterm(host: Host) -> Callable[[], None]:
     return host.stop_check()
 
 
+def _plot_every(value: Any) -> dict[str, Any]:
+    # the deprecated ``plot_every_n_epochs=N`` is ``figures=N``
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"plot_every_n_epochs must be None (first and last decision only) or an integer >= 1, "
+                         f"got {value!r}")
+    return {"figures": value}
+
+
+@dataclass(eq=False, repr=False)
 class LayerwiseCallback(SpawnHandoff, LightningHooks):
     """Base of every callback of this package (module docstring: the cycle it owns).
 
-    Subclasses set the class attributes below, call ``super().__init__(name=..., strict_resume=...)``
-    and implement ``measure``, ``decide`` and ``apply``; ``_state`` / ``_load_state`` carry
-    anything else a resumed run needs.
+    Subclasses are dataclasses (``@dataclass(eq=False, repr=False)``) that declare their settings
+    as fields, check them in ``validate()``, set the class attributes below, and implement
+    ``measure``, ``decide`` and ``apply``; ``_state`` / ``_load_state`` carry anything else a
+    resumed run needs, and ``__post_init__`` (calling the base's first) makes what they hold.
     """
 
     log_prefix: ClassVar[str] = "layerwise"
@@ -100,8 +115,6 @@ class LayerwiseCallback(SpawnHandoff, LightningHooks):
     logs_lr: ClassVar[bool] = True
     #: settings that may differ between the run that wrote a checkpoint and the one resuming
     volatile_settings: ClassVar[tuple[str, ...]] = ()
-    #: deprecated constructor argument -> the argument that replaces it (kept for one release)
-    deprecated: ClassVar[dict[str, str]] = {}
     state_version: ClassVar[int] = 1
     #: at most this many history entries are kept (and checkpointed), the newest
     history_limit: ClassVar[int] = 1000
@@ -111,17 +124,64 @@ class LayerwiseCallback(SpawnHandoff, LightningHooks):
     #: attributes a user reads after ``fit``; brought back to the main process after ddp_spawn
     readable: ClassVar[tuple[str, ...]] = ("scores", "measurements", "history")
 
-    def __init__(self, *, name: str | None = None, strict_resume: bool = True):
-        super().__init__()
-        self.figures: str | int = DEFAULT_FIGURES  # set by the subclass's constructor (__init_subclass__)
-        self.name = name
-        self.strict_resume = bool(strict_resume)
+    # The settings every method has (keyword-only, after the method's own).
+    _: KW_ONLY
+    #: distinguishes several instances: the checkpoint's state key and the log prefix
+    name: str | None = None
+    #: refuse a checkpoint written with other settings (False: continue with the new ones)
+    strict_resume: bool = True
+    #: when figures are drawn (ESD plots, heatmaps): ``"every"``, ``"first_last"``, ``"never"``, or every N epochs
+    figures: int | str = DEFAULT_FIGURES
+    #: deprecated name of ``figures=N``
+    plot_every_n_epochs: int | None = deprecated_arg("figures", _plot_every)
+
+    def __post_init__(self) -> None:
+        super().__init__()  # the bases' own (SpawnHandoff's hand-back token); the dataclass's __init__ calls none
+        self._settle()
         self.layers: list[Layer] = []
         self.scores: dict[str, float] = {}
         self.measurements: dict[str, dict[str, float]] = {}
         self.history: list[dict] = []
         self.restored = False
         self.early: Decision | None = None  # decided in ``prepare``, committed at the start
+
+    def _settle(self) -> None:
+        """The settings as given, made final: numbers checked against their annotations (a word
+        where a number is due fails naming it), deprecated names resolved, ``validate()``. The
+        state key settles the declared defaults the same way (callbacks.keys)."""
+        if type(self).__hash__ is None:  # a subclass decorated with a plain @dataclass (eq=True)
+            raise TypeError(f"{type(self).__name__}: decorate it with @dataclass(eq=False, repr=False); a callback "
+                            "compares by identity (the trainer and the layer control hold it by identity)")
+        coerce_fields(self)
+        resolve_deprecated(self)
+        self.strict_resume = bool(self.strict_resume)
+        self.figures = check_figures(self.figures)
+        self.validate()
+
+    #: a pure check of ``core`` that takes the method's own settings by name (after the class's
+    #: name) and returns them final, for the default ``validate()``
+    _checked_by: ClassVar[Callable[..., Mapping[str, Any]] | None] = None
+
+    def validate(self) -> None:
+        """Check the method's settings and bring them to their final form (``None`` defaults
+        filled in): the one place a method checks them, each failure one line naming the fix.
+        Runs at construction (and on the declared defaults, for the state key): it reads and sets
+        only the fields. The default hands them to ``_checked_by`` where a method names one."""
+        if self._checked_by is not None:
+            self._final(type(self)._checked_by(type(self).__name__, **self._given()))
+
+    def _given(self, *skip: str) -> dict[str, Any]:
+        """This method's own settings as they stand (not the base's ``figures``, nor ``skip``), for
+        a pure check of ``core`` that takes them by name and returns them final (:meth:`_final`)."""
+        return {f.name: getattr(self, f.name) for f in setting_fields(type(self)) if f.name not in ("figures", *skip)}
+
+    def _final(self, settings: Mapping[str, Any]) -> None:
+        """Set the fields to their final values (``validate``): only declared settings."""
+        names = {f.name for f in setting_fields(type(self))}
+        for arg, value in settings.items():
+            if arg not in names:
+                raise AttributeError(f"{type(self).__name__} declares no setting {arg!r}")
+            setattr(self, arg, value)
 
     # ------------------------------------------------------------------ identity
 
@@ -141,10 +201,9 @@ class LayerwiseCallback(SpawnHandoff, LightningHooks):
         return self.name or self.log_prefix
 
     def settings(self) -> dict[str, Any]:
-        """The constructor settings (plain Python), as stored in checkpoints and logger configs."""
-        return constructor_settings(self, ("name", "strict_resume", *self.deprecated))
-
-    _alias = staticmethod(deprecated_alias)  # resolve a deprecated argument (core.runtime.checks)
+        """The settings (the fields but ``name``, ``strict_resume`` and deprecated names; plain
+        Python), as stored in checkpoints and logger configs."""
+        return settings_of(self, last=("figures",))
 
     def reject(self, mode_arg: str, mode: str, given: Mapping[str, Any], valid: Mapping[str, Iterable[str]]) -> None:
         """ValueError for arguments given (not None) that the chosen mode does not use, listing
@@ -296,16 +355,6 @@ class LayerwiseCallback(SpawnHandoff, LightningHooks):
     #: nothing): then :meth:`plan` gives the decision without a fit
     decides_from_weights: ClassVar[bool] = False
 
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        # every callback takes ``figures`` and the deprecated ``plot_every_n_epochs`` without
-        # repeating them in its constructor; its signature shows them (settings(), LightningCLI)
-        super().__init_subclass__(**kwargs)
-        init = cls.__dict__.get("__init__")
-        if init is not None and "figures" not in inspect.signature(init).parameters:
-            cls.deprecated = {**cls.deprecated, "plot_every_n_epochs": "figures"}
-            cls.__init__ = with_figures(init)
-
     # ------------------------------------------------------------------ state
 
     def _state(self) -> dict:
@@ -340,3 +389,9 @@ class LayerwiseCallback(SpawnHandoff, LightningHooks):
             setattr(self, self.decision_attr, list(saved) if isinstance(saved, list) else dict(saved))
         self._load_state(state_dict)
         self.restored = True
+
+
+# The class carries no value of the base's settings (they live on the instance, as the dataclass
+# sets them): the names a method author sees on the class are its methods and declarations.
+for _field in ("name", "strict_resume", "figures", "plot_every_n_epochs"):
+    delattr(LayerwiseCallback, _field)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import KW_ONLY, dataclass
 from fnmatch import fnmatchcase
 
 import torch
 from torch import nn
 
-from lalr_lightning.callbacks.base import Decision, LayerwiseCallback
+from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, deprecated_arg
 from lalr_lightning.callbacks.host import Host
 from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.blocks import find_layers
@@ -18,6 +19,7 @@ from lalr_lightning.core.model.layers import clean_name
 __all__ = ["LayerLRMultiplier"]
 
 
+@dataclass(eq=False, repr=False)
 class LayerLRMultiplier(LayerwiseCallback):
     """Scale the learning rate of layers matched by name patterns.
 
@@ -35,14 +37,16 @@ class LayerLRMultiplier(LayerwiseCallback):
     """
 
     log_prefix = "layer_lr"
-    deprecated = {"multipliers": "patterns"}
     readable = LayerwiseCallback.readable + ("multipliers",)
 
-    def __init__(self, patterns: Mapping[str, float] | None = None, granularity: str = "matrix",
-                 name: str | None = None, strict_resume: bool = True, *,
-                 multipliers: Mapping[str, float] | None = None):
-        super().__init__(name=name, strict_resume=strict_resume)
-        patterns = self._alias(patterns, multipliers, "multipliers", "patterns")
+    patterns: Mapping[str, float] | None = None
+    granularity: str = "matrix"
+    _: KW_ONLY
+    multipliers: Mapping[str, float] | None = deprecated_arg("patterns")
+
+    def validate(self) -> None:
+        super().validate()
+        patterns = self.patterns
         if patterns is not None and not isinstance(patterns, Mapping):
             raise TypeError("LayerLRMultiplier needs patterns={glob over layer names: LR factor}, got a "
                             f"{type(patterns).__name__}")
@@ -51,11 +55,13 @@ class LayerLRMultiplier(LayerwiseCallback):
         bad = {k: v for k, v in patterns.items() if not (0 <= v < math.inf)}
         if bad:
             raise ValueError(f"multipliers must be finite and >= 0, got {bad}")
-        if granularity not in ("matrix", "block"):
-            raise unknown("granularity", granularity, ("matrix", "block"), show=repr)
+        if self.granularity not in ("matrix", "block"):
+            raise unknown("granularity", self.granularity, ("matrix", "block"), show=repr)
         self.patterns = {str(k): float(v) for k, v in patterns.items()}
-        self.granularity = granularity
-        self.multipliers: dict[str, float] = {}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.multipliers: dict[str, float] = {}  # the readable result (the deprecated argument's name)
         self._tied: dict[str, str] = {}
 
     def configure(self, host: Host, module: nn.Module) -> None:

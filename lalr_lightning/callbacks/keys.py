@@ -19,16 +19,23 @@ from typing import Any
 
 from lalr_lightning.core.runtime import checks
 
-__all__ = ["adopt", "distinct_settings", "state_key"]
+__all__ = ["adopt", "default_settings", "distinct_settings", "state_key"]
 
 #: settings of what is only logged: never part of a key
 _LOGGED = ("figures",)
 
 
+def default_settings(cls: type) -> dict:
+    """The settings of ``cls``'s default instance, as its constructor resolves them (a preset's
+    metric filled in), once per class; no instance is built
+    (:func:`~lalr_lightning.core.runtime.checks.default_settings`)."""
+    return checks.default_settings(cls, cls._settle, last=_LOGGED)
+
+
 def distinct_settings(cb: Any) -> dict:
     """The settings of ``cb`` that set it apart from its class's default instance, less the ones a
-    resumed run may change (:func:`~lalr_lightning.core.runtime.checks.distinct_settings`)."""
-    return checks.distinct_settings(cb, (*cb.volatile_settings, *_LOGGED))
+    resumed run may change."""
+    return checks.distinct_settings(cb.settings(), default_settings(type(cb)), (*cb.volatile_settings, *_LOGGED))
 
 
 def state_key(cb: Any) -> str:

@@ -14,6 +14,7 @@ The paper's Appendix A as a Lightning callback::
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import pandas as pd
 import torch
@@ -28,6 +29,7 @@ from lalr_lightning.core.spectral.settings import lalr_layer_checks, lalr_settin
 __all__ = ["LALRScheduleCallback"]
 
 
+@dataclass(eq=False, repr=False)
 class LALRScheduleCallback(LayerwiseCallback):
     """Per-layer learning-rate scales from LALR's SVD, CE and CS metrics, recomputed every epoch.
 
@@ -95,28 +97,23 @@ class LALRScheduleCallback(LayerwiseCallback):
     esd_plots = True
     readable = LayerwiseCallback.readable + ("multipliers", "phase", "metrics")
 
-    def __init__(
-        self,
-        phases: Sequence[str] | None = None,
-        mode: str = "sequential",
-        floor: float = 0.1,
-        weights: Mapping[str, float] | Sequence[float] | None = None,
-        hessian_delta: float | None = None,
-        groups: str = "shape",
-        bins: int | None = None,
-        hist_range: float | None = None,
-        eps: float = 1e-12,
-        singleton_value: float | None = None,
-        layer_types: Sequence[str] = DEFAULT_LAYER_TYPES,
-        trainable_only: bool = True,
-        name: str | None = None,
-        strict_resume: bool = True,
-    ):
-        super().__init__(name=name, strict_resume=strict_resume)
-        self.__dict__.update(lalr_settings(  # every argument under its own name (settings() reads them back)
-            type(self).__name__, phases=phases, mode=mode, floor=floor, weights=weights, hessian_delta=hessian_delta,
-            groups=groups, bins=bins, hist_range=hist_range, eps=eps, singleton_value=singleton_value,
-            layer_types=layer_types, trainable_only=trainable_only))
+    phases: Sequence[str] | None = None
+    mode: str = "sequential"
+    floor: float = 0.1
+    weights: Mapping[str, float] | Sequence[float] | None = None
+    hessian_delta: float | None = None
+    groups: str = "shape"
+    bins: int | None = None
+    hist_range: float | None = None
+    eps: float = 1e-12
+    singleton_value: float | None = None
+    layer_types: Sequence[str] = DEFAULT_LAYER_TYPES
+    trainable_only: bool = True
+
+    _checked_by = staticmethod(lalr_settings)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         self.multipliers: dict[str, float] = {}
         self.metrics: pd.DataFrame | None = None
         self.phase: str | None = None

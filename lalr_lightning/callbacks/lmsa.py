@@ -13,14 +13,15 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import KW_ONLY, dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
-from lalr_lightning.callbacks.base import Decision, stop_on_sigterm
+from lalr_lightning.callbacks.base import Decision, deprecated_arg, stop_on_sigterm
 from lalr_lightning.callbacks.host import Host, say, warn
 from lalr_lightning.callbacks.selection import LayerSelection
 from lalr_lightning.core.model.batch_loss import batch_loss
@@ -35,6 +36,7 @@ from lalr_lightning.core.selection.msa_settings import INNER_OPTIMIZERS, SELECT,
 __all__ = ["LMSAStepper", "SELECT", "UPDATE", "INNER_OPTIMIZERS"]
 
 
+@dataclass(eq=False, repr=False)
 class LMSAStepper(LayerSelection):
     """Layer-wise fine-tuning with the Method of Successive Approximations (L-MSA).
 
@@ -159,50 +161,41 @@ class LMSAStepper(LayerSelection):
     score_key = "j_hat"
     measures = "data"
     logs_lr = True
-    deprecated = {"selection_batches": "n_batches", "reselect_every_n_epochs": "every_n_epochs"}
     readable = LayerSelection.readable + ("multipliers",)
     switches = True  # requires_grad follows the selection between measurements (save_compute)
     heatmap_min_entries = 1
 
-    def __init__(
-        self,
-        select: str = "min",
-        num_blocks: int | None = None,
-        update: str = "msa",
-        rho: float | None = None,
-        inner_optimizer: str | Callable | None = None,
-        inner_lr: float | None = None,
-        inner_steps: int | None = None,
-        feasibility: float | None = None,
-        rho_scale: float | None = None,
-        metric_rho: float | None = None,
-        output_dim: int | None = None,
-        n_batches: int = 1,
-        every_n_epochs: int | None = None,
-        blocks: Sequence[str | Sequence[str]] | None = None,
-        join_stem: bool = True,
-        head: bool = True,
-        loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-        norm_eval: str = "frozen",
-        seed: int = 0,
-        save_compute: bool = True,
-        optimizer_state: str = "release",
-        name: str | None = None,
-        strict_resume: bool = True,
-        *,
-        selection_batches: int | None = None,
-        reselect_every_n_epochs: int | None = None,
-    ):
-        super().__init__(blocks=blocks, join_stem=join_stem, norm_eval=norm_eval, save_compute=save_compute,
-                         optimizer_state=optimizer_state, name=name, strict_resume=strict_resume)
-        n_batches = self._alias(n_batches, selection_batches, "selection_batches", "n_batches", default=1)
-        every_n_epochs = self._alias(every_n_epochs, reselect_every_n_epochs, "reselect_every_n_epochs",
-                                     "every_n_epochs")
-        self.__dict__.update(lmsa_settings(  # every argument under its own name (settings() reads them back)
-            select=select, num_blocks=num_blocks, update=update, rho=rho, inner_optimizer=inner_optimizer,
-            inner_lr=inner_lr, inner_steps=inner_steps, feasibility=feasibility, rho_scale=rho_scale,
-            metric_rho=metric_rho, output_dim=output_dim, n_batches=n_batches, every_n_epochs=every_n_epochs,
-            head=head, loss_fn=loss_fn, seed=seed))
+    select: str = "min"
+    num_blocks: int | None = None
+    update: str = "msa"
+    rho: float | None = None
+    inner_optimizer: str | Callable | None = None
+    inner_lr: float | None = None
+    inner_steps: int | None = None
+    feasibility: float | None = None
+    rho_scale: float | None = None
+    metric_rho: float | None = None
+    output_dim: int | None = None
+    n_batches: int = 1
+    every_n_epochs: int | None = None
+    blocks: Sequence[str | Sequence[str]] | None = None
+    join_stem: bool = True
+    head: bool = True
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None
+    norm_eval: str = "frozen"
+    seed: int = 0
+    save_compute: bool = True
+    optimizer_state: str = "release"
+    _: KW_ONLY
+    selection_batches: int | None = deprecated_arg("n_batches")
+    reselect_every_n_epochs: int | None = deprecated_arg("every_n_epochs")
+
+    def validate(self) -> None:
+        super().validate()
+        self._final(lmsa_settings(**self._given("blocks", "join_stem", "norm_eval", "save_compute", "optimizer_state")))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         self._measuring = False
         self._measured = 0
         self._acc: dict[str, list[float]] = {}
@@ -334,7 +327,7 @@ class LMSAStepper(LayerSelection):
         super().each_batch(host, batch)
 
     #: a measurement holding more than this many bytes of states and co-states warns (with its size)
-    warn_bytes: int = 2 * 2**30
+    warn_bytes: ClassVar[int] = 2 * 2**30
 
     def _report_cost(self) -> None:
         """State, before the first measurement, what it holds and runs: every block's states and

@@ -8,6 +8,7 @@ are :mod:`lalr_lightning.core.linearization.ntk`; nothing here changes training.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from lalr_lightning.core.runtime.placement import follow
 __all__ = ["NTKDiagnostics"]
 
 
+@dataclass(eq=False, repr=False)
 class NTKDiagnostics(LayerwiseCallback):
     """Log ``kappa(K + sigma I)``, every layer's ``eta_l``, the linearization gap and its KL every
     N epochs, on the same probe samples each time and on every rank.
@@ -90,17 +92,23 @@ class NTKDiagnostics(LayerwiseCallback):
     heatmap = ("eta", "NTK: eta per layer", "eta")
     readable = LayerwiseCallback.readable + ("etas", "kappa", "gap", "kl")
 
-    def __init__(self, every_n_epochs: int = 1, probe_size: int = 16, sigma: float = 1e-3, kernel: str = "trace",
-                 max_jacobian_numel: int = 2**28, positions: str = "last", outputs: int | str | None = None,
-                 name: str | None = None, strict_resume: bool = True):
-        super().__init__(name=name, strict_resume=strict_resume)
-        check_counts({"every_n_epochs": every_n_epochs, "probe_size": probe_size,
-                      "max_jacobian_numel": max_jacobian_numel})
-        self.every_n_epochs = every_n_epochs
-        self.probe_size = probe_size
-        self.sigma = check_number("sigma", sigma, low=0, note=" (a fraction of trace(K) / M)")
-        self.kernel, self.positions, self.outputs = ntk.check_kernel_options(kernel, positions, outputs)
-        self.max_jacobian_numel = max_jacobian_numel
+    every_n_epochs: int = 1
+    probe_size: int = 16
+    sigma: float = 1e-3
+    kernel: str = "trace"
+    max_jacobian_numel: int = 2**28
+    positions: str = "last"
+    outputs: int | str | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        check_counts({"every_n_epochs": self.every_n_epochs, "probe_size": self.probe_size,
+                      "max_jacobian_numel": self.max_jacobian_numel})
+        self.sigma = check_number("sigma", self.sigma, low=0, note=" (a fraction of trace(K) / M)")
+        self.kernel, self.positions, self.outputs = ntk.check_kernel_options(self.kernel, self.positions, self.outputs)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         self._chosen: int | str | None = "unset"  # the outputs used, chosen at the first measurement
         self.etas: dict[str, float] = {}
         self.kappa = self.gap = self.kl = math.nan

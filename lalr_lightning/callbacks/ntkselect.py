@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -24,6 +25,7 @@ from lalr_lightning.core.runtime.shards import sharded
 __all__ = ["NTKSelect"]
 
 
+@dataclass(eq=False, repr=False)
 class NTKSelect(LayerSelection):
     """Fine-tune the layers Theorems 6-7 of the linearization paper pick on a probe batch.
 
@@ -88,18 +90,28 @@ class NTKSelect(LayerSelection):
     readable = LayerSelection.readable + ("chosen_eta", "kappa", "head_layer")
     cadence = Cadence(start=True)  # no probe in setup (no decision then): decided at train start, after the wrap
 
-    def __init__(self, kappa_max: float = 1e3, sigma: float = 0.1, max_layers: int | None = None,
-                 probe_size: int = 16, kernel: str = "trace", head: bool = False, norm_eval: str = "frozen",
-                 save_compute: bool = True, positions: str = "last", outputs: int | str | None = None,
-                 name: str | None = None, strict_resume: bool = True):
-        super().__init__(norm_eval=norm_eval, save_compute=save_compute, name=name, strict_resume=strict_resume)
-        self.kappa_max = check_number("kappa_max", kappa_max, low=1, note=" (a condition number is at least 1)")
-        self.sigma = check_number("sigma", sigma, low=0, strict=True, note=" (a fraction of trace(K) / M)")
-        check_counts({"max_layers": max_layers, "probe_size": probe_size}, optional=("max_layers",))
-        self.max_layers = max_layers
-        self.probe_size = int(probe_size)
-        self.kernel, self.positions, self.outputs = ntk.check_kernel_options(kernel, positions, outputs)
-        self.head = bool(head)
+    kappa_max: float = 1e3
+    sigma: float = 0.1
+    max_layers: int | None = None
+    probe_size: int = 16
+    kernel: str = "trace"
+    head: bool = False
+    norm_eval: str = "frozen"
+    save_compute: bool = True
+    positions: str = "last"
+    outputs: int | str | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        self.kappa_max = check_number("kappa_max", self.kappa_max, low=1, note=" (a condition number is at least 1)")
+        self.sigma = check_number("sigma", self.sigma, low=0, strict=True, note=" (a fraction of trace(K) / M)")
+        check_counts({"max_layers": self.max_layers, "probe_size": self.probe_size}, optional=("max_layers",))
+        self.probe_size = int(self.probe_size)
+        self.kernel, self.positions, self.outputs = ntk.check_kernel_options(self.kernel, self.positions, self.outputs)
+        self.head = bool(self.head)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         self.head_layer: str | None = None
         self.chosen_eta: dict[str, float] = {}
         self.kappa = math.nan

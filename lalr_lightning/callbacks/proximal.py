@@ -22,6 +22,7 @@ import itertools
 import math
 import operator
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ GRANULARITIES = proximal.GRANULARITIES
 _GRAD = operator.attrgetter("grad")
 
 
+@dataclass(eq=False, repr=False)
 class ProximalRegularizer(LayerwiseCallback):
     """Pull the weights toward ``theta_0`` after each step, where that cannot raise the loss.
 
@@ -117,36 +119,35 @@ class ProximalRegularizer(LayerwiseCallback):
     volatile_settings = ("offload_anchor",)
     readable = LayerwiseCallback.readable + ("distances", "regularized_fraction", "lambda_o")
 
-    def __init__(
-        self,
-        lam: float,
-        selective: bool = True,
-        granularity: str = "tensor",
-        anchor: str = "fit_start",
-        include: Sequence[str] | None = None,
-        offload_anchor: bool = False,
-        radius: float | None = None,
-        probe_size: int = 16,
-        every_n_epochs: int | None = 1,
-        loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-        name: str | None = None,
-        strict_resume: bool = True,
-    ):
-        super().__init__(name=name, strict_resume=strict_resume)
-        self.lam = proximal.check_lam(lam)
-        if granularity not in GRANULARITIES:
-            raise unknown("granularity", granularity, GRANULARITIES, show=repr)
-        check_counts({"probe_size": probe_size, "every_n_epochs": every_n_epochs}, optional=("every_n_epochs",))
-        self.loss_fn = check_loss_fn(loss_fn)
-        self.selective = bool(selective)
-        self.granularity = granularity
-        self.anchor = check_anchor_arg(anchor)
+    lam: float
+    selective: bool = True
+    granularity: str = "tensor"
+    anchor: str = "fit_start"
+    include: Sequence[str] | None = None
+    offload_anchor: bool = False
+    radius: float | None = None
+    probe_size: int = 16
+    every_n_epochs: int | None = 1
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        self.lam = proximal.check_lam(self.lam)
+        if self.granularity not in GRANULARITIES:
+            raise unknown("granularity", self.granularity, GRANULARITIES, show=repr)
+        check_counts({"probe_size": self.probe_size, "every_n_epochs": self.every_n_epochs},
+                     optional=("every_n_epochs",))
+        self.loss_fn = check_loss_fn(self.loss_fn)
+        self.selective = bool(self.selective)
+        self.anchor = check_anchor_arg(self.anchor)
+        include = self.include
         self.include = None if include is None else [include] if isinstance(include, str) else list(include)
-        self.offload_anchor = bool(offload_anchor)
-        self.radius = None if radius is None else check_number("radius", radius, low=0, strict=True,
-                                                               note=" (or None: the current distance)")
-        self.probe_size = probe_size
-        self.every_n_epochs = every_n_epochs
+        self.offload_anchor = bool(self.offload_anchor)
+        self.radius = None if self.radius is None else check_number(
+            "radius", self.radius, low=0, strict=True, note=" (or None: the current distance)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         self.distances: dict[str, float] = {}
         self.regularized_fraction: dict[str, float] = {}
         self.lambda_o = math.nan

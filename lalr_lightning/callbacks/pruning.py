@@ -10,13 +10,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
+from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, deprecated_arg, renamed
 from lalr_lightning.callbacks.host import Cadence, Host, warn
 from lalr_lightning.core.model.layers import DEFAULT_KINDS
 from lalr_lightning.core.model.probe import forward_order
@@ -57,6 +58,7 @@ class _Event:
     samples: list | None = None
 
 
+@dataclass(eq=False, repr=False)
 class HTSRPruning(LayerwiseCallback):
     """Prune each layer by a ratio set by an HT-SR metric; mean sparsity equals the target.
 
@@ -195,56 +197,47 @@ class HTSRPruning(LayerwiseCallback):
     logs_lr = False
     decides_from_weights = True  # plan(model): the decision without a fit
     esd_plots = True
-    deprecated = {"exclude_head": "head"}
     volatile_settings = ("make_permanent", "calibration")  # a resumed run does not calibrate again
     readable = LayerwiseCallback.readable + ("ratios", "sparsity", "channels", "masks", "excluded")
     heatmap = ("ratios", "HT-SR pruning ({self.metric}, {self.direction})", "fraction pruned")
     heatmap_min_entries = 1
 
-    def __init__(
-        self,
-        metric: str | None = None,
-        target_sparsity: float | None = None,
-        epsilon: float | None = None,
-        direction: str = "more_for_larger",
-        structured: bool = False,
-        when: str | int = "fit_start",
-        gradual_epochs: int | None = None,
-        block_average: bool | None = None,
-        blocks: Sequence[str] | None = None,
-        fit: str | None = None,
-        filter_zeros: bool | None = None,
-        min_numel: int | None = None,
-        min_evals: int | None = None,
-        layer_types: Sequence[str] = DEFAULT_KINDS,
-        head: bool = False,
-        overflow: str = "redistribute",
-        max_ratio: float = 0.99,
-        channel_step: float | None = None,
-        make_permanent: bool = False,
-        preset: str | None = None,
-        name: str | None = None,
-        strict_resume: bool = True,
-        *,
-        criterion: str = "magnitude",
-        n: int = 0,
-        m: int = 0,
-        n_calibration: int | None = None,
-        calibration: Iterable | None = None,
-        blocksize: int | None = None,
-        percdamp: float | None = None,
-        owl_m: float | None = None,
-        owl_lambda: float | None = None,
-        exclude_head: bool | None = None,
-    ):
-        super().__init__(name=name, strict_resume=strict_resume)
-        given = {k: v for k, v in locals().items() if k not in ("self", "__class__", "name", "strict_resume",
-                                                                  "exclude_head")}  # the settings as given
-        settings = pruning_settings(type(self).__name__, **given)
-        if exclude_head is not None:
-            settings["head"] = not self._alias(None, exclude_head, "exclude_head", "head")
-        self.__dict__.update(settings)  # every argument under its own name (settings() reads them back)
+    metric: str | None = None
+    target_sparsity: float | None = None
+    epsilon: float | None = None
+    direction: str = "more_for_larger"
+    structured: bool = False
+    when: str | int = "fit_start"
+    gradual_epochs: int | None = None
+    block_average: bool | None = None
+    blocks: Sequence[str] | None = None
+    fit: str | None = None
+    filter_zeros: bool | None = None
+    min_numel: int | None = None
+    min_evals: int | None = None
+    layer_types: Sequence[str] = DEFAULT_KINDS
+    head: bool = False
+    overflow: str = "redistribute"
+    max_ratio: float = 0.99
+    channel_step: float | None = None
+    make_permanent: bool = False
+    preset: str | None = None
+    _: KW_ONLY
+    criterion: str = "magnitude"
+    n: int = 0
+    m: int = 0
+    n_calibration: int | None = None
+    calibration: Iterable | None = None
+    blocksize: int | None = None
+    percdamp: float | None = None
+    owl_m: float | None = None
+    owl_lambda: float | None = None
+    exclude_head: bool | None = deprecated_arg("head", lambda v: {"head": not v})
 
+    _checked_by = staticmethod(pruning_settings)  # the preset's values and the defaults filled in
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         self.ratios: dict[str, float] = {}
         self.sparsity: dict[str, float] = {}
         self.channels: dict[str, int] = {}

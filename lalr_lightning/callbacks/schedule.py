@@ -18,10 +18,11 @@ blocks; the switch index, selection and history are in ``state_dict``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import KW_ONLY, dataclass
 
 from torch import nn
 
-from lalr_lightning.callbacks.base import Decision
+from lalr_lightning.callbacks.base import Decision, deprecated_arg
 from lalr_lightning.callbacks.host import Cadence, Host, say, warn
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.choices import unknown
@@ -36,6 +37,7 @@ __all__ = ["BlockSchedule", "SCHEDULES"]
 SCHEDULES = ("lift", "lisa")
 
 
+@dataclass(eq=False, repr=False)
 class BlockSchedule(LayerSelection):
     """LIFT or LISA: the trained blocks change every ``every_n_steps`` optimizer steps.
 
@@ -82,46 +84,37 @@ class BlockSchedule(LayerSelection):
     """
 
     log_prefix = "surgical"
-    deprecated = {"switch_every": "every_n_steps"}
     switches = True
 
-    def __init__(
-        self,
-        schedule: str = "lift",
-        every_n_steps: int | None = None,
-        order: str | None = None,
-        gamma: int | None = None,
-        seed: int = 0,
-        blocks: Sequence[str | Sequence[str]] | None = None,
-        join_stem: bool | None = None,
-        norm_eval: str = "frozen",
-        save_compute: bool = True,
-        optimizer_state: str = "release",
-        name: str | None = None,
-        strict_resume: bool = True,
-        *,
-        switch_every: int | None = None,
-    ):
-        if schedule not in SCHEDULES:
-            raise unknown("schedule", schedule, SCHEDULES)
-        super().__init__(blocks=blocks, join_stem=(schedule != "lisa") if join_stem is None else join_stem,
-                         norm_eval=norm_eval, save_compute=save_compute, optimizer_state=optimizer_state, name=name,
-                         strict_resume=strict_resume)
-        self.reject("schedule", schedule, {"order": order, "gamma": gamma}, {"lift": ("order",), "lisa": ("gamma",)})
-        every_n_steps = self._alias(every_n_steps, switch_every, "switch_every", "every_n_steps")
-        every_n_steps = 20 if every_n_steps is None else every_n_steps
-        order = "front_to_end" if order is None else order
-        gamma = 2 if gamma is None else gamma
-        if order not in LIFT_ORDERS:
-            raise unknown("LIFT order", order, LIFT_ORDERS)
-        check_counts({"every_n_steps (switch_every)": every_n_steps, "gamma": gamma})
-        if not (isinstance(seed, int) and seed >= 0):
-            raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
-        self.schedule = schedule
-        self.every_n_steps = every_n_steps
-        self.order = order
-        self.gamma = gamma
-        self.seed = seed
+    schedule: str = "lift"
+    every_n_steps: int | None = None
+    order: str | None = None
+    gamma: int | None = None
+    seed: int = 0
+    blocks: Sequence[str | Sequence[str]] | None = None
+    join_stem: bool | None = None
+    norm_eval: str = "frozen"
+    save_compute: bool = True
+    optimizer_state: str = "release"
+    _: KW_ONLY
+    switch_every: int | None = deprecated_arg("every_n_steps")
+
+    def validate(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise unknown("schedule", self.schedule, SCHEDULES)
+        if self.join_stem is None:  # LISA trains its stem always, apart from the blocks
+            self.join_stem = self.schedule != "lisa"
+        super().validate()
+        self.reject("schedule", self.schedule, {"order": self.order, "gamma": self.gamma},
+                    {"lift": ("order",), "lisa": ("gamma",)})
+        self.every_n_steps = 20 if self.every_n_steps is None else self.every_n_steps
+        self.order = "front_to_end" if self.order is None else self.order
+        self.gamma = 2 if self.gamma is None else self.gamma
+        if self.order not in LIFT_ORDERS:
+            raise unknown("LIFT order", self.order, LIFT_ORDERS)
+        check_counts({"every_n_steps (switch_every)": self.every_n_steps, "gamma": self.gamma})
+        if not (isinstance(self.seed, int) and self.seed >= 0):
+            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
 
     @property
     def title(self) -> str:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from torch import nn
@@ -66,6 +67,7 @@ def register_mode(mode: str, cls: type, **fixed: Any) -> None:
     SurgicalLayerSelect.__new__.__signature__ = _modes_signature()
 
 
+@dataclass(eq=False, repr=False)
 class LayerSelection(LayerwiseCallback):
     """Base of the selection callbacks (module docstring). Subclasses find ``self.layers`` (the
     units) in ``setup`` -- :meth:`find_blocks` for blocks -- and decide ``values`` of 1.0
@@ -78,20 +80,27 @@ class LayerSelection(LayerwiseCallback):
     volatile_settings = ("norm_eval", "save_compute", "optimizer_state")
     title: ClassVar[str] = "layer"
 
-    def __init__(self, *, blocks: Sequence[str | Sequence[str]] | None = None, join_stem: bool = True,
-                 norm_eval: str = "frozen", save_compute: bool = True, optimizer_state: str = "keep",
-                 name: str | None = None, strict_resume: bool = True):
-        super().__init__(name=name, strict_resume=strict_resume)
-        if norm_eval not in NORM_EVAL:
-            raise unknown("norm_eval", norm_eval, NORM_EVAL)
-        if optimizer_state not in OPTIMIZER_STATE:
-            raise unknown("optimizer_state", optimizer_state, OPTIMIZER_STATE,
+    # The settings a selection may take; each subclass declares as fields the ones it takes (in
+    # its own order), and these class values stand for the others (Auto-RGN saves no compute).
+    # (not annotated: no field here, so that each subclass's fields keep its own order)
+    blocks = None
+    join_stem = True
+    norm_eval = "frozen"
+    save_compute = True
+    optimizer_state = "keep"
+
+    def validate(self) -> None:
+        super().validate()
+        if self.norm_eval not in NORM_EVAL:
+            raise unknown("norm_eval", self.norm_eval, NORM_EVAL)
+        if self.optimizer_state not in OPTIMIZER_STATE:
+            raise unknown("optimizer_state", self.optimizer_state, OPTIMIZER_STATE,
                           note=" ('keep' matches LMFlow's LISA callback)")
-        self.optimizer_state = optimizer_state
-        self.blocks = None if blocks is None else list(blocks)
-        self.join_stem = bool(join_stem)
-        self.norm_eval = norm_eval
-        self.save_compute = bool(save_compute)
+        self.blocks = None if self.blocks is None else list(self.blocks)
+        self.join_stem, self.save_compute = bool(self.join_stem), bool(self.save_compute)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         self.selected: list[str] = []
         self.block_list: list[Layer] = []  # the model's blocks (the units, or their labels)
         self._norms: list = []

@@ -8,6 +8,7 @@ frozen (:mod:`lalr_lightning.core.spectral.spectrum_snr` for the rules; the SNR 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -23,6 +24,7 @@ from lalr_lightning.core.spectral import spectrum_snr
 __all__ = ["SpectrumSelect"]
 
 
+@dataclass(eq=False, repr=False)
 class SpectrumSelect(LayerSelection):
     """Train the top ``top_percent`` % of matrices by SNR within each module type; freeze the rest.
 
@@ -80,30 +82,29 @@ class SpectrumSelect(LayerSelection):
     decides_from_weights = True  # plan(model): the decision without a fit
     readable = LayerSelection.readable + ("module_types", "grouping_summary")
 
-    def __init__(
-        self,
-        top_percent: float = 50.0,
-        types: Mapping[str, str] | None = None,
-        grouping: str = "auto",
-        head: bool = True,
-        embeddings: bool = True,
-        layer_types: Sequence[str] = MATRIX_KINDS,
-        norm_eval: str = "frozen",
-        save_compute: bool = True,
-        name: str | None = None,
-        strict_resume: bool = True,
-    ):
-        super().__init__(norm_eval=norm_eval, save_compute=save_compute, name=name, strict_resume=strict_resume)
-        if isinstance(top_percent, bool) or not 0 <= float(top_percent) <= 100:
-            raise ValueError(f"top_percent must be in [0, 100], got {top_percent!r}")
-        self.top_percent = float(top_percent)
-        self.types = None if types is None else {str(k): str(v) for k, v in dict(types).items()}
-        if grouping not in spectrum_snr.GROUPINGS:
-            raise unknown("grouping", grouping, spectrum_snr.GROUPINGS)
-        self.grouping = grouping
-        self.head = bool(head)
-        self.embeddings = bool(embeddings)
-        self.layer_types = check_kinds(layer_types)
+    top_percent: float = 50.0
+    types: Mapping[str, str] | None = None
+    grouping: str = "auto"
+    head: bool = True
+    embeddings: bool = True
+    layer_types: Sequence[str] = MATRIX_KINDS
+    norm_eval: str = "frozen"
+    save_compute: bool = True
+
+    def validate(self) -> None:
+        super().validate()
+        if isinstance(self.top_percent, bool) or not 0 <= float(self.top_percent) <= 100:
+            raise ValueError(f"top_percent must be in [0, 100], got {self.top_percent!r}")
+        self.top_percent = float(self.top_percent)
+        self.types = None if self.types is None else {str(k): str(v) for k, v in dict(self.types).items()}
+        if self.grouping not in spectrum_snr.GROUPINGS:
+            raise unknown("grouping", self.grouping, spectrum_snr.GROUPINGS)
+        self.head = bool(self.head)
+        self.embeddings = bool(self.embeddings)
+        self.layer_types = check_kinds(self.layer_types)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         self.module_types: dict[str, str] = {}
         self.grouping_summary = ""
         self._always: list[str] = []

@@ -12,6 +12,7 @@ builds any of them by ``mode``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -24,6 +25,7 @@ from lalr_lightning.core.selection.surgical import check_selection, select_block
 __all__ = ["SurgicalBlocks", "SurgicalLayerSelect"]
 
 
+@dataclass(eq=False, repr=False)
 class SurgicalBlocks(LayerSelection):
     """Train the chosen blocks only.
 
@@ -56,20 +58,15 @@ class SurgicalBlocks(LayerSelection):
     logs_lr = True
     lazy_ok = True  # it freezes blocks by name and measures nothing: a lazy layer is shaped by the first step
 
-    def __init__(
-        self,
-        select: str | int | Sequence[str | int] = "first",
-        blocks: Sequence[str | Sequence[str]] | None = None,
-        join_stem: bool = True,
-        norm_eval: str = "frozen",
-        save_compute: bool = True,
-        name: str | None = None,
-        strict_resume: bool = True,
-    ):
-        super().__init__(blocks=blocks, join_stem=join_stem, norm_eval=norm_eval, save_compute=save_compute,
-                         name=name, strict_resume=strict_resume)
-        check_selection(select)
-        self.select = select
+    select: str | int | Sequence[str | int] = "first"
+    blocks: Sequence[str | Sequence[str]] | None = None
+    join_stem: bool = True
+    norm_eval: str = "frozen"
+    save_compute: bool = True
+
+    def validate(self) -> None:
+        super().validate()
+        check_selection(self.select)
 
     def configure(self, host: Host, module: nn.Module) -> None:
         self.layers = self.find_blocks(module, host=host)

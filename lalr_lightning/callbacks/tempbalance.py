@@ -10,11 +10,12 @@ rule are in :mod:`lalr_lightning.core.spectral.tempbalance`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import KW_ONLY, dataclass
 
 import numpy as np
 from torch import nn
 
-from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
+from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, deprecated_arg, renamed
 from lalr_lightning.callbacks.host import Cadence, Host, warn
 from lalr_lightning.core.model.layers import DEFAULT_KINDS
 from lalr_lightning.core.spectral import tempbalance as core
@@ -24,6 +25,7 @@ from lalr_lightning.core.spectral.tempbalance import ASSIGN, assign_multipliers
 __all__ = ["TempBalanceCallback", "assign_multipliers", "ASSIGN"]
 
 
+@dataclass(eq=False, repr=False)
 class TempBalanceCallback(LayerwiseCallback):
     """Per-layer learning rates from HT-SR alpha, relative to the scheduled learning rate.
 
@@ -89,37 +91,28 @@ class TempBalanceCallback(LayerwiseCallback):
     decides_from_weights = True  # plan(model): the decision without a fit
     heatmap = ("multipliers", "TempBalance LR multipliers", "x scheduled LR")
     esd_plots = True
-    deprecated = {"exclude_first_last": "first, head"}
     readable = LayerwiseCallback.readable + ("multipliers", "excluded")
 
-    def __init__(
-        self,
-        assign: str = "linear_map",
-        fit: str = "median",
-        lr_min_ratio: float | None = None,
-        lr_max_ratio: float | None = None,
-        every_n_epochs: int = 1,
-        every_n_steps: int | None = None,
-        first: bool | str = False,
-        head: bool = False,
-        min_evals: int = 50,
-        layer_types: Sequence[str] = DEFAULT_KINDS,
-        filter_zeros: bool = False,
-        std: float | None = None,
-        seed: int = 0,
-        name: str | None = None,
-        strict_resume: bool = True,
-        *,
-        exclude_first_last: bool | None = None,
-    ):
-        super().__init__(name=name, strict_resume=strict_resume)
-        if exclude_first_last is not None:
-            self._alias(None, exclude_first_last, "exclude_first_last", "first= and head")
-            first = head = not exclude_first_last
-        self.__dict__.update(tempbalance_settings(  # every argument under its own name (settings() reads them back)
-            type(self).__name__, assign=assign, fit=fit, lr_min_ratio=lr_min_ratio, lr_max_ratio=lr_max_ratio,
-            every_n_epochs=every_n_epochs, every_n_steps=every_n_steps, first=first, head=head, min_evals=min_evals,
-            layer_types=layer_types, filter_zeros=filter_zeros, std=std, seed=seed))
+    assign: str = "linear_map"
+    fit: str = "median"
+    lr_min_ratio: float | None = None
+    lr_max_ratio: float | None = None
+    every_n_epochs: int = 1
+    every_n_steps: int | None = None
+    first: bool | str = False
+    head: bool = False
+    min_evals: int = 50
+    layer_types: Sequence[str] = DEFAULT_KINDS
+    filter_zeros: bool = False
+    std: float | None = None
+    seed: int = 0
+    _: KW_ONLY
+    exclude_first_last: bool | None = deprecated_arg("first, head", lambda v: {"first": not v, "head": not v})
+
+    _checked_by = staticmethod(tempbalance_settings)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         self.multipliers: dict[str, float] = {}
         self.excluded: dict[str, str] = {}
         self._n_updates = 0

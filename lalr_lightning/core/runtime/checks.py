@@ -1,13 +1,13 @@
 """Checks of what a user hands the package, each ending in one line that names the cause and the
-fix: constructor arguments against their annotations, models with lazy (not yet shaped)
+fix: a method's settings (the fields of its dataclass: read back, checked against their
+annotations, their deprecated names resolved, their defaults for the state key), models with lazy (not yet shaped)
 parameters, matrices no layer listing covers, and pruning masks a resumed checkpoint holds
 that no callback takes; and the package's own exception types (a divergence, a checkpoint
 written with other settings) with the deprecation helpers. Pure Python and torch (no lightning)."""
 
 from __future__ import annotations
 
-import functools
-import inspect
+import dataclasses
 import math
 import numbers
 import os
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ArgumentTypeError", "DEFAULT_FIGURES", "DivergenceError", "FIGURES", "SettingsMismatchError", "check_arguments", "check_counts", "check_figures", "check_loss_fn", "check_min_evals", "check_number", "check_settings", "check_taken", "coerce", "constructor_settings", "default_settings", "deprecated_alias", "distinct_settings", "lazy_error", "lazy_parameters", "lora_zero", "non_finite", "orphaned_masks", "plain_setting", "reject_stray", "renamed", "uninitialized", "union_signature", "warn_deprecated", "with_figures"]
+__all__ = ["ArgumentTypeError", "DEFAULT_FIGURES", "DivergenceError", "FIGURES", "IDENTITY", "SettingsMismatchError", "check_counts", "check_figures", "check_loss_fn", "check_min_evals", "check_number", "check_settings", "check_taken", "coerce", "coerce_fields", "default_settings", "deprecated_arg", "deprecated_names", "distinct_settings", "lazy_error", "lazy_parameters", "lora_zero", "non_finite", "orphaned_masks", "plain_setting", "reject_stray", "renamed", "resolve_deprecated", "setting_fields", "settings_of", "uninitialized", "union_signature", "warn_deprecated"]
 
 _NUMBERS = {int: "an integer", float: "a number"}
 
@@ -94,29 +94,6 @@ def coerce(who: str, arg: str, value: Any, hint: Any) -> Any:
             out[k] = got
         return out
     return value
-
-
-def check_arguments(who: str, init: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` of a call of ``init`` (a constructor taking ``self`` first) with every
-    argument annotated as a number (or a mapping to numbers) checked and converted by
-    :func:`coerce`: a string where a number is due fails here, naming the argument, not as a
-    comparison deep in the constructor."""
-    try:
-        hints = typing.get_type_hints(init)
-    except Exception:  # noqa: BLE001 -- an annotation that does not resolve: nothing is checked
-        return args, kwargs
-    import inspect
-
-    sig = inspect.signature(init)
-    try:
-        bound = sig.bind_partial(None, *args, **kwargs)
-    except TypeError:
-        return args, kwargs  # the call itself is wrong: Python's own error says how
-    for arg, value in list(bound.arguments.items()):
-        if arg in hints and sig.parameters[arg].kind not in (inspect.Parameter.VAR_POSITIONAL,
-                                                              inspect.Parameter.VAR_KEYWORD):
-            bound.arguments[arg] = coerce(who, arg, value, hints[arg])
-    return bound.args[1:], bound.kwargs
 
 
 def check_taken(who: str, target: type, fixed: Mapping[str, Any], given: Mapping[str, Any]) -> None:
@@ -303,70 +280,110 @@ def non_finite(named: Mapping[str, Any]) -> list[str]:
     return [k for k, v in named.items() if not finite(v)]
 
 
-def with_figures(init: Callable) -> Callable:
-    """A callback's ``__init__`` that also takes ``figures`` (checked, set after ``init`` ran) and
-    the deprecated ``plot_every_n_epochs``, and checks its arguments against their annotations
-    (:func:`check_arguments`: a number given as a word fails here); its signature shows both."""
-    @functools.wraps(init)
-    def __init__(self, *args: Any, figures: int | str = DEFAULT_FIGURES, plot_every_n_epochs: int | None = None,
-                 **kw: Any) -> None:
-        if plot_every_n_epochs is not None:
-            if isinstance(plot_every_n_epochs, bool) or not isinstance(plot_every_n_epochs, int) or \
-                    plot_every_n_epochs < 1:
-                raise ValueError(f"plot_every_n_epochs must be None (first and last decision only) or an "
-                                 f"integer >= 1, got {plot_every_n_epochs!r}")
-            figures = deprecated_alias(figures, plot_every_n_epochs, "plot_every_n_epochs", "figures", DEFAULT_FIGURES)
-        figures = check_figures(figures)
-        args, kw = check_arguments(type(self).__name__, init, args, kw)
-        init(self, *args, **kw)
-        self.figures = figures
+# --------------------------------------------------------------------------- settings
+# A method's settings are the fields of its (keyword-only where shared) dataclass: declared once,
+# with their types and defaults; these read them.
 
-    sig = inspect.signature(init)
-    params = list(sig.parameters.values())
-    at = next((i for i, p in enumerate(params) if p.kind is p.VAR_KEYWORD), len(params))
-    params[at:at] = [
-        inspect.Parameter("figures", inspect.Parameter.KEYWORD_ONLY, default=DEFAULT_FIGURES, annotation=int | str),
-        inspect.Parameter("plot_every_n_epochs", inspect.Parameter.KEYWORD_ONLY, default=None,
-                          annotation=int | None),
-    ]
-    __init__.__signature__ = sig.replace(parameters=params)
-    return __init__
+#: the fields every method has that are no settings of its decision (never in ``settings()``)
+IDENTITY = ("name", "strict_resume")
 
 
-def constructor_settings(obj: Any, skip: Sequence[str] = ()) -> dict[str, Any]:
-    """The arguments of ``type(obj).__init__`` (but ``skip``, ``*args`` and ``**kwargs``) read back
-    from ``obj``, kept under their own names (scikit-learn's convention), as plain Python."""
-    out = {}
-    for arg, p in inspect.signature(type(obj).__init__).parameters.items():
-        if arg != "self" and arg not in skip and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            out[arg] = plain_setting(getattr(obj, arg))
-    return out
+def deprecated_arg(new: str, convert: Callable[[Any], Mapping[str, Any]] | None = None) -> Any:
+    """The dataclass field of a deprecated argument, kept for one release: ``None`` unless given;
+    given, it warns naming ``new`` and sets the fields ``convert(value)`` returns (default:
+    ``{new: value}``). Never a setting (:func:`setting_fields`)."""
+    return dataclasses.field(default=None, metadata={"replaced_by": new, "convert": convert})
 
 
-_DEFAULTS: dict[type, dict | None] = {}
+def deprecated_names(cls: type) -> dict[str, str]:
+    """``{deprecated argument: what replaces it}`` of a settings dataclass."""
+    return {f.name: f.metadata["replaced_by"] for f in dataclasses.fields(cls) if "replaced_by" in f.metadata}
 
 
-def default_settings(cls: type) -> dict | None:
-    """The settings of ``cls()`` (None when the class needs arguments), once per class."""
-    if cls not in _DEFAULTS:
+def setting_fields(cls: type, last: Sequence[str] = ()) -> list[dataclasses.Field]:
+    """The fields of ``cls`` that are settings (not :data:`IDENTITY`, not deprecated), in
+    declaration order, the ones named in ``last`` (shared by every method) at the end."""
+    own = [f for f in dataclasses.fields(cls) if f.init and f.name not in IDENTITY and "replaced_by" not in f.metadata]
+    return [f for f in own if f.name not in last] + [f for f in own if f.name in last]
+
+
+_HINTS: dict[type, dict] = {}
+
+
+def coerce_fields(obj: Any) -> None:
+    """Every field of ``obj`` annotated as a number (or a mapping to numbers) checked and
+    converted by :func:`coerce`: a word where a number is due fails here, naming the argument,
+    not as a comparison deep in the checks."""
+    cls = type(obj)
+    if cls not in _HINTS:
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                _DEFAULTS[cls] = cls().settings()
-        except Exception:  # noqa: BLE001 -- a required argument: the signature's defaults stand in
-            _DEFAULTS[cls] = None
+            _HINTS[cls] = typing.get_type_hints(cls)
+        except Exception:  # noqa: BLE001 -- an annotation that does not resolve: nothing is checked
+            _HINTS[cls] = {}
+    hints = _HINTS[cls]
+    for f in dataclasses.fields(obj):
+        if f.name in hints:
+            setattr(obj, f.name, coerce(cls.__name__, f.name, getattr(obj, f.name), hints[f.name]))
+
+
+def resolve_deprecated(obj: Any) -> None:
+    """Each deprecated argument given (:func:`deprecated_arg`): warn, and set what replaces it,
+    unless that was given too (a one-line ValueError); the deprecated field goes back to None."""
+    for f in dataclasses.fields(obj):
+        old_value = getattr(obj, f.name)
+        if "replaced_by" not in f.metadata or old_value is None:
+            continue
+        new = f.metadata["replaced_by"]
+        warn_deprecated(f"{f.name}= is deprecated and will be removed in the next release; use "
+                        f"{'= and '.join(new.split(', '))}=")
+        convert = f.metadata["convert"]
+        targets = convert(old_value) if convert is not None else {new: old_value}
+        declared = {g.name: g for g in dataclasses.fields(obj)}
+        for target, value in targets.items():
+            current, default = getattr(obj, target), declared[target].default
+            if current is not None and current != default:
+                raise ValueError(f"give {new}= or the deprecated {f.name}=, not both")
+            setattr(obj, target, value)
+        setattr(obj, f.name, None)
+
+
+def settings_of(obj: Any, last: Sequence[str] = ()) -> dict[str, Any]:
+    """The settings of ``obj`` (:func:`setting_fields`) as plain Python."""
+    return {f.name: plain_setting(getattr(obj, f.name)) for f in setting_fields(type(obj), last)}
+
+
+_DEFAULTS: dict[type, dict] = {}
+
+
+def default_settings(cls: type, settle: Callable[[Any], None], last: Sequence[str] = ()) -> dict:
+    """The settings of ``cls``'s default instance, resolved as a constructor resolves them
+    (``settle(obj)``: HTSRPruning's preset fills in its metric) without building one: the
+    declared defaults, settled on a bare object, once per class. A class with a required field,
+    or whose defaults alone are refused, compares with its declared defaults."""
+    if cls not in _DEFAULTS:
+        declared = setting_fields(cls, last)
+        bare = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                for f in dataclasses.fields(cls) if f.init and (f.default is not dataclasses.MISSING
+                                                                or f.default_factory is not dataclasses.MISSING)}
+        _DEFAULTS[cls] = {f.name: plain_setting(bare[f.name]) for f in declared if f.name in bare}
+        if all(f.name in bare for f in dataclasses.fields(cls) if f.init):
+            obj = object.__new__(cls)
+            obj.__dict__.update(bare)
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    settle(obj)
+            except (TypeError, ValueError):  # the defaults alone are no valid instance (patterns needed)
+                pass
+            else:
+                _DEFAULTS[cls] = settings_of(obj, last)
     return _DEFAULTS[cls]
 
 
-def distinct_settings(obj: Any, skip: Sequence[str] = ()) -> dict:
-    """The settings of ``obj`` (but ``skip``) that differ from those of its class's default
-    instance (or, for a class with required arguments, from the signature's defaults), in
-    signature order."""
-    ref = default_settings(type(obj))
-    if ref is None:
-        ref = {a: plain_setting(p.default) for a, p in inspect.signature(type(obj).__init__).parameters.items()
-               if p.default is not inspect.Parameter.empty}
-    return {k: v for k, v in obj.settings().items() if k not in skip and (k not in ref or ref[k] != v)}
+def distinct_settings(settings: Mapping[str, Any], defaults: Mapping[str, Any], skip: Sequence[str] = ()) -> dict:
+    """The entries of ``settings`` (but ``skip``) that differ from ``defaults`` (or that it lacks),
+    in their order."""
+    return {k: v for k, v in settings.items() if k not in skip and (k not in defaults or defaults[k] != v)}
 
 
 def lora_zero(names: Iterable[str]) -> bool:
@@ -435,11 +452,16 @@ def check_settings(key: str, saved: Mapping[str, Any], mine: Mapping[str, Any], 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 
 
+def _generated_init(code: types.CodeType) -> bool:
+    # the ``__init__`` dataclasses writes for a method (no file of its own): the package's too
+    return code.co_filename == "<string>" and code.co_name == "__init__"
+
+
 def warn_deprecated(message: str) -> None:
     """A ``DeprecationWarning`` attributed to the first caller outside this package, so that
     Python's default filters show it in the user's own script (``__main__``)."""
     level, frame = 2, sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+    while frame is not None and (frame.f_code.co_filename.startswith(_PACKAGE) or _generated_init(frame.f_code)):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, DeprecationWarning, stacklevel=level)
 
@@ -464,13 +486,3 @@ class renamed:  # noqa: N801 -- used like ``property``
 
     def __set__(self, obj: Any, value: Any) -> None:
         raise AttributeError(f"{type(obj).__name__}.{self.old} is a deprecated, read-only name of .{self.new}")
-
-
-def deprecated_alias(value: Any, old_value: Any, old: str, new: str, default: Any = None) -> Any:
-    """Resolve a deprecated argument: warn, and use it unless the new one was given too."""
-    if old_value is None:
-        return value
-    warn_deprecated(f"{old}= is deprecated and will be removed in the next release; use {new}=")
-    if value is not None and value != default:
-        raise ValueError(f"give {new}= or the deprecated {old}=, not both")
-    return old_value
