@@ -37,7 +37,7 @@ def pytest_collection_modifyitems(config, items):
     """The tests that share a module-scoped fixture (a pair of processes run once for many tests, a
     torch.distributed.run launch, a model written once) run on one pytest-xdist worker: spread over
     two, each worker set the fixture up, and a file-locked launch (tests/_dist.py's run_pair_once)
-    left the second worker idle for the whole launch (235 s of 290 s for tests/test_fsdp.py's pair).
+    left the second worker waiting for as long as the first one's launch ran.
     xdist's loadgroup sends the largest groups first; every other test goes to whichever worker is
     free, one at a time."""
     shared, root = {}, {}
