@@ -7,13 +7,15 @@ active exception", SIGABRT), which fails a test that has already checked everyth
 strategies have the ranks leave together: a barrier, then the group is destroyed, at teardown.
 
 :func:`run_pair` starts two CPU processes once and runs many fits in them: Lightning skips
-``init_process_group`` when a group exists, and spawning is the slow part of a multi-process
-test. The strategies for it (:func:`ddp`, :func:`fsdp1`, :func:`fsdp2`) do not leave the group at
+``init_process_group`` when a group exists, and starting processes is the slow part of a
+multi-process test (they fork from a server that has imported torch, Lightning and transformers). The strategies for it (:func:`ddp`, :func:`fsdp1`, :func:`fsdp2`) do not leave the group at
 teardown; the pair leaves together when its function returns.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import sys
 import traceback
@@ -26,6 +28,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import (
+    _disable_module_memory_sharing,
+    _GlobalStateSnapshot,
+    _MultiProcessingLauncher,
+)
 
 
 def leave_together() -> None:
@@ -36,15 +43,41 @@ def leave_together() -> None:
 
 
 class SpawnDDP(DDPStrategy):
-    """``strategy="ddp_spawn"`` whose ranks leave together (module docstring)."""
+    """``strategy="ddp_spawn"`` whose ranks leave together (module docstring), started by
+    :class:`_PreloadedLauncher`."""
 
     def __init__(self, **kw):
         kw.setdefault("start_method", "spawn")
         super().__init__(**kw)
 
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self._start_method == "spawn":
+            self._launcher = _PreloadedLauncher(self)
+
     def teardown(self) -> None:
         super().teardown()
         leave_together()
+
+
+class _PreloadedLauncher(_MultiProcessingLauncher):
+    """Lightning's ``ddp_spawn`` launcher whose processes fork from :func:`run_pair`'s preloaded
+    server instead of importing torch, Lightning and transformers each (about 11 CPU seconds per
+    process). What spawn gives them they still get: the launching process's seeds and deterministic
+    flags, and a copy of the module's tensors of their own (shared, the ranks would step one model)."""
+
+    def __init__(self, strategy):
+        super().__init__(strategy, start_method="forkserver")
+
+    def launch(self, function, *args, trainer=None, **kwargs):
+        _start_server()
+        self._states = _GlobalStateSnapshot.capture()  # goes to the processes with this launcher
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    def _wrapping_function(self, process_idx, trainer, function, args, kwargs, return_queue, global_states=None):
+        self._states.restore()
+        args, kwargs = _disable_module_memory_sharing((args, kwargs))
+        return super()._wrapping_function(process_idx, trainer, function, args, kwargs, return_queue)
 
 
 def ddp_spawn(**kw) -> SpawnDDP:
@@ -53,6 +86,16 @@ def ddp_spawn(**kw) -> SpawnDDP:
 
 
 # ---------------------------------------------------------------------- a pair of processes, many fits
+
+#: what every pair's processes import: a spawned process imports them afresh (torch, Lightning with
+#: torchmetrics -> torchvision -> torch._dynamo, scipy.signal and transformers: ~11 CPU seconds on
+#: the 2-core machine, 2026-12-02), so the pairs fork from a server that imported them once per
+#: pytest process (multiprocessing's forkserver)
+PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "transformers",
+           "transformers.models.llama.modeling_llama", "lalr_lightning.callbacks", "lalr_lightning.strategies"]
+# the server's environment and directory: this process's as the tests found it, not a test's
+# monkeypatched ones (the server keeps what it started with)
+_START = (dict(os.environ), os.getcwd())
 
 def ddp(**kw) -> DDPStrategy:
     """DDP inside :func:`run_pair` (the group exists: Lightning joins it)."""
@@ -85,13 +128,37 @@ def run_pair(fn: Callable[..., None], workdir: str | Path, *args: Any, timeout_s
     still comes back; a collective left waiting by the other rank fails after ``timeout_s``."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_pair_main, args=(fn, str(workdir), args, timeout_s, nprocs), nprocs=nprocs,
-                       start_method="spawn")
+    _start_server()
+    try:
+        mp.start_processes(_pair_main, args=(fn, str(workdir), args, timeout_s, nprocs), nprocs=nprocs,
+                           start_method="forkserver")
+    finally:  # what the ranks printed, into this test's output (the server's own streams are an earlier test's)
+        for rank in range(nprocs):
+            log = workdir / f"rank{rank}.log"
+            if log.exists() and log.stat().st_size:
+                sys.stderr.write(f"--- rank {rank} of the pair:\n{log.read_text(errors='replace')[-20000:]}\n")
     out = {}
     for rank in range(nprocs):
         path = workdir / f"rank{rank}.pt"
         out[rank] = torch.load(path, weights_only=False) if path.exists() else {}
     return out
+
+
+def _start_server() -> None:
+    """The forkserver, started once with :data:`PRELOAD` imported, in the environment and directory
+    this process had when the tests were collected (a no-op while it runs)."""
+    env, cwd = _START
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    now_env, now_cwd = dict(os.environ), os.getcwd()
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(now_env)
+        os.chdir(now_cwd)
 
 
 def run_pair_once(name: str, tmp_path_factory, fn: Callable[..., None], *args: Any,
@@ -126,6 +193,10 @@ def pair_record(runs: dict[int, dict], rank: int, key: Any) -> Any:
 
 
 def _pair_main(rank: int, fn, workdir: str, args: tuple, timeout_s: int, nprocs: int = 2) -> None:
+    # this rank's output (Python's and gloo's) to a file that run_pair prints in the test's output
+    log = os.open(os.path.join(workdir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
     # Lightning takes the processes as launched from outside (LOCAL_RANK set) and joins the group
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(nprocs), RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
@@ -150,3 +221,13 @@ def _pair_main(rank: int, fn, workdir: str, args: tuple, timeout_s: int, nprocs:
     # leave without running interpreter-exit destructors, where gloo's threads have aborted a
     # finished worker ("terminate called without an active exception")
     os._exit(code)
+
+
+def free_port() -> int:
+    """A TCP port free now on this machine, for a ``torch.distributed.run --master_port``: a fixed
+    one fails the launch whenever another job holds it (EADDRINUSE)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,4 +1,4 @@
-"""Test-wide settings: offline, headless, quiet."""
+"""Test-wide settings: offline, headless, quiet; one worker per shared launch."""
 
 import logging
 import os
@@ -17,6 +17,7 @@ warnings.filterwarnings("ignore", message=".*LeafSpec.*")
 
 # One intra-op thread per test process: pytest-xdist already runs one process per core, and
 # small LAPACK calls slow down badly when threads oversubscribe the cores.
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
@@ -31,7 +32,32 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
-import pytest  # noqa: E402
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the marks (--dist loadgroup, pyproject.toml)
+def pytest_collection_modifyitems(config, items):
+    """The tests that share a module-scoped fixture (a pair of processes run once for many tests, a
+    torch.distributed.run launch, a model written once) run on one pytest-xdist worker: spread over
+    two, each worker set the fixture up, and a file-locked launch (tests/_dist.py's run_pair_once)
+    left the second worker waiting for as long as the first one's launch ran.
+    xdist's loadgroup sends the largest groups first; every other test goes to whichever worker is
+    free, one at a time."""
+    shared, root = {}, {}
+
+    def find(key):
+        while root.setdefault(key, key) != key:
+            key = root[key]
+        return key
+
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        names = sorted(name for name, defs in (info.name2fixturedefs.items() if info else ())
+                       if defs and defs[-1].scope == "module" and not defs[-1]._autouse)
+        if names:
+            keys = [f"{item.module.__name__}:{name}" for name in names]
+            shared[item] = keys
+            for key in keys[1:]:  # a fixture built on another (test_cli's broken_files): one group
+                root[find(key)] = find(keys[0])
+    for item, keys in shared.items():
+        item.add_marker(pytest.mark.xdist_group(find(keys[0])))
 
 
 @pytest.fixture(autouse=True)

@@ -588,6 +588,8 @@ def two_ranks(tmp_path_factory):
 
     from filelock import FileLock
 
+    from tests._dist import free_port
+
     root = tmp_path_factory.getbasetemp()
     root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
     out = root / "hf_two_ranks"
@@ -596,7 +598,7 @@ def two_ranks(tmp_path_factory):
             out.mkdir(exist_ok=True)
             script = Path(__file__).with_name("_hf_ddp.py")
             run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                                  "--master_port", str(29500 + os.getpid() % 400), str(script), str(out),
+                                  "--master_port", str(free_port()), str(script), str(out),
                                   *TWO_RANK_CASES], capture_output=True, text=True, timeout=600)
             (out / "done.txt").write_text(f"{run.returncode}\n{run.stderr[-3000:]}")
     code, stderr = (out / "done.txt").read_text().split("\n", 1)

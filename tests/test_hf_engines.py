@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._dist import free_port
+
 pytest.importorskip("transformers")
 pytest.importorskip("deepspeed", reason="the DeepSpeed tests need deepspeed (pip install -e '.[dev]')")
 
@@ -41,7 +43,7 @@ def runs(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     script = Path(__file__).with_name("_hf_engines.py")
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          "29517", str(script), str(out), *CASES], env=env, capture_output=True, text=True,
+                          str(free_port()), str(script), str(out), *CASES], env=env, capture_output=True, text=True,
                          timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
 

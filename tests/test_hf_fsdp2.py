@@ -21,6 +21,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests._dist import free_port
+
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
@@ -37,7 +39,7 @@ def runs(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     script = Path(__file__).with_name("_hf_fsdp2.py")
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          "29941", str(script), str(out), *CASES], env=env, capture_output=True, text=True,
+                          str(free_port()), str(script), str(out), *CASES], env=env, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
 
