@@ -300,7 +300,8 @@ def _fsdp_version(trainer: Any) -> int:
     """accelerate's FSDP version under the Trainer's FSDP (``fsdp_config={"version": ...}``), else 0."""
     if not getattr(trainer, "is_fsdp_enabled", False):
         return 0
-    return int(getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1) or 1)
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)  # accelerate's default is FSDP1
+    return int(getattr(plugin, "fsdp_version", 1) or 1)
 
 
 def _sharding_of(trainer: Any) -> str:
