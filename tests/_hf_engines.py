@@ -35,8 +35,11 @@ from tests._lm import tiny_lm  # noqa: E402
 STEPS = 4
 #: the methods whose run is resumed from its step-2 checkpoint (``<case>-resume``)
 RESUMED = ("none", "lisa", "spectrum", "tempbalance", "pruning")
-#: the method measuring at every epoch's start that runs on half the rows: two epochs in the 4 steps
-TWO_EPOCHS = ("eb",)
+#: the methods measuring (or pruning) at an epoch's start that run on half the rows: two epochs in the 4 steps
+TWO_EPOCHS = ("eb", "sparsegpt1", "gradual")
+#: the pruning cases: their fp32 master weights are read too (DeepSpeed's own safe_get_full_fp32_param)
+#: after the pruning event and every step, and the weights before each event
+PRUNING = ("pruning", "wanda", "sparsegpt", "nm", "owl", "sparsegpt1", "gradual")
 
 METHODS = {
     "none": lambda: None,
@@ -50,7 +53,16 @@ METHODS = {
     "lalr": lambda: C.LALRScheduleCallback(),
     "rgn": lambda: C.AutoRGN(n_batches=2),
     "eb": lambda: C.AutoRGN(criterion="eb", n_batches=2, eb_threshold=1.0),
-    "wanda": lambda: C.HTSRPruning(target_sparsity=0.5, criterion="wanda", min_numel=1, min_evals=3),
+    "wanda": lambda: C.HTSRPruning(target_sparsity=0.5, criterion="wanda", min_numel=1, min_evals=3,
+                                   n_calibration=8),
+    # SparseGPT moves the kept weights too (its OBS update): at the fit's start, and at epoch 1's
+    "sparsegpt": lambda: C.HTSRPruning(target_sparsity=0.5, criterion="sparsegpt", min_numel=1, min_evals=3,
+                                       n_calibration=8),
+    "sparsegpt1": lambda: C.HTSRPruning(target_sparsity=0.5, criterion="sparsegpt", min_numel=1, min_evals=3,
+                                        n_calibration=8, when=1),
+    "nm": lambda: C.HTSRPruning(target_sparsity=0.5, n=2, m=4, min_numel=1, min_evals=3),
+    "owl": lambda: C.HTSRPruning(preset="owl", target_sparsity=0.5, criterion="sparsegpt", n_calibration=8),
+    "gradual": lambda: C.HTSRPruning(target_sparsity=0.5, min_numel=1, min_evals=3, when="gradual", gradual_epochs=2),
     "proximal": lambda: C.ProximalRegularizer(lam=0.5),
     "lmsa": lambda: C.LMSAStepper(update="optimizer", every_n_epochs=1),
     "ntk": lambda: C.NTKDiagnostics(probe_size=4),
@@ -88,6 +100,14 @@ def engine_counts(trainer) -> dict:
             # per flat partition: its elements on this rank, whether it holds optimizer state, its parameters
             "flats": [(f.numel(), any(torch.is_tensor(v) and v.dim() for v in state.get(f, {}).values()),
                        sorted(names[id(p)] for p in ps)) for f, ps in zip(flats, members)]}
+
+
+def master(model) -> dict[str, torch.Tensor]:
+    """Every weight's fp32 master copy as the engine's optimizer holds it (DeepSpeed's own reader,
+    independent of the package's FlatView: a collective on every rank)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return {n: safe_get_full_fp32_param(p).detach().clone() for n, p in model.named_parameters()}
 
 
 def weights(trainer, model) -> dict[str, torch.Tensor]:
@@ -144,9 +164,27 @@ def fit(out: str, case: str) -> None:
     record: dict = {"steps": [], "grads": []}
     GATHERED.clear()
 
+    prunes = method in PRUNING
+    record.update(before={}, after={}, master_steps=[])
+
+    class Before(TrainerCallback):  # ahead of the method's callback: the weights a pruning event starts from
+        def on_train_begin(self, args, state, control, **kwargs):
+            if prunes:
+                record["before"]["start"] = weights(trainer, model)
+
+        def on_epoch_begin(self, args, state, control, **kwargs):
+            if prunes:
+                record["before"][int(state.epoch or 0)] = weights(trainer, model)
+
     class Peek(TrainerCallback):
+        def on_epoch_begin(self, args, state, control, **kwargs):
+            if prunes:  # after an epoch's pruning event: the model's weights and the engine's master copy
+                record["after"][int(state.epoch or 0)] = (weights(trainer, model), master(model))
+
         def on_train_begin(self, args, state, control, **kwargs):
             record["start"] = weights(trainer, model)
+            if prunes:
+                record["master_start"] = master(model)
             record["begin_counts"] = engine_counts(trainer)
             # ZeRO-3: every parameter an empty placeholder between forwards (what a measurement must gather)
             record["placeholders"] = sum(p.numel() == 0 for p in model.parameters())
@@ -164,6 +202,8 @@ def fit(out: str, case: str) -> None:
             record["steps"].append((state.global_step, list(getattr(cb, "selected", []) or []),
                                     weights(trainer, model), engine_counts(trainer),
                                     dict(getattr(cb, "multipliers", None) or {})))
+            if prunes:
+                record["master_steps"].append(master(model))
 
     run_dir = f"{out}/run_{stage_name}-{method}"
     args = TrainingArguments(output_dir=run_dir, max_steps=STEPS, per_device_train_batch_size=2, report_to="none",
@@ -171,7 +211,7 @@ def fit(out: str, case: str) -> None:
                              disable_tqdm=True, seed=0, learning_rate=1e-2, deepspeed=ds_config(stage),
                              accelerator_config={"use_configured_state": True}, lr_scheduler_type="constant",
                              weight_decay=0.1)
-    callbacks = ([] if cb is None else [trainer_callback(cb)]) + [Peek()]
+    callbacks = [Before()] + ([] if cb is None else [trainer_callback(cb)]) + [Peek()]
     trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=callbacks)
     error = None
     try:
@@ -184,6 +224,7 @@ def fit(out: str, case: str) -> None:
     if error is None:
         record["end_counts"] = engine_counts(trainer)
     record.update(error=error, history=getattr(cb, "history", None), gathered=list(GATHERED),
+                  masks=dict(getattr(cb, "masks", None) or {}),
                   numel={n: int(getattr(p, "ds_numel", p.numel())) for n, p in model.named_parameters()})
     if cb is not None and hasattr(cb, "layers"):
         record["layers"] = {u.name: sorted(n for n, p in model.named_parameters()

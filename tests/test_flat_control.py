@@ -93,6 +93,23 @@ def test_a_mask_zeroes_its_elements_in_the_partition_the_weight_and_the_moments_
         assert not fp32.detach()[flat_idx].any() and fp32.detach()[4:].count_nonzero() == 8
 
 
+def test_weights_written_into_the_model_reach_this_ranks_fp32_partition_and_the_next_step_starts_there():
+    # SparseGPT's update of the kept weights: written into the model's (bit16) weights, which the
+    # engine overwrites from its fp32 partition after every step
+    params, fp32, opt, _ = _zero2()
+    ctl = LayerControl.of(opt)
+    other = fp32.detach()[:4].clone()  # the bias' elements on this rank (2..5): not written
+    new = torch.randn(2, 5)
+    with torch.no_grad():
+        params[2].copy_(new)
+    ctl.weights_written([params[2]])
+    assert torch.equal(fp32.detach()[4:], new.reshape(-1)) and torch.equal(fp32.detach()[:4], other)
+    grad = torch.randn(14)
+    _step(fp32, opt, grad)
+    # AdamW's first step moves each element by the learning rate, from the written values
+    torch.testing.assert_close(fp32.detach()[4:], new.reshape(-1) - 0.1 * grad[4:].sign(), rtol=0, atol=1e-6)
+
+
 def test_a_mask_of_the_wrong_shape_is_one_line_naming_the_parameter():
     params, _, opt, _ = _zero2()
     with pytest.raises(ValueError, match="'w' has shape"):

@@ -24,13 +24,18 @@ from tests._dist import free_port
 pytest.importorskip("transformers")
 pytest.importorskip("deepspeed", reason="the DeepSpeed tests need deepspeed (pip install -e '.[dev]')")
 
+#: the pruning modes that write weights under ZeRO-1/2, each against a plain run of the same pruning
+#: (magnitude is zero2-pruning; sparsegpt1 prunes at epoch 1's start, after two optimizer steps)
+ZERO12_PRUNING = ["zero2-wanda", "zero2-sparsegpt", "zero1-sparsegpt", "zero2-nm", "zero2-owl", "zero2-sparsegpt1"]
 #: run in this order in one launch: a resume reads the checkpoint its uninterrupted run wrote
 CASES = ["zero2-none", "zero2-none-resume", "zero2-lisa", "zero2-lisa-resume", "zero2-spectrum", "zero2-spectrum-resume",
          "zero2-surgical", "zero2-multiplier", "zero2-tempbalance", "zero2-tempbalance-resume", "zero2-pruning",
          "zero2-pruning-resume", "zero2-proximal", "zero2-lmsa", "zero2-ntk", "zero2-lalr", "zero2-rgn", "zero2-eb",
+         *ZERO12_PRUNING,
          "zero3-none", "zero3-none-resume", "zero3-tempbalance", "zero3-tempbalance-resume", "zero3-spectrum-init",
          "zero3-spectrum", "zero3-spectrum-resume", "zero3-ntkselect", "zero3-lisa", "zero3-lisa-resume",
-         "zero3-pruning", "zero3-pruning-resume", "zero3-lalr", "zero3-rgn", "zero3-eb", "zero3-wanda", "zero3-tempbalance-init"]
+         "zero3-pruning", "zero3-pruning-resume", "zero3-gradual", "zero3-lalr", "zero3-rgn", "zero3-eb", "zero3-wanda",
+         "zero3-tempbalance-init"]
 #: refused in one line: (case, a phrase naming what works)
 REFUSED = {"zero2-proximal": "DDP", "zero2-lmsa": "DDP", "zero2-ntk": "DDP",
            "zero3-spectrum-init": "create the model before the TrainingArguments", "zero3-wanda": "ZeRO-2",
@@ -240,3 +245,118 @@ def test_pruning_under_zero3_masks_hold_on_the_partitions_and_after_a_resume(run
                 for n in weights:
                     assert not w[n][start[n] == 0].any(), (step, n)
                     assert (w[n] != start[n]).any(), (step, n)
+
+
+#: the settings of tests/_hf_engines.py's pruning cases (importing it sets DeepSpeed's environment),
+#: each pruning at the fit's start, for the plain run
+PLAIN = {"pruning": dict(target_sparsity=0.5, min_numel=1, min_evals=3),
+         "wanda": dict(target_sparsity=0.5, criterion="wanda", min_numel=1, min_evals=3, n_calibration=8),
+         "sparsegpt": dict(target_sparsity=0.5, criterion="sparsegpt", min_numel=1, min_evals=3, n_calibration=8),
+         "sparsegpt1": dict(target_sparsity=0.5, criterion="sparsegpt", min_numel=1, min_evals=3, n_calibration=8),
+         "nm": dict(target_sparsity=0.5, n=2, m=4, min_numel=1, min_evals=3),
+         "owl": dict(preset="owl", target_sparsity=0.5, criterion="sparsegpt", n_calibration=8)}
+LR, WEIGHT_DECAY = 1e-2, 0.1  # the launch's AdamW
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """The same pruning on one process without ZeRO, from the weights the ZeRO run pruned: the
+    model's weights right after the event (at the fit's start)."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    import lalr_lightning.callbacks as C
+    from lalr_lightning.hf import trainer_callback
+    from tests._lm import tiny_lm
+
+    def run(method: str, before: dict, rows: int) -> dict:
+        model = tiny_lm("llama", False, layers=4, hidden=16, seed=0)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(before[n])
+        g = torch.Generator().manual_seed(0)
+        data = [{"input_ids": x, "labels": x.clone()} for x in torch.randint(4, 60, (16, 10), generator=g)][:rows]
+        got: dict = {}
+
+        class Peek(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                got.update({n: p.detach().clone() for n, p in model.named_parameters()})
+
+        args = TrainingArguments(output_dir=str(tmp_path_factory.mktemp("plain")), max_steps=1,
+                                 per_device_train_batch_size=2, report_to="none", use_cpu=True, save_strategy="no",
+                                 disable_tqdm=True, seed=0, learning_rate=LR)
+        cb = trainer_callback(C.HTSRPruning(**PLAIN[method]))
+        Trainer(model=model, args=args, train_dataset=data, callbacks=[cb, Peek()]).train()
+        return got
+
+    return run
+
+
+def _event(rec: dict, method: str) -> tuple[dict, dict, dict, int]:
+    """(the weights before the pruning event, the model's after it, the engine's fp32 master copy
+    after it, the steps done before it)."""
+    if method == "sparsegpt1":  # at epoch 1's start, after the two steps of epoch 0
+        return rec["before"][1], *rec["after"][1], 2
+    return rec["before"]["start"], rec["start"], rec["master_start"], 0
+
+
+@pytest.mark.parametrize("case", ["zero2-pruning", *ZERO12_PRUNING])
+def test_pruning_under_zero12_writes_the_master_weights_as_a_plain_run_prunes(runs, plain, case):
+    """Every pruning mode under ZeRO-1/2: at the event the model holds what the same pruning gives
+    without ZeRO (SparseGPT's OBS update of the kept weights included), and so does the engine's
+    fp32 master copy, which the next step starts from; the masks hold on both after every step."""
+    method = case.split("-")[1]
+    expected = None
+    for rank in (0, 1):
+        rec = runs(case, rank)
+        before, after, master, done = _event(rec, method)
+        pruned = sorted(rec["masks"])
+        assert pruned and rec["history"][0]["step"] == done
+        if expected is None:
+            expected = plain(method, before, 8 if method == "sparsegpt1" else 16)
+        for n in after:
+            # the engine's master copy is the model's weights (fp32 both): SparseGPT's update is in it
+            assert torch.equal(master[n], after[n]), (n, float((master[n] - after[n]).abs().max()))
+            if n not in rec["masks"]:
+                assert torch.equal(after[n], before[n]), n
+        for n in pruned:
+            assert torch.equal(after[n] == 0, expected[n] == 0), n
+            torch.testing.assert_close(after[n], expected[n], rtol=1e-5, atol=1e-6)
+        if method in ("sparsegpt", "sparsegpt1", "owl"):  # it moved kept weights (by more than a step would)
+            assert max(float(((after[n] - before[n]) * (after[n] != 0)).abs().max()) for n in pruned) > 2 * LR
+        for (step, _, w, _, _), m in zip(rec["steps"][done:], rec["master_steps"][done:]):
+            for n in pruned:
+                assert not w[n][~rec["masks"][n]].any() and not m[n][~rec["masks"][n]].any(), (step, n)
+                assert torch.equal(w[n], m[n]), (step, n)
+        if done == 0:
+            # the first step starts from the pruned weights: Adam's first update moves each weight by
+            # at most the learning rate (and its decoupled weight decay), never back to the dense values
+            first = rec["steps"][0][2]
+            moved = max(float(((first[n] - after[n]) * rec["masks"][n]).abs().max()) for n in pruned)
+            assert moved <= LR * (1 + WEIGHT_DECAY) + 1e-7, moved
+
+
+def test_gradual_magnitude_pruning_under_zero3_follows_the_cubic_schedule(runs):
+    """``when="gradual"`` under ZeRO-3 (2 epochs of 2 steps): at each epoch's start every layer loses
+    the ``round(level x ratio x numel)`` smallest |w| of the weights trained so far (the first
+    event's level 1 - (1 - 1/2)^3), the earlier masks kept; the partitions and the engine's fp32
+    master copy hold them after every step."""
+    for rank in (0, 1):
+        rec = runs("zero3-gradual", rank)
+        first, second = rec["history"]
+        assert (first["step"], first["level"], second["step"], second["level"]) == (0, 0.875, 2, 1.0)
+        masks = {}
+        for epoch, event in ((0, first), (1, second)):
+            before, (after, master) = rec["before"][epoch], rec["after"][epoch]
+            for layer, ratio in first["ratios"].items():
+                n = f"{layer}.weight"
+                gone = after[n] == 0
+                assert int(gone.sum()) == round(min(ratio * event["level"], 1.0) * gone.numel()), (epoch, n)
+                assert float(before[n].abs()[gone].max()) <= float(before[n].abs()[~gone].min()), (epoch, n)
+                if epoch:
+                    assert gone[masks[n]].all(), n  # pruned weights stay pruned
+                masks[n] = gone
+                assert torch.equal(master[n], after[n]), (epoch, n)
+            for (step, _, w, _, _), m in zip(rec["steps"][2 * epoch:2 * epoch + 2], rec["master_steps"][2 * epoch:]):
+                for n, gone in masks.items():
+                    assert not w[n][gone].any() and not m[n][gone].any(), (step, n)
+                    assert (w[n] != after[n]).any(), (step, n)

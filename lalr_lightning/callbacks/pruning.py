@@ -529,9 +529,12 @@ class HTSRPruning(LayerwiseCallback):
             with torch.no_grad():
                 bc.load_weights(self._params, {k: layout.local(self._params[k], v) for k, v in self._weights.items()})
             self._weights = {}
+        moved = self._fresh and self.criterion == "sparsegpt"  # the kept weights too, on every rank by now
         masks = {self._params[k]: layout.local(self._params[k], v) for k, v in self.masks.items()}
         names = {self._params[k]: k for k in self.masks}
         for ctl in self.controls(host):
+            if moved:  # under ZeRO the engine's fp32 master copy takes them, or the next step reverts them
+                ctl.weights_written(list(masks))
             ctl.set_masks(self.state_key, masks, names, zero_state=self._fresh)
         self._fresh = False
         self.sparsity = self._measure(host)

@@ -307,6 +307,12 @@ class LayerControl:
                     if isinstance(v, torch.Tensor) and v.shape == p.shape:
                         v.masked_fill_(~keep, 0)
 
+    def weights_written(self, params: Iterable[nn.Parameter]) -> None:
+        """``params``' values were written outside the optimizer (SparseGPT's update of the kept
+        weights): an engine that steps master copies of them takes the new values
+        (:class:`~lalr_lightning.core.runtime.flat.FlatControl`); here the optimizer steps the
+        parameters themselves, so there is nothing to do."""
+
     def set_transform(self, owner: str, fn: Callable[[PostStep], None] | None, *, order: float = 0.0) -> None:
         """Run ``fn(step)`` after every optimizer step (one transform per owner; ``None`` removes
         it). Transforms run by ascending ``order`` (then in the order they were set); masks are

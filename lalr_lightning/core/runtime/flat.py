@@ -254,6 +254,17 @@ class FlatControl(LayerControl):
                 p.data.mul_(keep.to(p.dtype))
 
     @torch.no_grad()
+    def weights_written(self, params: Iterable[nn.Parameter]) -> None:
+        """The engine's fp32 partitions take the values just written into ``params``' working
+        copies (SparseGPT's updated weights): the engine copies its partitions back into the model
+        after every step, so else the next step would start from the old weights again."""
+        for p in params:
+            for pc in self.view.by_param.get(id(p), ()):
+                src = p.ds_tensor.reshape(-1)[:pc.stop - pc.start] if self.view.stage == 3 \
+                    else self.view.slice_of(pc, p.data)
+                pc.flat[pc.start:pc.stop].copy_(src.to(pc.flat.dtype))
+
+    @torch.no_grad()
     def set_masks(self, owner, masks, names=None, *, zero_state: bool = True) -> None:
         table: dict[int, torch.Tensor] = {}
         for p, keep in masks.items():
