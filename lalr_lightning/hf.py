@@ -323,9 +323,14 @@ def _zero_optimizers(trainer: Any) -> list[torch.optim.Optimizer]:
 
     zero = getattr(getattr(trainer, "model_wrapped", None), "optimizer", None)
     base = getattr(zero, "optimizer", None)
-    if not isinstance(base, torch.optim.Optimizer) or not (
-            hasattr(zero, "bit16_groups") or hasattr(zero, "fp32_partitioned_groups_flat")):
+    if not isinstance(base, torch.optim.Optimizer):
         return []
+    if not (hasattr(zero, "bit16_groups") or hasattr(zero, "fp32_partitioned_groups_flat")):
+        # ZeRO-1 with bf16 and fp32 gradient accumulation steps DeepSpeed's BF16_Optimizer, another layout:
+        # the methods would control nothing (masks unenforced, nothing frozen)
+        raise RuntimeError(f"the engine steps DeepSpeed's {type(zero).__name__}, whose partitions lalr_lightning "
+                           "does not read (ZeRO-1 with bf16 and data_types.grad_accum_dtype='fp32'); drop "
+                           "grad_accum_dtype, or use ZeRO-2 (zero_optimization.stage=2)")
     if getattr(base, FLAT_VIEW, None) is None:
         group = getattr(zero, "dp_process_group", None)
         rank = torch.distributed.get_rank(group) if torch.distributed.is_initialized() else 0

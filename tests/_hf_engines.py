@@ -69,12 +69,16 @@ METHODS = {
 }
 
 
-def ds_config(stage: int) -> dict:
+def ds_config(stage: int, bf16: bool = False) -> dict:
     # ZeRO-3 keeps no parameter whole between forwards (by default those under 1e5 elements, all
     # of the tiny model's, would stay whole and hide a measurement that reads placeholders)
     zero = {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}
+    # bf16 ("<case>-bf16"): the model's weights in bf16, the master copy fp32; under ZeRO-1 with fp32
+    # gradient accumulation DeepSpeed steps its BF16_Optimizer instead (refused)
+    extra = {"data_types": {"grad_accum_dtype": "fp32"}} if bf16 and stage == 1 else {}
     return {"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "bf16": {"enabled": False}}
+            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+            "bf16": {"enabled": "auto" if bf16 else False}, **extra}
 
 
 def cpu_deepspeed() -> None:
@@ -153,6 +157,7 @@ def fit(out: str, case: str) -> None:
     gc.collect()
     unset_hf_deepspeed_config()
     init = bool(mode and mode[0] == "init")
+    bf16 = bool(mode and mode[0] == "bf16")
     if init:
         held = TrainingArguments(output_dir=f"{out}/init", deepspeed=ds_config(stage), use_cpu=True, report_to="none",
                                  accelerator_config={"use_configured_state": True})
@@ -208,9 +213,9 @@ def fit(out: str, case: str) -> None:
     run_dir = f"{out}/run_{stage_name}-{method}"
     args = TrainingArguments(output_dir=run_dir, max_steps=STEPS, per_device_train_batch_size=2, report_to="none",
                              use_cpu=True, save_strategy="steps", save_steps=2, save_only_model=False,
-                             disable_tqdm=True, seed=0, learning_rate=1e-2, deepspeed=ds_config(stage),
+                             disable_tqdm=True, seed=0, learning_rate=1e-2, deepspeed=ds_config(stage, bf16),
                              accelerator_config={"use_configured_state": True}, lr_scheduler_type="constant",
-                             weight_decay=0.1)
+                             weight_decay=0.1, bf16=bf16)
     callbacks = [Before()] + ([] if cb is None else [trainer_callback(cb)]) + [Peek()]
     trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=callbacks)
     error = None
