@@ -107,11 +107,13 @@ def _pair(rank: int, store: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def rows() -> list[dict]:
-    """Rank zero's rows: every arm under DDP, FSDP1 and FSDP2, from one pair of processes."""
+def rows(start_method: str = "spawn") -> list[dict]:
+    """Rank zero's rows: every arm under DDP, FSDP1 and FSDP2, from one pair of processes
+    (``start_method="forkserver"``: forked from a server that has imported torch and Lightning,
+    as the tests do; the seconds are the measurement's own either way)."""
     work = tempfile.mkdtemp()
     out = os.path.join(work, "copy.json")
-    mp.start_processes(_pair, args=(os.path.join(work, "store"), out), nprocs=2, start_method="spawn")
+    mp.start_processes(_pair, args=(os.path.join(work, "store"), out), nprocs=2, start_method=start_method)
     return json.load(open(f"{out}.0"))
 
 

@@ -144,6 +144,13 @@ def run_pair(fn: Callable[..., None], workdir: str | Path, *args: Any, timeout_s
     return out
 
 
+def preloaded_start_method() -> str:
+    """The start method for a test's own ``mp.start_processes``: ``"forkserver"``, with the server
+    :func:`run_pair` forks from running (its processes skip the ~11 CPU seconds of imports)."""
+    _start_server()
+    return "forkserver"
+
+
 def _start_server() -> None:
     """The forkserver, started once with :data:`PRELOAD` imported, in the environment and directory
     this process had when the tests were collected (a no-op while it runs)."""
@@ -231,3 +238,47 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------- Hugging Face launches
+
+
+def hf_launch(tmp_path_factory, name: str, script: str | Path, cases: list[str], timeout_s: int):
+    """One ``torch.distributed.run`` of ``script`` on two CPU ranks for every case named (each rank
+    writes ``<case>_rank<r>.pt`` under a fresh directory); the test fails with the launch's stderr
+    when it does not exit cleanly. Returns ``load(case, rank=0)`` -> that rank's record."""
+    import subprocess
+
+    out = tmp_path_factory.mktemp(name)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(free_port()), str(script), str(out), *cases], env=env, capture_output=True, text=True,
+                         timeout=timeout_s)
+    assert run.returncode == 0, run.stderr[-4000:]
+
+    def load(case: str, rank: int = 0) -> dict:
+        return torch.load(out / f"{case}_rank{rank}.pt", weights_only=False)
+
+    return load
+
+
+def hf_trainer(model, args, rows, cb, peek, before=None):
+    """The case's ``transformers.Trainer``: the worker's ``before`` (if any, seeing each event
+    before the method), the method ``cb`` (none when ``None``) as a Trainer callback, then the
+    worker's ``peek`` recording what the engine holds."""
+    from transformers import Trainer
+
+    from lalr_lightning.hf import trainer_callback
+
+    callbacks = ([] if before is None else [before]) + ([] if cb is None else [trainer_callback(cb)]) + [peek]
+    return Trainer(model=model, args=args, train_dataset=rows, callbacks=callbacks)
+
+
+def hf_train(trainer, resume_from: str | None) -> str | None:
+    """Train (resumed from ``resume_from`` when given); a refusal (``RuntimeError``) comes back as its
+    text for the test to read, anything else fails the launch."""
+    try:
+        trainer.train(resume_from_checkpoint=resume_from)
+    except RuntimeError as err:
+        return str(err)
+    return None

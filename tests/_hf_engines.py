@@ -29,7 +29,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
 
 import lalr_lightning.callbacks as C  # noqa: E402
-from lalr_lightning.hf import trainer_callback  # noqa: E402
+from tests._dist import hf_train, hf_trainer  # noqa: E402
 from tests._lm import tiny_lm  # noqa: E402
 
 STEPS = 4
@@ -145,7 +145,7 @@ def count_gathers() -> None:
 
 def fit(out: str, case: str) -> None:
     from accelerate.state import AcceleratorState
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import TrainerCallback, TrainingArguments
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     stage_name, method, *mode = case.split("-")
@@ -216,13 +216,8 @@ def fit(out: str, case: str) -> None:
                              disable_tqdm=True, seed=0, learning_rate=1e-2, deepspeed=ds_config(stage, bf16),
                              accelerator_config={"use_configured_state": True}, lr_scheduler_type="constant",
                              weight_decay=0.1, bf16=bf16)
-    callbacks = [Before()] + ([] if cb is None else [trainer_callback(cb)]) + [Peek()]
-    trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=callbacks)
-    error = None
-    try:
-        trainer.train(resume_from_checkpoint=f"{run_dir}/checkpoint-2" if resume else None)
-    except RuntimeError as err:
-        error = str(err)
+    trainer = hf_trainer(model, args, rows, cb, Peek(), before=Before())
+    error = hf_train(trainer, f"{run_dir}/checkpoint-2" if resume else None)
     rank = trainer.args.process_index
     if init:
         del held

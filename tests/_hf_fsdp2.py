@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lalr_lightning.callbacks as C  # noqa: E402
-from lalr_lightning.hf import trainer_callback  # noqa: E402
+from tests._dist import hf_train, hf_trainer  # noqa: E402
 from tests._lm import tiny_lm  # noqa: E402
 
 STEPS = 4
@@ -95,7 +95,7 @@ def weights(model) -> dict[str, torch.Tensor]:
 
 
 def fit(out: str, case: str) -> None:
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import TrainerCallback, TrainingArguments
 
     method, *mode = case.split("-")
     resume, dcp = "resume" in mode, "dcp" in mode  # dcp: sharded checkpoints (torch.distributed.checkpoint)
@@ -136,13 +136,8 @@ def fit(out: str, case: str) -> None:
                              use_cpu=True, save_strategy="steps", save_steps=2, disable_tqdm=True, seed=0,
                              learning_rate=1e-2, lr_scheduler_type="constant", weight_decay=0.1,
                              accelerator_config={"use_configured_state": True}, **sharding)
-    callbacks = ([] if cb is None else [trainer_callback(cb)]) + [Peek()]
-    trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=callbacks)
-    error = None
-    try:
-        trainer.train(resume_from_checkpoint=f"{run_dir}/checkpoint-2" if resume else None)
-    except RuntimeError as err:
-        error = str(err)
+    trainer = hf_trainer(model, args, rows, cb, Peek())
+    error = hf_train(trainer, f"{run_dir}/checkpoint-2" if resume else None)
     rank = trainer.args.process_index
     # after the fit every flag is the user's again (all trained here)
     record.update(error=error, history=getattr(cb, "history", None),

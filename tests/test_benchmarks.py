@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._dist import preloaded_start_method
+
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
@@ -106,7 +108,8 @@ def test_whole_copy_measures_every_arm_under_each_strategy(monkeypatch):
     zero held exactly the whole model (fp32) while it measured, twice its own half."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # imported by name: the spawned ranks import it too
     bench = importlib.import_module("whole_copy")
-    rows = {(r["arm"], r["kind"]): r for r in bench.rows()}
+    # the ranks fork from the tests' preloaded server (tests/_dist.py), not a fresh spawn each
+    rows = {(r["arm"], r["kind"]): r for r in bench.rows(preloaded_start_method())}
     cfg = importlib.import_module("selection_shards").CONFIG
     h, m, v, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     n = 2 * v * h + h + layers * (4 * h * h + 3 * h * m + 2 * h)

@@ -11,15 +11,12 @@ what cannot work under ZeRO is refused in one line.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests._dist import free_port
+from tests._dist import hf_launch
 
 pytest.importorskip("transformers")
 pytest.importorskip("deepspeed", reason="the DeepSpeed tests need deepspeed (pip install -e '.[dev]')")
@@ -45,18 +42,7 @@ REFUSED = {"zero2-proximal": "DDP", "zero2-lmsa": "DDP", "zero2-ntk": "DDP",
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hf_engines")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    script = Path(__file__).with_name("_hf_engines.py")
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(free_port()), str(script), str(out), *CASES], env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, run.stderr[-4000:]
-
-    def load(case: str, rank: int = 0) -> dict:
-        return torch.load(out / f"{case}_rank{rank}.pt", weights_only=False)
-
-    return load
+    return hf_launch(tmp_path_factory, "hf_engines", Path(__file__).with_name("_hf_engines.py"), CASES, timeout_s=900)
 
 
 def _frozen(rec: dict, selected: list[str]) -> list[str]:

@@ -12,16 +12,13 @@ checkpoints); what cannot run is refused in one line.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from tests._dist import free_port
+from tests._dist import hf_launch
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -35,18 +32,7 @@ REFUSED = {"lmsa": "update='optimizer'"}
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hf_fsdp2")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    script = Path(__file__).with_name("_hf_fsdp2.py")
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(free_port()), str(script), str(out), *CASES], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-
-    def load(case: str, rank: int = 0) -> dict:
-        return torch.load(out / f"{case}_rank{rank}.pt", weights_only=False)
-
-    return load
+    return hf_launch(tmp_path_factory, "hf_fsdp2", Path(__file__).with_name("_hf_fsdp2.py"), CASES, timeout_s=600)
 
 
 def _frozen(rec: dict, selected: list[str]) -> list[str]:
