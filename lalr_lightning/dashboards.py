@@ -98,8 +98,8 @@ def _cell(v: Any) -> Any:
 def decision_table(cb, decision) -> tuple[list[str], list[list]]:
     """(columns, rows) of one decision: ``layer``, the score, every other measurement, the
     decision value; one row per layer (missing numbers are ``None``)."""
-    quantities = [q for q in decision.measurements if q not in (cb.score_key, cb.decision_key)]
-    columns = ["layer"] + ([cb.score_key] if decision.scores else []) + quantities + [cb.decision_key]
+    quantities = [q for q in decision.measurements if q not in (cb.traits.score_key, cb.traits.decision_key)]
+    columns = ["layer"] + ([cb.traits.score_key] if decision.scores else []) + quantities + [cb.traits.decision_key]
     layers: list[str] = []
     for source in (decision.values, decision.scores, *decision.measurements.values()):
         layers += [n for n in source if n not in layers]
@@ -227,7 +227,7 @@ def _log_esds(trainer, cb, names, wb, tb, title: str) -> None:
     log = _log_of(cb, trainer)
     log.esd_epochs.add(trainer.current_epoch)
     log.esd_at_entry = len(cb.history)
-    if not cb.esd_plots or _sharded(trainer):  # blocks or tensors; or rank zero lacks whole weights
+    if not cb.traits.esd_plots or _sharded(trainer):  # blocks or tensors; or rank zero lacks whole weights
         return
     from lalr_lightning import viz
 
@@ -275,7 +275,7 @@ def _end(trainer, cb) -> None:
     if not (wb or tb):
         return
     if drawn and log.esd_at_entry != len(cb.history):  # the last decision's ESDs were not shown
-        names = list(cb.scores or getattr(cb, cb.decision_attr) or [])
+        names = list(cb.scores or getattr(cb, cb.traits.decision_attr) or [])
         if isinstance(names, dict):
             names = list(names)
         _log_esds(trainer, cb, names, wb, tb, f"fit end, epoch {trainer.current_epoch}, step {trainer.global_step}")
@@ -292,7 +292,7 @@ def _end(trainer, cb) -> None:
 
 def _final_table(cb) -> tuple[list[str], list[list]] | None:
     """The last decision as (columns, rows), from what the callback holds after fit."""
-    values = getattr(cb, cb.decision_attr, None)
+    values = getattr(cb, cb.traits.decision_attr, None)
     if isinstance(values, list):  # selection callbacks keep the selected units
         values = {u.name: float(u.name in values) for u in cb.layers}
     if not values:
@@ -302,17 +302,17 @@ def _final_table(cb) -> tuple[list[str], list[list]] | None:
 
 
 def log_heatmap(trainer, cb) -> None:
-    """The layers x decisions heatmap (``cb.heatmap``: key, title, colour-bar label), once the history
+    """The layers x decisions heatmap (``cb.traits.heatmap``: key, title, colour-bar label), once the history
     has ``heatmap_min_entries``; a method shapes it with ``heatmap_values()``, ``heatmap_columns()``,
     ``heatmap_xlabel()`` where it defines them, and adds figures of its own with ``log_heatmap(trainer)``."""
     if not trainer.is_global_zero or not trainer.loggers:
         return
-    if cb.heatmap is not None and len(cb.history) >= cb.heatmap_min_entries:
+    if cb.traits.heatmap is not None and len(cb.history) >= cb.traits.heatmap_min_entries:
         from lalr_lightning import viz
 
-        key, title, label = cb.heatmap
+        key, title, label = cb.traits.heatmap
         own = getattr(cb, "heatmap_values", None)
-        names, values = own() if own is not None else history_table(cb.history, cb.decision_attr)
+        names, values = own() if own is not None else history_table(cb.history, cb.traits.decision_attr)
         fig = viz.plot_heatmap(values, names, heatmap_columns(cb)[-values.shape[1]:], title=title.format(self=cb),
                                cbar_label=label, xlabel=heatmap_xlabel(cb))
         viz.log_figure(trainer, f"{cb.prefix}/{key}", fig)

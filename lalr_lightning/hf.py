@@ -347,7 +347,7 @@ def _refuse_engine(trainer: Any, cb: LayerwiseCallback) -> None:
                            "(fsdp_config={'version': 2}, transformers' default), DeepSpeed ZeRO-2 or ZeRO-3 "
                            "(deepspeed=...), or Lightning's FSDPStrategy (docs/sharded.md)")
     if version == 2:
-        refusal = cb.fsdp_refusal  # what no sharded model can run (as under Lightning's FSDP2)
+        refusal = cb.traits.fsdp_refusal  # what no sharded model can run (as under Lightning's FSDP2)
         if refusal:
             raise RuntimeError(f"{who} under the Trainer's FSDP2: {refusal}")
         return

@@ -402,7 +402,7 @@ def callbacks_of(run: RunData) -> dict[str, tuple[str, type | None, dict]]:
         cls_name = re.match(r"[^\[{]*", rest).group(0)
         name = rest[len(cls_name) + 1:-1] if rest[len(cls_name):].startswith("[") else ""
         cls = getattr(callbacks, cls_name, None) if callbacks is not None else None
-        prefix = name or getattr(cls, "log_prefix", None)
+        prefix = name or (cls.traits.log_prefix if hasattr(cls, "traits") else None)
         if prefix:
             out[prefix] = (cls_name, cls if isinstance(cls, type) else None, settings)
     return out
@@ -421,7 +421,7 @@ def method_titles(run: RunData) -> dict[str, str]:
         modes = [m for m, (c, fixed) in _REGISTRY.items()
                  if c is cls and fixed and all(settings.get(k) == v for k, v in fixed.items())]
         if modes:
-            titles[prefix] = modes[0] if prefix == cls.log_prefix else f"{prefix} ({modes[0]})"
+            titles[prefix] = modes[0] if prefix == cls.traits.log_prefix else f"{prefix} ({modes[0]})"
     return titles
 
 
@@ -430,7 +430,7 @@ def _no_esd_reason(run: RunData, prefix: str) -> str:
     cls_name, cls, settings = callbacks_of(run).get(prefix, ("", None, {}))
     analyze = ("<code>python -m lalr_lightning analyze</code> on the checkpoint plots the ESD of every weight "
                "matrix")
-    if cls is not None and not getattr(cls, "esd_plots", True):
+    if cls is not None and not (cls.traits.esd_plots if hasattr(cls, "traits") else True):
         return (f"{html.escape(cls_name)} makes no ESD plots: it decides about blocks or tensors, not about single "
                 f"weight matrices from their spectra; {analyze}.")
     if run.kind == "csv":

@@ -79,11 +79,11 @@ def test_constructor_follows_the_naming_table(name):
     assert "name" in params and "strict_resume" in params
     # a decision: LR factors, a selection, pruning ratios, the share of steps pulled toward
     # theta_0 (ProximalRegularizer), per-layer NTK perturbations (NTKDiagnostics, which decides nothing)
-    assert cls.decision_attr in ("multipliers", "selected", "ratios", "regularized_fraction", "etas")
+    assert cls.traits.decision_attr in ("multipliers", "selected", "ratios", "regularized_fraction", "etas")
     cb = cls(**CASES[name][0])
     settings = cb.settings()  # every argument readable under its own name, as plain Python
     assert set(settings) == {a for a in params if a not in ("name", "strict_resume") and a not in deprecated_names(cls)}
-    for attr in ("scores", "history", "restored", cls.decision_attr):
+    for attr in ("scores", "history", "restored", cls.traits.decision_attr):
         assert hasattr(cb, attr), attr
     assert cls.__doc__ and ">>>" in cls.__doc__  # opens with a runnable example (tests/test_docs.py runs it)
 
@@ -211,19 +211,19 @@ def test_state_contract(name, tmp_path):
     first = cls(**kw)
     ckpt = _fit(first, tmp_path / "first", 2)
     state = torch.load(ckpt, weights_only=True)["callbacks"][first.state_key]  # plain containers only
-    assert state["version"] == cls.state_version and state["settings"] == first.settings()
+    assert state["version"] == cls.traits.state_version and state["settings"] == first.settings()
 
     loaded = cls(**kw)
     assert not loaded.restored
     loaded.load_state_dict(state)
     assert loaded.restored
-    for attr in ("history", "scores", cls.decision_attr):
+    for attr in ("history", "scores", cls.traits.decision_attr):
         assert _same(getattr(loaded, attr), getattr(first, attr)), attr
 
     resumed = cls(**kw)
     _fit(resumed, tmp_path / "resumed", 3, ckpt=str(ckpt), model_seed=123)  # other init: all from the checkpoint
     assert _same(resumed.history, full.history)
-    assert _same(getattr(resumed, cls.decision_attr), getattr(full, cls.decision_attr))
+    assert _same(getattr(resumed, cls.traits.decision_attr), getattr(full, cls.traits.decision_attr))
 
     with pytest.raises(SettingsMismatchError, match=f"{key}="):
         cls(**{**kw, key: other}).load_state_dict(state)
@@ -234,7 +234,7 @@ def test_state_contract(name, tmp_path):
 
 def test_history_is_bounded():
     sched = cbs.BlockSchedule(schedule="lift", every_n_steps=1)
-    sched.history_limit = 4
+    sched.traits = sched.traits.but(history_limit=4)
     make_trainer([sched], max_epochs=3).fit(_model(), _loader())  # 9 switches
     assert len(sched.history) == 4 and [h["switch"] for h in sched.history] == [5, 6, 7, 8]
 
@@ -301,13 +301,13 @@ def test_plan_gives_the_decision_or_says_there_is_none(name):
     model = _model()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     grads = [p.requires_grad for p in model.parameters()]
-    if cls.decides_from_weights:
+    if cls.traits.decides_from_weights:
         plan = cls(**CASES[name][0]).plan(model)
-        assert list(plan.columns)[0] == "layer" and cls.decision_key in plan.columns and len(plan) >= 2
+        assert list(plan.columns)[0] == "layer" and cls.traits.decision_key in plan.columns and len(plan) >= 2
     else:
         with pytest.raises(ValueError, match="no decision without a fit.*TempBalanceCallback"):
             cls(**CASES[name][0]).plan(model)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
     assert grads == [p.requires_grad for p in model.parameters()]
-    assert sorted(n for n in EXPORTED if getattr(cbs, n).decides_from_weights) == [
+    assert sorted(n for n in EXPORTED if getattr(cbs, n).traits.decides_from_weights) == [
         "HTSRPruning", "LALRScheduleCallback", "SpectrumSelect", "TempBalanceCallback"]

@@ -96,20 +96,20 @@ def test_wandb_and_tensorboard_hold_tables_heatmaps_esds_settings_and_summary(fi
     for cb, spectral in callbacks:
         p, n_dec = cb.prefix, len(cb.history)
         assert n_dec >= 1, p
-        last = cb.history[-1][cb.decision_attr]
+        last = cb.history[-1][cb.traits.decision_attr]
         last = {u: float(u in last) for u in cb.selected} if isinstance(last, list) else last
 
         # ---- W&B, read back from the offline run
         tables = run.tables[f"{p}/decisions"]
         assert len(tables) == n_dec, p  # one table per decision
         _, columns, rows = tables[-1]
-        assert columns[0] == "layer" and columns[-1] == cb.decision_key
-        assert (cb.score_key in columns) == bool(cb.history[-1].get("scores")), p
+        assert columns[0] == "layer" and columns[-1] == cb.traits.decision_key
+        assert (cb.traits.score_key in columns) == bool(cb.history[-1].get("scores")), p
         assert {r[0]: r[-1] for r in rows} == pytest.approx(last), p
-        assert type(cb).esd_plots is spectral, p
-        heatmap = f"{p}/{cb.heatmap[0]}" if cb.heatmap else None
+        assert type(cb).traits.esd_plots is spectral, p
+        heatmap = f"{p}/{cb.traits.heatmap[0]}" if cb.traits.heatmap else None
         drawn = _drawn_at(cb, n_dec)
-        n_maps = len([e for e in drawn if e >= cb.heatmap_min_entries]) if heatmap else 0
+        n_maps = len([e for e in drawn if e >= cb.traits.heatmap_min_entries]) if heatmap else 0
         assert len(run.images.get(heatmap, [])) == n_maps, p  # re-logged at each drawing decision
         esd = run.images.get(f"{p}/esd", [])
         n_esd = len(esd)
@@ -126,7 +126,7 @@ def test_wandb_and_tensorboard_hold_tables_heatmaps_esds_settings_and_summary(fi
         assert globs[f"{p}/*"] == "trainer/global_step" and globs["lr_eff/*"] == "trainer/global_step"
         assert f"{p}/final" in summary, sorted(summary)
         final = summary[f"{p}/final"]
-        assert {k: v[cb.decision_key] for k, v in final.items()} == pytest.approx(last), p
+        assert {k: v[cb.traits.decision_key] for k, v in final.items()} == pytest.approx(last), p
         assert summary[f"{p}/decisions_made"] == n_dec
 
         # ---- TensorBoard
@@ -137,7 +137,7 @@ def test_wandb_and_tensorboard_hold_tables_heatmaps_esds_settings_and_summary(fi
         assert (len(acc.Images(heatmap)) if heatmap in tags["images"] else 0) == n_maps, p
         esd_tags = [t for t in tags["images"] if t.startswith(f"{p}/esd/")]
         assert len(esd_tags) == (_expected_esd_layers(cb) if spectral and drawn else 0), p
-        assert any(t.startswith(f"{p}/{cb.decision_key}/") for t in tags["scalars"]), p
+        assert any(t.startswith(f"{p}/{cb.traits.decision_key}/") for t in tags["scalars"]), p
         assert f"{p}/final/text_summary" in tags["tensors"] and f"{p}/settings/text_summary" in tags["tensors"]
 
         # ---- the report of both runs: the method's section with its table and images

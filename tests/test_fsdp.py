@@ -221,7 +221,7 @@ def _fit(kind, make_cb, model_cls, epochs, ckpt_in=None, ckpt_dir=None, devices=
                          callbacks=[cb, cap, *saves])
     trainer.fit(model, ckpt_path=ckpt_in)
     decision = {"history": [{k: v for k, v in h.items() if k not in ("epoch", "step")} for h in cb.history],
-                "scores": cb.scores, "decision": getattr(cb, cb.decision_attr)}
+                "scores": cb.scores, "decision": getattr(cb, cb.traits.decision_attr)}
     for extra in ("masks", "distances", "regularized_fraction", "sparsity"):
         if hasattr(cb, extra):
             decision[extra] = getattr(cb, extra)

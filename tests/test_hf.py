@@ -326,7 +326,7 @@ def test_methods_that_measure_on_batches_take_a_streamed_train_dataset(tmp_path,
     streamed.train()
     listed, _ = _trainer(tmp_path / "b", [trainer_callback(listed_cb)], steps=1)
     listed.train()
-    attr = listed_cb.decision_attr
+    attr = listed_cb.traits.decision_attr
     assert streamed_cb.history[0][attr] == pytest.approx(listed_cb.history[0][attr])
 
 
@@ -424,7 +424,7 @@ def test_the_first_decision_equals_the_lightning_hosts(tmp_path, name):
     trainer, _ = _trainer(tmp_path, [trainer_callback(cb)], steps=1)
     trainer.train()
     ours = cb.history[0]
-    attr = cb.decision_attr
+    attr = cb.traits.decision_attr
     theirs = _strip(lightning[attr])
     assert set(theirs) == set(ours[attr]), (sorted(theirs), sorted(ours[attr]))
     for k, v in ours[attr].items():

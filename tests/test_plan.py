@@ -93,7 +93,7 @@ def test_plan_is_the_decision_at_fit_start(case):
     assert cb.layers == [] and cb.history == [] and cb.scores == {}, "plan() changed the callback"
 
     decision = _first_decision(cb, model, data)
-    key, score = type(cb).decision_key, type(cb).score_key
+    key, score = type(cb).traits.decision_key, type(cb).traits.score_key
     assert list(plan["layer"]) == list(decision.values)  # the same layers, in model order
     assert dict(zip(plan["layer"], plan[key])) == decision.values  # exactly: the same code on the same weights
     scored = dict(zip(plan["layer"], plan[score]))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import lalr_lightning
 from lalr_lightning.callbacks import LayerwiseCallback, TempBalanceCallback
-from lalr_lightning.callbacks.host import Cadence
+from lalr_lightning.callbacks.host import Cadence, Traits
 from lalr_lightning.core.model.layers import matrix_layers
 from lalr_lightning.core.runtime.decision import Decision
 from tests._toys import ToyMLP, make_trainer
@@ -49,7 +49,7 @@ def test_a_method_module_loads_no_timeline_machinery():
 class _Steps(LayerwiseCallback):
     """A method that decides at each epoch's start and counts the optional steps it defines."""
 
-    log_prefix = "steps"
+    traits = Traits(log_prefix="steps")
     cadence = Cadence(every_n_epochs=1)
 
     def __init__(self, name: str | None = None, strict_resume: bool = True):

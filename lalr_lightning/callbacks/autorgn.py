@@ -58,7 +58,7 @@ from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.batch_loss import batch_loss
 from lalr_lightning.core.model.taps import gradient_taps, preserve_buffers
-from lalr_lightning.core.runtime.checks import check_counts, check_loss_fn, lora_zero
+from lalr_lightning.core.runtime.checks import check_counts, check_finite, check_loss_fn, lora_zero, reject_stray
 from lalr_lightning.core.runtime.shards import (
     all_sum,
     backward_discarded,
@@ -109,13 +109,15 @@ class AutoRGN(LayerSelection):
     when any tensor of the block trains) and ``lr_eff/<tensor>``.
     """
 
-    log_prefix = "surgical"
+    traits = LayerSelection.traits.but(
+        log_prefix="surgical",
+        decision_attr="multipliers",
+        decision_key="multiplier",
+        measures="data",
+        heatmap=None,
+        readable=LayerSelection.traits.readable + ("multipliers",),
+    )
     title = "Auto-RGN"
-    decision_attr = "multipliers"
-    decision_key = "multiplier"
-    measures = "data"
-    heatmap = None
-    readable = LayerSelection.readable + ("multipliers",)
     multipliers = None  # a per-tensor dict here (set in __init__), not the base's 0/1 view
 
     criterion: str = "rgn"
@@ -134,7 +136,7 @@ class AutoRGN(LayerSelection):
         super().validate()
         if self.criterion not in CRITERIA:
             raise unknown("criterion", self.criterion, CRITERIA)
-        self.reject("criterion", self.criterion, {"eb_threshold": self.eb_threshold},
+        reject_stray(type(self).__name__, "criterion", self.criterion, {"eb_threshold": self.eb_threshold},
                     {"rgn": (), "eb": ("eb_threshold",)})
         check_counts({"n_batches": self.n_batches, "every_n_epochs": self.every_n_epochs})
         eb_threshold = 0.95 if self.eb_threshold is None else self.eb_threshold
@@ -149,6 +151,7 @@ class AutoRGN(LayerSelection):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.traits = self.traits.but(score_key=self.criterion)  # its scores are the criterion's
         self.multipliers: dict[str, float] = {}
         self._block_of: dict[str, str] = {}
         self._weights: list[str] = []  # the conv/linear weight tensors (the degeneracy warning counts them)
@@ -156,10 +159,6 @@ class AutoRGN(LayerSelection):
         self._sharded = False  # FSDP: frozen tensors stop requiring grad (apply)
         self._partitioned = False  # ZeRO-3: the weights' norms from the ranks' partitions
         self._theta_norms: list[float] = []
-
-    @property
-    def score_key(self) -> str:
-        return self.criterion
 
     def selected_blocks(self) -> list[str]:
         on = {self._block_of.get(t) for t in self.selected}
@@ -232,7 +231,7 @@ class AutoRGN(LayerSelection):
             return self._sharded_scores(host, module, batch, batch_idx, units, params)
         loss = batch_loss(module, batch, self.loss_fn, batch_idx=batch_idx)
         grads = torch.autograd.grad(loss, params, allow_unused=True)
-        self.check_finite(host, {u.name: g for u, g in zip(units, grads) if g is not None},
+        check_finite(type(self).__name__, host, {u.name: g for u, g in zip(units, grads) if g is not None},
                           f"the gradients measured for {self.criterion}")
         if self._partitioned:  # whole gradients, the weights partitioned: their norms from the measure's start
             stats = {u.name: surgical.gradient_stat(self.criterion, g) for u, g in zip(units, grads) if g is not None}
@@ -251,7 +250,7 @@ class AutoRGN(LayerSelection):
             loss = loss_through_root(host, module,
                                      lambda b: batch_loss(module, b, self.loss_fn, batch_idx=batch_idx), batch)
             backward_discarded(module, loss)
-        self.check_finite(host, {k: v[0] for k, v in got.items()}, f"the gradients measured for {self.criterion}")
+        check_finite(type(self).__name__, host, {k: v[0] for k, v in got.items()}, f"the gradients measured for {self.criterion}")
         norms = [] if self.criterion == "eb" else (  # ||theta|| from the squared norms of the ranks' pieces
             all_sum(torch.stack([local_tensor(p.detach()).double().square().sum() for p in params])).sqrt().tolist())
         return surgical.sharded_scores(self.criterion, got, [u.name for u in units], norms)

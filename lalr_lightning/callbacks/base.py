@@ -41,20 +41,17 @@ import torch
 from torch import nn
 
 from lalr_lightning.callbacks import keys
-from lalr_lightning.callbacks.host import Cadence, Host
+from lalr_lightning.callbacks.host import TRAIT_NAMES, Cadence, Host, Traits
 from lalr_lightning.callbacks.lightning_host import LightningHooks, SpawnHandoff
 from lalr_lightning.core.model.layers import Layer
 from lalr_lightning.core.runtime.checks import (
     DEFAULT_FIGURES,
     FIGURES,
-    DivergenceError,
     SettingsMismatchError,
     check_figures,
     check_settings,
     coerce_fields,
     deprecated_arg,
-    non_finite,
-    reject_stray,
     renamed,
     resolve_deprecated,
     setting_fields,
@@ -92,37 +89,28 @@ class LayerwiseCallback(SpawnHandoff, LightningHooks):
     resumed run needs, and ``__post_init__`` (calling the base's first) makes what they hold.
     """
 
-    log_prefix: ClassVar[str] = "layerwise"
-    #: the attribute holding the per-layer decision (``multipliers``, ``selected``, ``ratios``)
-    decision_attr: ClassVar[str] = "multipliers"
-    #: its per-layer log quantity (``<prefix>/<decision_key>/<layer>``)
-    decision_key: ClassVar[str] = "multiplier"
-    #: the log quantity of ``scores`` (``alpha``, ``rgn``, ``j_hat``, ...)
-    score_key: ClassVar[str] = "score"
-    #: what ``measure`` reads (it runs on every rank): ``"weights"`` (shared out among the ranks
-    #: with :meth:`measure_shards`) or ``"data"`` (each rank its own batches, then reduced)
-    measures: ClassVar[str] = "weights"
-    #: whether ``measure`` needs the model's forward without the loop's autocast (torch.func)
-    plain_forward: ClassVar[bool] = False
-    #: heatmap of the decisions at fit end: (key under the prefix, title, colour-bar label)
-    heatmap: ClassVar[tuple[str, str, str] | None] = None
-    #: the fewest history entries worth a heatmap
-    heatmap_min_entries: ClassVar[int] = 2
-    #: whether it decides per weight matrix from the spectra, so its figures include the ESD
-    #: log-log plot of each matrix (TempBalance, LALR, HT-SR pruning, Spectrum)
-    esd_plots: ClassVar[bool] = False
-    #: whether it changes learning rates (then ``lr_eff/<layer>`` is logged every logging step)
-    logs_lr: ClassVar[bool] = True
-    #: settings that may differ between the run that wrote a checkpoint and the one resuming
-    volatile_settings: ClassVar[tuple[str, ...]] = ()
-    state_version: ClassVar[int] = 1
-    #: at most this many history entries are kept (and checkpointed), the newest
-    history_limit: ClassVar[int] = 1000
-    #: whether it works on parameters still lazy at setup (it reads no weight before training:
-    #: the parameters keep their identity when the first forward shapes them)
-    lazy_ok: ClassVar[bool] = False
-    #: attributes a user reads after ``fit``; brought back to the main process after ddp_spawn
-    readable: ClassVar[tuple[str, ...]] = ("scores", "measurements", "history")
+    #: what the method declares about itself (callbacks.host.Traits: log names, where it
+    #: measures, what it needs of the strategy); a method sets ``traits = Traits(...)``
+    traits: ClassVar[Traits] = Traits()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # a method written against the last release sets the traits as class attributes: fold them
+        # into its ``traits``, once, with a DeprecationWarning (only that; to be removed next release)
+        super().__init_subclass__(**kwargs)
+        old = {n: v for n, v in vars(cls).items() if n in TRAIT_NAMES}
+        if not old:
+            return
+        computed = sorted(n for n, v in old.items() if hasattr(v, "__get__"))
+        if computed:
+            raise TypeError(f"{cls.__name__}: {', '.join(computed)} must be values; set one that depends on the "
+                            f"settings in __post_init__: self.traits = self.traits.but({computed[0]}=...)")
+        for n in old:
+            delattr(cls, n)
+        cls.traits = cls.traits.but(**old)
+        parent = next(b for b in cls.__mro__[1:] if issubclass(b, LayerwiseCallback)).__name__
+        spelled = ", ".join(f"{n}={v!r}" for n, v in old.items())
+        warn_deprecated(f"{cls.__name__}: setting {', '.join(old)} as class attributes is deprecated; declare "
+                        f"traits = {parent}.traits.but({spelled}) (lalr_lightning.callbacks.host.Traits)")
 
     # The settings every method has (keyword-only, after the method's own).
     _: KW_ONLY
@@ -198,17 +186,12 @@ class LayerwiseCallback(SpawnHandoff, LightningHooks):
 
     @property
     def prefix(self) -> str:
-        return self.name or self.log_prefix
+        return self.name or self.traits.log_prefix
 
     def settings(self) -> dict[str, Any]:
         """The settings (the fields but ``name``, ``strict_resume`` and deprecated names; plain
         Python), as stored in checkpoints and logger configs."""
         return settings_of(self, last=("figures",))
-
-    def reject(self, mode_arg: str, mode: str, given: Mapping[str, Any], valid: Mapping[str, Iterable[str]]) -> None:
-        """ValueError for arguments given (not None) that the chosen mode does not use, listing
-        which arguments go with which mode."""
-        reject_stray(type(self).__name__, mode_arg, mode, given, valid)
 
     # ------------------------------------------------------------------ the cycle
     # A method writes ``configure``, ``measure``, ``decide`` and (unless it sets multipliers)
@@ -232,7 +215,7 @@ class LayerwiseCallback(SpawnHandoff, LightningHooks):
         """Hand the current decision to the layer control; may return fields for the history
         entry (what the decision achieved, e.g. the sparsity). The default gives the layers their
         ``multipliers``."""
-        if self.decision_attr != "multipliers":
+        if self.traits.decision_attr != "multipliers":
             raise NotImplementedError
         self.apply_multipliers(host, self.multipliers)
 
@@ -241,7 +224,7 @@ class LayerwiseCallback(SpawnHandoff, LightningHooks):
         ``measurements`` and the values under ``decision_attr``."""
         self.scores = dict(decision.scores)
         self.measurements = {k: dict(v) for k, v in decision.measurements.items()}
-        setattr(self, self.decision_attr, dict(decision.values))
+        setattr(self, self.traits.decision_attr, dict(decision.values))
 
     @property
     def _runner(self) -> Any:
@@ -292,16 +275,6 @@ class LayerwiseCallback(SpawnHandoff, LightningHooks):
     def with_whole_model(self, host: Host, fn: Callable[[nn.Module], Any], frozen: bool = False) -> Any:
         return self._runner.with_whole_model(host, fn, frozen)
 
-    def check_finite(self, host: Host | None, named: Mapping[str, Any], what: str) -> None:
-        """Raise :class:`DivergenceError` naming the entries of ``named`` (a tensor, a list of
-        tensors or a number each) that hold NaN or Inf, and when (``host``: anything with the
-        fit's ``current_epoch`` and ``global_step``; None: not said)."""
-        bad = non_finite(named)
-        if bad:
-            raise DivergenceError(type(self).__name__, what, bad,
-                                  epoch=None if host is None else host.current_epoch,
-                                  step=None if host is None else host.global_step)
-
     # ------------------------------------------------------------------ control
 
     def controls(self, host: Host) -> list:
@@ -343,17 +316,9 @@ class LayerwiseCallback(SpawnHandoff, LightningHooks):
 
         return plan(self, model, LayerwiseCallback)
 
-    #: when it decides (the runner calls ``update`` at each point due, once per point)
+    #: when it decides (the runner calls ``update`` at each point due, once per point); a
+    #: property where it depends on the settings
     cadence: ClassVar[Cadence] = Cadence()
-    #: why the callback cannot work where the strategy shards the weights (FSDP), and what to use
-    #: instead (the host refuses the strategy with it); None: it can
-    fsdp_refusal: ClassVar[str | None] = None
-    #: whether a measurement runs the whole model (``with_whole_model``): under FSDP a skeleton of
-    #: it is kept from before the wrap, filled on rank zero for each measurement
-    needs_whole_model: ClassVar[bool] = False
-    #: whether ``configure`` + ``measure`` + ``decide`` need the model's weights alone (and change
-    #: nothing): then :meth:`plan` gives the decision without a fit
-    decides_from_weights: ClassVar[bool] = False
 
     # ------------------------------------------------------------------ state
 
@@ -365,28 +330,28 @@ class LayerwiseCallback(SpawnHandoff, LightningHooks):
         pass
 
     def state_dict(self) -> dict:
-        decision = getattr(self, self.decision_attr)
-        return {"version": self.state_version, "settings": self.settings(), "history": list(self.history),
+        decision = getattr(self, self.traits.decision_attr)
+        return {"version": self.traits.state_version, "settings": self.settings(), "history": list(self.history),
                 "scores": dict(self.scores), "measurements": {k: dict(v) for k, v in self.measurements.items()},
-                self.decision_attr: list(decision) if isinstance(decision, list) else dict(decision), **self._state()}
+                self.traits.decision_attr: list(decision) if isinstance(decision, list) else dict(decision), **self._state()}
 
     def _restore(self, state_dict: dict) -> None:
         """The checkpoint's state (the runner's ``restore`` calls this where the host brings it)."""
         version = state_dict.get("version")
-        if version is not None and version > self.state_version:
+        if version is not None and version > self.traits.state_version:
             raise SettingsMismatchError(
                 f"{self.state_key}: the checkpoint's state has version {version}, this lalr_lightning reads up "
-                f"to {self.state_version}; upgrade lalr_lightning to resume it"
+                f"to {self.traits.state_version}; upgrade lalr_lightning to resume it"
             )
         saved = state_dict.get("settings")
         if saved is not None and self.strict_resume:  # what is logged only (figures) may change
-            check_settings(self.state_key, saved, self.settings(), self.volatile_settings + ("figures",))
+            check_settings(self.state_key, saved, self.settings(), self.traits.volatile_settings + ("figures",))
         self.history = list(state_dict.get("history", []))
         self.scores = dict(state_dict.get("scores", {}))
         self.measurements = {k: dict(v) for k, v in state_dict.get("measurements", {}).items()}
-        if self.decision_attr in state_dict:
-            saved = state_dict[self.decision_attr]
-            setattr(self, self.decision_attr, list(saved) if isinstance(saved, list) else dict(saved))
+        if self.traits.decision_attr in state_dict:
+            saved = state_dict[self.traits.decision_attr]
+            setattr(self, self.traits.decision_attr, list(saved) if isinstance(saved, list) else dict(saved))
         self._load_state(state_dict)
         self.restored = True
 

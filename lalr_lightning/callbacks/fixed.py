@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, deprecated_arg
-from lalr_lightning.callbacks.host import Host
+from lalr_lightning.callbacks.host import Host, Traits
 from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.blocks import find_layers
 from lalr_lightning.core.model.layers import clean_name
@@ -36,8 +36,10 @@ class LayerLRMultiplier(LayerwiseCallback):
     deprecated (it is the readable result's name).
     """
 
-    log_prefix = "layer_lr"
-    readable = LayerwiseCallback.readable + ("multipliers",)
+    traits = Traits(
+        log_prefix="layer_lr",
+        readable=LayerwiseCallback.traits.readable + ("multipliers",),
+    )
 
     patterns: Mapping[str, float] | None = None
     granularity: str = "matrix"

@@ -7,8 +7,9 @@ answers in the terms below, whatever runs the loop. Lightning's ``Trainer`` is t
 ``Trainer`` through a ``TrainerCallback``) implements the same attributes and drives the same
 timeline events, and no method file changes (docs/design.md, "Hosts").
 
-:class:`Cadence` is when a method decides, declared, not written as hooks; ``say`` and ``warn``
-report once, from rank zero, with no trainer at hand.
+:class:`Cadence` is when a method decides, declared, not written as hooks; :class:`Traits` is what
+else a method declares once (its log names, where it measures, what it needs of the strategy);
+``say`` and ``warn`` report once, from rank zero, with no trainer at hand.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["SHARDINGS", "Cadence", "Host", "rank", "say", "say_or_warn", "warn"]
+__all__ = ["SHARDINGS", "Cadence", "Host", "Traits", "rank", "say", "say_or_warn", "warn"]
 
 #: how the strategy holds the parameters: one process or replicated (``none``, ``ddp``), or in shards
 #: across the ranks (``fsdp1``: FSDP with ``use_orig_params``; ``fsdp2``: ``fully_shard``); DeepSpeed
@@ -91,6 +92,85 @@ class Cadence:
         if n is None:
             return False
         return last is None or now // n != int(last[where]) // n
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What a method declares about itself, once, as the class attribute ``traits``
+    (``traits = Traits(log_prefix="tempbalance", score_key="alpha", esd_plots=True)``); a subclass
+    of a method changes some with ``Parent.traits.but(...)``. A trait that depends on the settings
+    is set per instance in ``__post_init__`` (``self.traits = self.traits.but(...)``)."""
+
+    #: the log prefix (``<prefix>/<quantity>/<layer>``) of an instance without ``name``
+    log_prefix: str = "layerwise"
+    #: the attribute holding the per-layer decision (``multipliers``, ``selected``, ``ratios``)
+    decision_attr: str = "multipliers"
+    #: its per-layer log quantity (``<prefix>/<decision_key>/<layer>``)
+    decision_key: str = "multiplier"
+    #: the log quantity of ``scores`` (``alpha``, ``rgn``, ``j_hat``, ...)
+    score_key: str = "score"
+    #: what ``measure`` reads (it runs on every rank): ``"weights"`` (shared out among the ranks
+    #: with ``measure_shards``) or ``"data"`` (each rank its own batches, then reduced)
+    measures: str = "weights"
+    #: whether ``measure`` needs the model's forward without the loop's autocast (torch.func)
+    plain_forward: bool = False
+    #: heatmap of the decisions at fit end: (key under the prefix, title, colour-bar label)
+    heatmap: tuple[str, str, str] | None = None
+    #: the fewest history entries worth a heatmap
+    heatmap_min_entries: int = 2
+    #: whether it decides per weight matrix from the spectra, so its figures include the ESD
+    #: log-log plot of each matrix (TempBalance, LALR, HT-SR pruning, Spectrum)
+    esd_plots: bool = False
+    #: whether it changes learning rates (then ``lr_eff/<layer>`` is logged every logging step)
+    logs_lr: bool = True
+    #: settings that may differ between the run that wrote a checkpoint and the one resuming
+    volatile_settings: tuple[str, ...] = ()
+    #: the version of its ``state_dict`` (a checkpoint of a newer one is refused)
+    state_version: int = 1
+    #: at most this many history entries are kept (and checkpointed), the newest
+    history_limit: int = 1000
+    #: whether it works on parameters still lazy at setup (it reads no weight before training:
+    #: the parameters keep their identity when the first forward shapes them)
+    lazy_ok: bool = False
+    #: attributes a user reads after ``fit``; brought back to the main process after ddp_spawn
+    readable: tuple[str, ...] = ("scores", "measurements", "history")
+    #: why it cannot work where the strategy shards the weights (FSDP), and what to use instead
+    #: (the host refuses the strategy with it); None: it can
+    fsdp_refusal: str | None = None
+    #: whether a measurement runs the whole model (``with_whole_model``): under FSDP a skeleton of
+    #: it is kept from before the wrap, filled on rank zero for each measurement
+    needs_whole_model: bool = False
+    #: whether ``configure`` + ``measure`` + ``decide`` need the model's weights alone (and change
+    #: nothing): then ``plan()`` gives the decision without a fit
+    decides_from_weights: bool = False
+
+    def __post_init__(self) -> None:
+        if self.measures not in ("weights", "data"):
+            raise ValueError(f"Traits: measures must be 'weights' or 'data', got {self.measures!r}")
+        for name in ("log_prefix", "decision_attr", "decision_key", "score_key"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"Traits: {name} must be a non-empty string, got {getattr(self, name)!r}")
+        if self.heatmap is not None and (not isinstance(self.heatmap, tuple) or len(self.heatmap) != 3):
+            raise ValueError(f"Traits: heatmap must be None or (key, title, colour-bar label), got {self.heatmap!r}")
+        for name in ("volatile_settings", "readable"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"Traits: {name} must be a tuple of attribute names, got {value!r}")
+        for name in ("heatmap_min_entries", "state_version", "history_limit"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Traits: {name} must be an integer >= 1, got {value!r}")
+
+    def but(self, **changes: Any) -> Traits:
+        """These traits with ``changes`` (a subclass's: ``Parent.traits.but(log_prefix="mine")``)."""
+        unknown = sorted(set(changes) - TRAIT_NAMES)
+        if unknown:
+            raise TypeError(f"Traits has no field {', '.join(map(repr, unknown))}; the fields: {', '.join(sorted(TRAIT_NAMES))}")
+        return replace(self, **changes)
+
+
+#: the field names of :class:`Traits` (once, the class attributes every method set)
+TRAIT_NAMES = frozenset(f.name for f in fields(Traits))
 
 
 class Host(ABC):

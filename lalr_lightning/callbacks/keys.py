@@ -35,7 +35,7 @@ def default_settings(cls: type) -> dict:
 def distinct_settings(cb: Any) -> dict:
     """The settings of ``cb`` that set it apart from its class's default instance, less the ones a
     resumed run may change."""
-    return checks.distinct_settings(cb.settings(), default_settings(type(cb)), (*cb.volatile_settings, *_LOGGED))
+    return checks.distinct_settings(cb.settings(), default_settings(type(cb)), (*cb.traits.volatile_settings, *_LOGGED))
 
 
 def state_key(cb: Any) -> str:

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback
-from lalr_lightning.callbacks.host import Cadence, Host, warn
+from lalr_lightning.callbacks.host import Cadence, Host, Traits, warn
+from lalr_lightning.core.runtime.checks import check_finite
 from lalr_lightning.core.spectral import lalr_metrics as lm
 from lalr_lightning.core.spectral.lalr_metrics import DEFAULT_LAYER_TYPES, METRICS
 from lalr_lightning.core.spectral.settings import lalr_layer_checks, lalr_settings
@@ -90,12 +91,14 @@ class LALRScheduleCallback(LayerwiseCallback):
     multipliers goes to image loggers (W&B, TensorBoard).
     """
 
-    log_prefix = "lalr"
-    score_key = "metric"
-    decides_from_weights = True  # plan(model): the decision without a fit
-    heatmap = ("multipliers", "LALR LR multipliers (epoch:phase)", "x scheduled LR")
-    esd_plots = True
-    readable = LayerwiseCallback.readable + ("multipliers", "phase", "metrics")
+    traits = Traits(
+        log_prefix="lalr",
+        score_key="metric",
+        decides_from_weights=True,  # plan(model): the decision without a fit
+        heatmap=("multipliers", "LALR LR multipliers (epoch:phase)", "x scheduled LR"),
+        esd_plots=True,
+        readable=LayerwiseCallback.traits.readable + ("multipliers", "phase", "metrics"),
+    )
 
     phases: Sequence[str] | None = None
     mode: str = "sequential"
@@ -146,7 +149,7 @@ class LALRScheduleCallback(LayerwiseCallback):
         share (whole shape groups, or single layers in histogram mode)."""
 
         def raw(layers):
-            self.check_finite(host, {la.name: la.weight for la in layers}, "the weights")
+            check_finite(type(self).__name__, host, {la.name: la.weight for la in layers}, "the weights")
             return lm.lalr_raw(layers, groups=self.groups, bins=self.bins, hist_range=self.hist_range, eps=self.eps)
 
         measured = self.measure_shards(host, module, self._units, raw)

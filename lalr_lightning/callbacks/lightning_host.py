@@ -17,7 +17,7 @@ import io
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -302,7 +302,7 @@ class LightningHooks(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             runner, host = self._run(trainer, pl_module)
-            check_strategy(host, type(self).__name__, refusal=self.fsdp_refusal)
+            check_strategy(host, type(self).__name__, refusal=self.traits.fsdp_refusal)
             runner.begin(host)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -420,15 +420,12 @@ def _unloaded(value: Any) -> Any:
 
 
 class SpawnHandoff:
-    """A callback whose ``readable`` attributes come back from a ``ddp_spawn`` worker with
+    """A callback whose ``traits.readable`` attributes come back from a ``ddp_spawn`` worker with
     Lightning's own results of that worker: rank zero's worker adds them to the launcher's
     ``extra`` results (``get_extra_results``, after the fit), and the main process puts them back
     on the callback, once, where the launcher recovers those results
     (``update_main_process_results``), before ``fit`` returns (:func:`_carry_readable_back`).
     Nothing happens on an attribute read."""
-
-    #: attributes a user reads after ``fit``; brought back to the main process after ddp_spawn
-    readable: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self) -> None:
         super().__init__()
@@ -437,7 +434,7 @@ class SpawnHandoff:
 
     def _handback_state(self) -> dict:
         """In the worker: the readable state the main process's callback takes back."""
-        return {k: _loadable(getattr(self, k)) for k in self.readable if hasattr(self, k)}
+        return {k: _loadable(getattr(self, k)) for k in self.traits.readable if hasattr(self, k)}
 
     def _take_back(self, state: Mapping[str, Any]) -> None:
         """In the main process: the worker's readable state, in place of this callback's own."""

@@ -27,7 +27,7 @@ from lalr_lightning.callbacks.selection import LayerSelection
 from lalr_lightning.core.model.batch_loss import batch_loss
 from lalr_lightning.core.model.blocks import describe_blocks
 from lalr_lightning.core.model.taps import BlockTaps
-from lalr_lightning.core.runtime.checks import DivergenceError
+from lalr_lightning.core.runtime.checks import DivergenceError, check_finite
 from lalr_lightning.core.runtime.control import LayerControl
 from lalr_lightning.core.runtime.shards import gather_objects, layer_paths, layers_in
 from lalr_lightning.core.selection import msa, msa_settings
@@ -156,14 +156,17 @@ class LMSAStepper(LayerSelection):
     (its Hamiltonian step would run on a whole copy after every optimizer step).
     """
 
-    log_prefix = "lmsa"
+    traits = LayerSelection.traits.but(
+        log_prefix="lmsa",
+        score_key="j_hat",
+        measures="data",
+        logs_lr=True,
+        readable=LayerSelection.traits.readable + ("multipliers",),
+        heatmap_min_entries=1,
+        needs_whole_model=True,  # FSDP: the metric on a whole copy of the model on rank zero (the live taps capture nothing)
+    )
     title = "L-MSA"
-    score_key = "j_hat"
-    measures = "data"
-    logs_lr = True
-    readable = LayerSelection.readable + ("multipliers",)
     switches = True  # requires_grad follows the selection between measurements (save_compute)
-    heatmap_min_entries = 1
 
     select: str = "min"
     num_blocks: int | None = None
@@ -196,6 +199,7 @@ class LMSAStepper(LayerSelection):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.traits = self.traits.but(fsdp_refusal=msa_settings.sharded_refusal(self.update))
         self._measuring = False
         self._measured = 0
         self._acc: dict[str, list[float]] = {}
@@ -208,10 +212,6 @@ class LMSAStepper(LayerSelection):
         self._block_of: dict[int, str] = {}  # id of a block's parameter -> the block
         self._paths: dict[str, tuple] = {}
         self._held_back = False  # FSDP: a new choice frozen for the step of the batch that chose it
-
-    @property
-    def fsdp_refusal(self) -> str | None:
-        return msa_settings.sharded_refusal(self.update)
 
     @property
     def rho_hat(self) -> dict[str, float]:
@@ -240,9 +240,6 @@ class LMSAStepper(LayerSelection):
             warn(note)
         self._block_of = {id(p): b.name for b in self.layers for p in b.params.values()}
         self.taps = BlockTaps(module, self.layers, want_input_costate=self.feasibility > 0, seed=self.seed)
-
-    # FSDP: the metric on a whole copy of the model on rank zero (the live taps capture nothing)
-    needs_whole_model = True
 
     def prepare(self, host: Host) -> None:
         super().prepare(host)
@@ -482,7 +479,7 @@ class LMSAStepper(LayerSelection):
         """Raise :class:`DivergenceError` for the blocks whose co-states held NaN or Inf in a
         Hamiltonian update since the last check (one device-to-host read for all of them)."""
         pending, self._costates = self._costates, []
-        self.check_finite(host, dict.fromkeys(msa.nonfinite_blocks(pending), math.nan),
+        check_finite(type(self).__name__, host, dict.fromkeys(msa.nonfinite_blocks(pending), math.nan),
                           "the co-states (-dL/dx of the block outputs)")
 
     # ------------------------------------------------------------------ state

@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, stop_on_sigterm
-from lalr_lightning.callbacks.host import Host, say_or_warn
+from lalr_lightning.callbacks.host import Host, Traits, say_or_warn
 from lalr_lightning.core.linearization import linearize, ntk, ntk_spectra
 from lalr_lightning.core.linearization.anchor import check_anchor, snapshot
 from lalr_lightning.core.model.probe import probe_inputs
-from lalr_lightning.core.runtime.checks import check_counts, check_number
+from lalr_lightning.core.runtime.checks import check_counts, check_finite, check_number
 from lalr_lightning.core.runtime.placement import follow
 
 __all__ = ["NTKDiagnostics"]
@@ -82,15 +82,18 @@ class NTKDiagnostics(LayerwiseCallback):
     ``<prefix>/kl``, ``<prefix>/lambda_max``, ``<prefix>/lambda_min``.
     """
 
-    log_prefix = "ntk"
-    plain_forward = True  # torch.func Jacobians
-    decision_attr = "etas"
-    decision_key = "eta"
-    score_key = "eta"
-    measures = "data"
-    logs_lr = False
-    heatmap = ("eta", "NTK: eta per layer", "eta")
-    readable = LayerwiseCallback.readable + ("etas", "kappa", "gap", "kl")
+    traits = Traits(
+        log_prefix="ntk",
+        plain_forward=True,  # torch.func Jacobians
+        decision_attr="etas",
+        decision_key="eta",
+        score_key="eta",
+        measures="data",
+        logs_lr=False,
+        heatmap=("eta", "NTK: eta per layer", "eta"),
+        readable=LayerwiseCallback.traits.readable + ("etas", "kappa", "gap", "kl"),
+        needs_whole_model=True,  # under FSDP: measured on the model whole on rank zero
+    )
 
     every_n_epochs: int = 1
     probe_size: int = 16
@@ -115,8 +118,6 @@ class NTKDiagnostics(LayerwiseCallback):
         self._params: dict[str, torch.nn.Parameter] = {}
         self._groups: dict[str, list[str]] = {}
         self._anchor: dict[str, torch.Tensor] | None = None
-
-    needs_whole_model = True  # under FSDP: measured on the model whole on rank zero
 
     def configure(self, host: Host, module: nn.Module) -> None:
         self._params, self._groups = ntk.trainable_groups(module, type(self).__name__)
@@ -168,7 +169,7 @@ class NTKDiagnostics(LayerwiseCallback):
                                         mode=self.kernel, positions=self.positions, outputs=self.outputs,
                                         chosen=self._chosen, max_jacobian_numel=self.max_jacobian_numel,
                                         check=stop_on_sigterm(host))
-        self.check_finite(host, {"K": k.K}, "the NTK on the probe batch")
+        check_finite(type(self).__name__, host, {"K": k.K}, "the NTK on the probe batch")
         sigma = k.ridge(self.sigma)
         eig = torch.linalg.eigvalsh(k.K)
         # theta_0 where the weights are now (Lightning moves the model after the snapshot); under FSDP

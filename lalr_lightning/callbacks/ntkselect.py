@@ -19,7 +19,7 @@ from lalr_lightning.callbacks.host import Cadence, Host, say, say_or_warn
 from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.core.linearization import ntk, ntk_groups, ntk_spectra
 from lalr_lightning.core.model.probe import fixed_batch, forward_order, probe_inputs
-from lalr_lightning.core.runtime.checks import check_counts, check_number
+from lalr_lightning.core.runtime.checks import check_counts, check_finite, check_number
 from lalr_lightning.core.runtime.shards import sharded
 
 __all__ = ["NTKSelect"]
@@ -82,12 +82,14 @@ class NTKSelect(LayerSelection):
     ``<prefix>/selected/<layer>``.
     """
 
-    log_prefix = "ntk_select"
-    plain_forward = True  # torch.func Jacobians
+    traits = LayerSelection.traits.but(
+        log_prefix="ntk_select",
+        plain_forward=True,  # torch.func Jacobians
+        score_key="eta",
+        heatmap_min_entries=1,
+        readable=LayerSelection.traits.readable + ("chosen_eta", "kappa", "head_layer"),
+    )
     title = "NTK"
-    score_key = "eta"
-    heatmap_min_entries = 1
-    readable = LayerSelection.readable + ("chosen_eta", "kappa", "head_layer")
     cadence = Cadence(start=True)  # no probe in setup (no decision then): decided at train start, after the wrap
 
     kappa_max: float = 1e3
@@ -158,7 +160,7 @@ class NTKSelect(LayerSelection):
         params = {n: p.detach() for n, p in self._params.items()}
         k, _ = ntk.sized_ntk(module, x, params, self._groups, say_or_warn, who=type(self).__name__, mode=self.kernel,
                              positions=self.positions, outputs=self.outputs, check=stop_on_sigterm(host))
-        self.check_finite(host, k.S, "the per-layer NTK on the probe batch")
+        check_finite(type(self).__name__, host, k.S, "the per-layer NTK on the probe batch")
         return {"S": {g: s.cpu() for g, s in k.S.items()}, "sigma": k.ridge(self.sigma)}
 
     def decide(self, measured: dict) -> Decision:

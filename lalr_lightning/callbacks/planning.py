@@ -58,7 +58,7 @@ def _planners(root: type) -> list[str]:
     while todo:
         cls = todo.pop(0)
         todo += cls.__subclasses__()
-        if cls.decides_from_weights and cls.__name__ not in out:
+        if cls.traits.decides_from_weights and cls.__name__ not in out:
             out.append(cls.__name__)
     return sorted(out)
 
@@ -79,8 +79,8 @@ def plan(method: Any, model: torch.nn.Module, root: type) -> pd.DataFrame:
     (HTSRPruning's masks) gives the decision alone with ``plan_decision(measured)``.
     """
     who = type(method).__name__
-    if not method.decides_from_weights:
-        how = ("decides from the training data (it measures on batches during the fit)" if method.measures == "data"
+    if not method.traits.decides_from_weights:
+        how = ("decides from the training data (it measures on batches during the fit)" if method.traits.measures == "data"
                else "does not decide from the model's weights alone (it reads data, follows the fit or applies "
                     "its settings)")
         raise ValueError(
@@ -113,11 +113,11 @@ def _plan_frame(method: Any, decision: Decision) -> pd.DataFrame:
     for key, values in (own() if own is not None else {}).items():
         columns[key] = [values.get(n) for n in layers]
     if decision.scores:
-        columns[method.score_key] = [decision.scores.get(n, math.nan) for n in layers]
+        columns[method.traits.score_key] = [decision.scores.get(n, math.nan) for n in layers]
     for quantity, values in decision.measurements.items():
         if quantity not in columns:
             columns[quantity] = [values.get(n, math.nan) for n in layers]
-    columns[method.decision_key] = [decision.values.get(n, math.nan) for n in layers]
+    columns[method.traits.decision_key] = [decision.values.get(n, math.nan) for n in layers]
     frame = pd.DataFrame(columns)
     frame.attrs.update({"callback": type(method).__name__, "summary": dict(decision.summary),
                         "record": dict(decision.record)})

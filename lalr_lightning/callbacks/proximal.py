@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, stop_on_sigterm
-from lalr_lightning.callbacks.host import Host, say
+from lalr_lightning.callbacks.host import Host, Traits, say
 from lalr_lightning.choices import unknown
 from lalr_lightning.core.linearization import proximal
 from lalr_lightning.core.linearization.anchor import check_anchor, check_anchor_arg, load_anchor, snapshot, trainable
@@ -37,7 +37,7 @@ from lalr_lightning.core.linearization.lambda_o import unit_lambda_o
 from lalr_lightning.core.linearization.ntk_groups import group_layers, layer_groups, matching_groups
 from lalr_lightning.core.model.batch_loss import loss_source
 from lalr_lightning.core.model.probe import fixed_batch
-from lalr_lightning.core.runtime.checks import check_counts, check_loss_fn, check_number
+from lalr_lightning.core.runtime.checks import check_counts, check_finite, check_loss_fn, check_number
 from lalr_lightning.core.runtime.control import PostStep
 from lalr_lightning.core.runtime.placement import follow, placed
 from lalr_lightning.core.runtime.shards import ShardLayout, all_sum, local_tensor, shard_layout, sharded
@@ -109,15 +109,17 @@ class ProximalRegularizer(LayerwiseCallback):
     checkpoint: a resumed run continues with the bitwise same ``theta_0``.
     """
 
-    log_prefix = "proximal"
-    plain_forward = True  # torch.func Jacobians
-    decision_attr = "regularized_fraction"
-    decision_key = "regularized_fraction"
-    score_key = "distance"
-    logs_lr = False
-    heatmap = ("regularized_fraction", "proximal: share of steps pulled", "fraction")
-    volatile_settings = ("offload_anchor",)
-    readable = LayerwiseCallback.readable + ("distances", "regularized_fraction", "lambda_o")
+    traits = Traits(
+        log_prefix="proximal",
+        plain_forward=True,  # torch.func Jacobians
+        decision_attr="regularized_fraction",
+        decision_key="regularized_fraction",
+        score_key="distance",
+        logs_lr=False,
+        heatmap=("regularized_fraction", "proximal: share of steps pulled", "fraction"),
+        volatile_settings=("offload_anchor",),
+        readable=LayerwiseCallback.traits.readable + ("distances", "regularized_fraction", "lambda_o"),
+    )
 
     lam: float
     selective: bool = True
@@ -148,6 +150,8 @@ class ProximalRegularizer(LayerwiseCallback):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        # lambda_o through torch.func: under FSDP on rank zero's whole copy
+        self.traits = self.traits.but(needs_whole_model=self.every_n_epochs is not None)
         self.distances: dict[str, float] = {}
         self.regularized_fraction: dict[str, float] = {}
         self.lambda_o = math.nan
@@ -170,10 +174,6 @@ class ProximalRegularizer(LayerwiseCallback):
         self._layout = ShardLayout(torch.nn.Module())
 
     # ------------------------------------------------------------------ setup
-
-    @property
-    def needs_whole_model(self) -> bool:  # lambda_o through torch.func: under FSDP on rank zero's whole copy
-        return self.every_n_epochs is not None
 
     def configure(self, host: Host, module: nn.Module) -> None:
         self._sharded = sharded(host)
@@ -320,7 +320,7 @@ class ProximalRegularizer(LayerwiseCallback):
 
     def measure(self, host: Host, module: nn.Module) -> dict[str, Any]:
         dist, total = self.current_distances()
-        self.check_finite(host, dist, "the distance to the anchor theta_0")
+        check_finite(type(self).__name__, host, dist, "the distance to the anchor theta_0")
         lam_o = math.nan
         if self.every_n_epochs is not None and (host.current_epoch + 1) % self.every_n_epochs == 0:
             lam_o = self.estimate_lambda_o(host, module, self.radius or total)

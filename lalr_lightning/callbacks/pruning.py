@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, deprecated_arg, renamed
-from lalr_lightning.callbacks.host import Cadence, Host, warn
+from lalr_lightning.callbacks.host import Cadence, Host, Traits, warn
 from lalr_lightning.core.model.layers import DEFAULT_KINDS
 from lalr_lightning.core.model.probe import forward_order
 from lalr_lightning.core.pruning import alphapruning as ap
@@ -27,6 +27,7 @@ from lalr_lightning.core.pruning.alphapruning import DIRECTIONS, PRUNING_METRICS
 from lalr_lightning.core.pruning.criteria import CRITERIA, needs_stats
 from lalr_lightning.core.pruning.owl import owl_layer_ratios
 from lalr_lightning.core.pruning.settings import PRESETS, check_when, pruning_settings
+from lalr_lightning.core.runtime.checks import check_finite
 from lalr_lightning.core.runtime.shards import (
     all_sum,
     layer_paths,
@@ -190,17 +191,19 @@ class HTSRPruning(LayerwiseCallback):
     pruning event and at fit end; with ``figures`` set, a heatmap of the per-layer ratios and sparsities.
     """
 
-    log_prefix = "pruning"
-    decision_attr = "ratios"
-    decision_key = "ratio"
-    score_key = "metric"
-    logs_lr = False
-    decides_from_weights = True  # plan(model): the decision without a fit
-    esd_plots = True
-    volatile_settings = ("make_permanent", "calibration")  # a resumed run does not calibrate again
-    readable = LayerwiseCallback.readable + ("ratios", "sparsity", "channels", "masks", "excluded")
-    heatmap = ("ratios", "HT-SR pruning ({self.metric}, {self.direction})", "fraction pruned")
-    heatmap_min_entries = 1
+    traits = Traits(
+        log_prefix="pruning",
+        decision_attr="ratios",
+        decision_key="ratio",
+        score_key="metric",
+        logs_lr=False,
+        decides_from_weights=True,  # plan(model): the decision without a fit
+        esd_plots=True,
+        volatile_settings=("make_permanent", "calibration"),  # a resumed run does not calibrate again
+        readable=LayerwiseCallback.traits.readable + ("ratios", "sparsity", "channels", "masks", "excluded"),
+        heatmap=("ratios", "HT-SR pruning ({self.metric}, {self.direction})", "fraction pruned"),
+        heatmap_min_entries=1,
+    )
 
     metric: str | None = None
     target_sparsity: float | None = None
@@ -238,6 +241,9 @@ class HTSRPruning(LayerwiseCallback):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        # under FSDP, masks from whole layers, run during training
+        self.traits = self.traits.but(needs_whole_model=self.when != "fit_start" and (
+            self.criterion != "magnitude" or bool(self.m) or self.preset == "owl"))
         self.ratios: dict[str, float] = {}
         self.sparsity: dict[str, float] = {}
         self.channels: dict[str, int] = {}
@@ -283,10 +289,6 @@ class HTSRPruning(LayerwiseCallback):
         self._params = {n: p for layer in self.layers for n, p in layer.params.items()}
         # the whole weights' sizes, read here, before any FSDP wrap (then each rank holds a piece)
         self._whole_numel = {la.name: int(getattr(la.weight, "ds_numel", la.weight.numel())) for la in self.layers}
-
-    @property
-    def needs_whole_model(self) -> bool:  # under FSDP, masks from whole layers, run during training
-        return self.when != "fit_start" and (self.criterion != "magnitude" or bool(self.m) or self.preset == "owl")
 
     def prepare(self, host: Host) -> None:
         if self.whole is not None:
@@ -408,7 +410,7 @@ class HTSRPruning(LayerwiseCallback):
             return {}
 
         def metric(layers):
-            self.check_finite(host, {layer.name: layer.weight for layer in layers}, "the weights")
+            check_finite(type(self).__name__, host, {layer.name: layer.weight for layer in layers}, "the weights")
             return {} if fixed else ap.layer_metric(layers, self.metric, fit=self.fit, filter_zeros=self.filter_zeros)
 
         values = self.measure_shards(host, module, [[layer] for layer in self.layers], metric)
@@ -482,7 +484,7 @@ class HTSRPruning(LayerwiseCallback):
         pruned before the next is measured, so this prunes rank zero's weights in place as it
         goes; the other ranks get the masks (and SparseGPT's weights) in the broadcast decision."""
         batches = self._calibration_batches(event, record) if needs_stats(self.criterion) else None
-        self.check_finite(event, {la.name: la.weight for la in layers}, "the weights")
+        check_finite(type(self).__name__, event, {la.name: la.weight for la in layers}, "the weights")
         # blocksize and percdamp: sparsegpt's own (its defaults filled in by the settings), None for the others
         return bc.criterion_prune(module, layers, ratios, self.criterion, batches, n=self.n, m=self.m,
                                   blocksize=self.blocksize, percdamp=self.percdamp,
@@ -493,7 +495,7 @@ class HTSRPruning(LayerwiseCallback):
         """OWL's ratio and block outlier share ``D`` of every pruned layer (``prune --preset owl``'s
         :func:`~lalr_lightning.core.pruning.owl.owl_layer_ratios`), from the calibration batches the
         masks then use too."""
-        self.check_finite(event, {la.name: la.weight for la in layers}, "the weights")
+        check_finite(type(self).__name__, event, {la.name: la.weight for la in layers}, "the weights")
         return owl_layer_ratios(module, layers, self._calibration_batches(event, record), self.target_sparsity,
                                 self.owl_m, self.owl_lambda, who="HTSRPruning(preset='owl')")
 
@@ -562,7 +564,7 @@ class HTSRPruning(LayerwiseCallback):
     def _sparsity_metrics(self) -> dict[str, float]:  # <prefix>/{ratio,sparsity,metric}/<layer>, overall_sparsity
         return Decision(values=self.ratios, scores=self.scores, measurements={"sparsity": self.sparsity},
                         summary={"overall_sparsity": self.overall_sparsity()}).metrics(
-            self.prefix, self.score_key, self.decision_key)
+            self.prefix, self.traits.score_key, self.traits.decision_key)
 
     def log_decision(self, host: Host, decision: Decision, achieved) -> None:
         self.log_values(host, self._sparsity_metrics())

@@ -82,7 +82,7 @@ class Runner:
         """Measure (every rank: a share of the weights each, or its data), decide on rank zero,
         broadcast, record, apply, log: one decision."""
         m = self.method
-        if not m.plain_forward:
+        if not m.traits.plain_forward:
             return m.conclude(host, m.measure(host, module))
         with host.plain_forward():
             measured = m.measure(host, module)
@@ -101,7 +101,7 @@ class Runner:
         m = self.method
         m.receive(decision)
         achieved = m.apply(host) or {}
-        entry = {"epoch": host.current_epoch, "step": host.global_step, m.decision_attr: dict(decision.values)}
+        entry = {"epoch": host.current_epoch, "step": host.global_step, m.traits.decision_attr: dict(decision.values)}
         if decision.scores:
             entry["scores"] = dict(decision.scores)
         entry.update(decision.record)
@@ -111,14 +111,14 @@ class Runner:
         if own is not None:
             own(host, decision, achieved)
         else:
-            self.log_values(host, decision.metrics(m.prefix, m.score_key, m.decision_key))
+            self.log_values(host, decision.metrics(m.prefix, m.traits.score_key, m.traits.decision_key))
         host.publish(m, "decision", decision)
 
     def record(self, entry: dict) -> None:
         history = self.method.history
         history.append(entry)
-        if len(history) > self.method.history_limit:
-            del history[: len(history) - self.method.history_limit]
+        if len(history) > self.method.traits.history_limit:
+            del history[: len(history) - self.method.traits.history_limit]
 
     def measure_shards(self, host: Host, module: nn.Module, units: list[list[Layer]], fn) -> dict:
         return shards.measure_shards(host, module, units, fn, self.sizes, self.method.weight_of)
@@ -173,7 +173,7 @@ class Runner:
         used = {id(p) for la in m.layers for p in la.params.values()}
         used |= {id(p) for p in held.values()} if isinstance(held, dict) else set()
         mine = {n: t for n, t in lazy.items() if id(module.get_parameter(n)) in used}
-        if mine and not m.lazy_ok:
+        if mine and not m.traits.lazy_ok:
             raise lazy_error(type(m).__name__, mine)
 
     def begin(self, host: Host) -> None:
@@ -190,7 +190,7 @@ class Runner:
         # FSDP2 puts new parameters in place of these: everything held follows them after the wrap
         self.names_before_wrap = parameter_names(host.module) if host.sharding == "fsdp2" else None
         self.whole_copy = shards.WholeCopy(host.module, type(m).__name__) \
-            if m.needs_whole_model and host.sharded else None
+            if m.traits.needs_whole_model and host.sharded else None
         self._lazy_guarded(host.module, lambda: self.step("prepare", host))  # a static selection freezes here
         host.publish(m, "start")  # settings into the run config, W&B's step axis
 
@@ -260,7 +260,7 @@ class Runner:
         if self._due(host, "step"):
             self.method.update(host, host.module)
         self.step("each_batch", host, batch)
-        if self.method.logs_lr:
+        if self.method.traits.logs_lr:
             self.log_effective_lrs(host)
 
     def after_backward(self, host: Host) -> None:

@@ -28,7 +28,7 @@ from lalr_lightning.callbacks.selection import LayerSelection, register_mode
 from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.blocks import describe_blocks, output_layer, suggest_blocks
 from lalr_lightning.core.model.probe import forward_order
-from lalr_lightning.core.runtime.checks import check_counts
+from lalr_lightning.core.runtime.checks import check_counts, reject_stray
 from lalr_lightning.core.runtime.decision import history_table
 from lalr_lightning.core.selection.surgical import LIFT_ORDERS, lisa_warnings, scheduled_blocks
 
@@ -83,7 +83,9 @@ class BlockSchedule(LayerSelection):
     ``<prefix>/selection`` at fit end.
     """
 
-    log_prefix = "surgical"
+    traits = LayerSelection.traits.but(
+        log_prefix="surgical",
+    )
     switches = True
 
     schedule: str = "lift"
@@ -105,7 +107,7 @@ class BlockSchedule(LayerSelection):
         if self.join_stem is None:  # LISA trains its stem always, apart from the blocks
             self.join_stem = self.schedule != "lisa"
         super().validate()
-        self.reject("schedule", self.schedule, {"order": self.order, "gamma": self.gamma},
+        reject_stray(type(self).__name__, "schedule", self.schedule, {"order": self.order, "gamma": self.gamma},
                     {"lift": ("order",), "lisa": ("gamma",)})
         self.every_n_steps = 20 if self.every_n_steps is None else self.every_n_steps
         self.order = "front_to_end" if self.order is None else self.order
@@ -167,7 +169,7 @@ class BlockSchedule(LayerSelection):
         return [str(h["step"]) for h in self.history]
 
     def heatmap_values(self):
-        names, values = history_table(self.history, self.decision_attr)
+        names, values = history_table(self.history, self.traits.decision_attr)
         return names, values[:, -200:]  # a readable width; the full history is in state_dict
 
     # ------------------------------------------------------------------ state

@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, renamed
-from lalr_lightning.callbacks.host import Host, say
+from lalr_lightning.callbacks.host import Host, Traits, say
 from lalr_lightning.callbacks.lightning_host import LightningHooks
 from lalr_lightning.callbacks.summary import selection_counts, selection_summary
 from lalr_lightning.choices import unknown
@@ -73,11 +73,13 @@ class LayerSelection(LayerwiseCallback):
     units) in ``setup`` -- :meth:`find_blocks` for blocks -- and decide ``values`` of 1.0
     (trains) / 0.0 (frozen) per unit."""
 
-    decision_attr = "selected"
-    decision_key = "selected"
-    heatmap = ("selection", "{self.title} selection", "selected")
-    readable = LayerwiseCallback.readable + ("selected",)
-    volatile_settings = ("norm_eval", "save_compute", "optimizer_state")
+    traits = Traits(
+        decision_attr="selected",
+        decision_key="selected",
+        heatmap=("selection", "{self.title} selection", "selected"),
+        readable=LayerwiseCallback.traits.readable + ("selected",),
+        volatile_settings=("norm_eval", "save_compute", "optimizer_state"),
+    )
     title: ClassVar[str] = "layer"
 
     # The settings a selection may take; each subclass declares as fields the ones it takes (in

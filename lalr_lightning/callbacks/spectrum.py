@@ -19,6 +19,7 @@ from lalr_lightning.choices import unknown
 from lalr_lightning.core.model.blocks import output_layer
 from lalr_lightning.core.model.layers import MATRIX_KINDS, check_kinds, matrix_layers
 from lalr_lightning.core.model.probe import forward_order
+from lalr_lightning.core.runtime.checks import check_finite
 from lalr_lightning.core.spectral import spectrum_snr
 
 __all__ = ["SpectrumSelect"]
@@ -75,12 +76,14 @@ class SpectrumSelect(LayerSelection):
     ``<prefix>/selected/<matrix>``.
     """
 
-    log_prefix = "spectrum"
-    esd_plots = True
+    traits = LayerSelection.traits.but(
+        log_prefix="spectrum",
+        esd_plots=True,
+        score_key="snr",
+        decides_from_weights=True,  # plan(model): the decision without a fit
+        readable=LayerSelection.traits.readable + ("module_types", "grouping_summary"),
+    )
     title = "Spectrum"
-    score_key = "snr"
-    decides_from_weights = True  # plan(model): the decision without a fit
-    readable = LayerSelection.readable + ("module_types", "grouping_summary")
 
     top_percent: float = 50.0
     types: Mapping[str, str] | None = None
@@ -136,7 +139,7 @@ class SpectrumSelect(LayerSelection):
         ranked = [[la] for la in self.layers if la.name not in self._always]
 
         def snr(layers):
-            self.check_finite(host, {la.name: la.weight for la in layers}, "the weights")
+            check_finite(type(self).__name__, host, {la.name: la.weight for la in layers}, "the weights")
             return spectrum_snr.snr_of(layers)
 
         return self.measure_shards(host, module, ranked, snr) if ranked else {}

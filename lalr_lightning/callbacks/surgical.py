@@ -53,10 +53,12 @@ class SurgicalBlocks(LayerSelection):
     Readable: ``selected`` (block names), ``multipliers`` (block -> 1.0 / 0.0), ``block_names``.
     """
 
-    log_prefix = "surgical"
+    traits = LayerSelection.traits.but(
+        log_prefix="surgical",
+        logs_lr=True,
+        lazy_ok=True,  # it freezes blocks by name and measures nothing: a lazy layer is shaped by the first step
+    )
     title = "surgical"
-    logs_lr = True
-    lazy_ok = True  # it freezes blocks by name and measures nothing: a lazy layer is shaped by the first step
 
     select: str | int | Sequence[str | int] = "first"
     blocks: Sequence[str | Sequence[str]] | None = None

@@ -16,8 +16,9 @@ import numpy as np
 from torch import nn
 
 from lalr_lightning.callbacks.base import Decision, LayerwiseCallback, deprecated_arg, renamed
-from lalr_lightning.callbacks.host import Cadence, Host, warn
+from lalr_lightning.callbacks.host import Cadence, Host, Traits, warn
 from lalr_lightning.core.model.layers import DEFAULT_KINDS
+from lalr_lightning.core.runtime.checks import check_finite
 from lalr_lightning.core.spectral import tempbalance as core
 from lalr_lightning.core.spectral.settings import tempbalance_settings
 from lalr_lightning.core.spectral.tempbalance import ASSIGN, assign_multipliers
@@ -86,12 +87,14 @@ class TempBalanceCallback(LayerwiseCallback):
     a layers x updates heatmap and the ESD plots (docs/dashboards.md).
     """
 
-    log_prefix = "tempbalance"
-    score_key = "alpha"
-    decides_from_weights = True  # plan(model): the decision without a fit
-    heatmap = ("multipliers", "TempBalance LR multipliers", "x scheduled LR")
-    esd_plots = True
-    readable = LayerwiseCallback.readable + ("multipliers", "excluded")
+    traits = Traits(
+        log_prefix="tempbalance",
+        score_key="alpha",
+        decides_from_weights=True,  # plan(model): the decision without a fit
+        heatmap=("multipliers", "TempBalance LR multipliers", "x scheduled LR"),
+        esd_plots=True,
+        readable=LayerwiseCallback.traits.readable + ("multipliers", "excluded"),
+    )
 
     assign: str = "linear_map"
     fit: str = "median"
@@ -149,7 +152,7 @@ class TempBalanceCallback(LayerwiseCallback):
         else 1.0) from the current weights, each rank fitting a share of the layers."""
 
         def fit(layers):
-            self.check_finite(host, {layer.name: layer.weight for layer in layers}, "the weights")
+            check_finite(type(self).__name__, host, {layer.name: layer.weight for layer in layers}, "the weights")
             return core.fit_alphas(layers, self.fit, self.filter_zeros)  # degenerate layers: an error below, with why
 
         alphas = core.finite_alphas(self.measure_shards(host, module, [[layer] for layer in self.layers], fit),

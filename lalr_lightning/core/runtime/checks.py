@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ArgumentTypeError", "DEFAULT_FIGURES", "DivergenceError", "FIGURES", "IDENTITY", "SettingsMismatchError", "check_counts", "check_figures", "check_loss_fn", "check_min_evals", "check_number", "check_settings", "check_taken", "coerce", "coerce_fields", "default_settings", "deprecated_arg", "deprecated_names", "distinct_settings", "lazy_error", "lazy_parameters", "lora_zero", "non_finite", "orphaned_masks", "plain_setting", "reject_stray", "renamed", "resolve_deprecated", "setting_fields", "settings_of", "uninitialized", "union_signature", "warn_deprecated"]
+__all__ = ["ArgumentTypeError", "DEFAULT_FIGURES", "DivergenceError", "FIGURES", "IDENTITY", "SettingsMismatchError", "check_counts", "check_figures", "check_finite", "check_loss_fn", "check_min_evals", "check_number", "check_settings", "check_taken", "coerce", "coerce_fields", "default_settings", "deprecated_arg", "deprecated_names", "distinct_settings", "lazy_error", "lazy_parameters", "lora_zero", "non_finite", "orphaned_masks", "plain_setting", "reject_stray", "renamed", "resolve_deprecated", "setting_fields", "settings_of", "uninitialized", "union_signature", "warn_deprecated"]
 
 _NUMBERS = {int: "an integer", float: "a number"}
 
@@ -419,6 +419,16 @@ class DivergenceError(FloatingPointError, ValueError, RuntimeError):
 
 def _rebuild(who, what, layers, value, epoch, step, hint) -> DivergenceError:
     return DivergenceError(who, what, layers, value=value, epoch=epoch, step=step, hint=hint)
+
+
+def check_finite(who: str, when: Any, named: Mapping[str, Any], what: str) -> None:
+    """Raise :class:`DivergenceError` for ``who`` naming the entries of ``named`` (a tensor, a list
+    of tensors or a number each) that hold NaN or Inf, and when (``when``: anything with the fit's
+    ``current_epoch`` and ``global_step``, as a host; None: not said)."""
+    bad = non_finite(named)
+    if bad:
+        raise DivergenceError(who, what, bad, epoch=None if when is None else when.current_epoch,
+                              step=None if when is None else when.global_step)
 
 
 def reject_stray(who: str, mode_arg: str, mode: Any, given: Mapping[str, Any],
