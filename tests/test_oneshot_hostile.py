@@ -440,7 +440,7 @@ def test_ctrl_c_half_way_leaves_no_out_and_the_rerun_works(files, tmp_path, caps
 
 @pytest.mark.xfail(strict=False, reason="open defect, stop 46: the SIGINT is not seen by the child on this "
                    "machine this session (exit 0, prune finished; failed 3 of 3 runs, also on fb0b5de); "
-                   "under investigation, see CHANGELOG")
+                   "under investigation, see the stop 46 note")
 def test_sigint_to_a_running_prune_leaves_no_out(files, tmp_path):
     """Row 7 with a real signal: SIGINT to a prune process that holds --out."""
     root, models = files
